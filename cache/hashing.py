@@ -47,6 +47,12 @@ def block_hashes(tokens: Sequence[int], block_size: int, salt: str | bytes | Non
     ``len(result) == len(tokens) // block_size``; ``result[i]`` depends on every
     token in blocks ``0..i`` and on ``salt``. Cost O(len(tokens)).
     """
+    return continue_block_hashes(salt_seed(salt), tokens, block_size)
+
+
+def continue_block_hashes(parent_hash: int, tokens: Sequence[int], block_size: int) -> list[int]:
+    """:func:`block_hashes` of ``tokens`` continuing a chain whose last value is
+    ``parent_hash`` (``salt_seed(salt)`` starts a chain)."""
     if type(block_size) is not int or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     check_tokens(tokens)
@@ -59,7 +65,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, salt: str | bytes | Non
         raise ValueError(f"token id out of the int64 range: {error}") from None
     stride = block_size * 8
     hashes: list[int] = []
-    parent = salt_seed(salt)
+    parent = parent_hash
     for start in range(0, len(packed), stride):
         parent = xxhash.xxh3_64_intdigest(_U64.pack(parent) + packed[start : start + stride])
         hashes.append(parent)
