@@ -1,0 +1,56 @@
+"""``serve run deploy/config.yaml`` builds the application here.
+
+Ingress (FastAPI) → Worker handle whose request router is chosen by the
+config (ours: ``router/serve.py``) → Worker replicas, each with an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deploy.frontend import Frontend
+from deploy.http_app import build_http_app
+from deploy.settings import AppConfig
+from worker import EngineConfig
+from worker.model import load_tokenizer, model_info
+from worker.replica import Worker
+from worker.stats_board import get_board
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=1024)
+@serve.ingress()
+class Ingress:
+    def __init__(self, worker_handle, config: AppConfig) -> None:
+        self._app_name = serve.get_replica_context().app_name
+        self._stats_max_age_s = 3 * config.stats_period_s + 2
+        info = model_info(config.model, config.engine)
+        self._frontend = Frontend(config, worker_handle, load_tokenizer(config.model), info)
+
+    def __serve_build_asgi_app__(self):
+        return build_http_app(self._frontend, self._read_replica_stats)
+
+    async def _read_replica_stats(self) -> dict[str, dict]:
+        board = get_board(self._app_name, create=False)
+        if board is None:
+            return {}
+        return await board.get_all.remote(self._stats_max_age_s)
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The Serve application for ``args`` (the config file's ``args`` block)."""
+    config = AppConfig.from_args(args)
+    engine_config = EngineConfig(model=config.model, **config.engine)
+    router_kwargs = dict(config.router_kwargs)
+    if config.router == "kvroute":
+        router_kwargs.setdefault("block_size", config.router_block_size)
+    worker = Worker.options(
+        request_router_config=RequestRouterConfig(
+            request_router_class=config.router_class_path,
+            request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=config.routing_stats_period_s,
+        ),
+    ).bind(engine_config, config.router_block_size, config.stats_period_s)
+    return Ingress.bind(worker, config)

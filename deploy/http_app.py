@@ -1,0 +1,197 @@
+"""The HTTP surface (FastAPI): routes, auth, body limits, error bodies.
+
+Routes format requests and responses; the work is in :class:`Frontend` and
+:class:`OpenAIRoutes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deploy.errors import APIError, error_body, install_error_handlers
+from deploy.frontend import Frontend
+from deploy.openai_api import OpenAIRoutes
+from deploy.protocol import ChatCompletionRequest, CompletionRequest, GenerateBatchRequest, GenerateRequest
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._reject(send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        response = JSONResponse(
+            error_body(413, f"request body is larger than {self.max_bytes} bytes"), status_code=413
+        )
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
+    """``read_replica_stats``: async () -> {replica_id: stats} (the stats board)."""
+    config = frontend.config
+    openai = OpenAIRoutes(frontend)
+    app = FastAPI(title="kvroute", version="0.1.0")
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes)
+
+    def authorize(authorization: str | None = Header(default=None)) -> None:
+        if not config.api_keys:
+            return
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        if not any(hmac.compare_digest(token, key) for key in config.api_keys):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        frontend.metrics.requests.labels(route=request.url.path, status=str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvroute", "max_model_len": frontend.max_model_len}
+        ]}
+
+    @app.post("/generate", dependencies=auth)
+    async def generate(body: GenerateRequest, x_cache_salt: str | None = Header(default=None)):
+        token_ids = frontend.check_prompt(body.prompt_token_ids, body.max_new_tokens, param="prompt_token_ids")
+        params = _token_params(frontend, body)
+        request = frontend.make_request(token_ids, params, body.cache_salt or x_cache_salt)
+        if body.stream:
+            return StreamingResponse(_token_events(frontend, request), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _generate_output(await frontend.run(request), body.logprobs)
+
+    @app.post("/generate_batch", dependencies=auth)
+    async def generate_batch(body: GenerateBatchRequest, x_cache_salt: str | None = Header(default=None)) -> dict:
+        if len(body.prompts) > config.limits.max_batch_prompts:
+            raise APIError(400, f"{len(body.prompts)} prompts is over the limit of {config.limits.max_batch_prompts}", param="prompts")
+        params = _token_params(frontend, body)
+        items = []
+        for index, prompt in enumerate(body.prompts):
+            try:
+                token_ids = frontend.check_prompt(prompt, body.max_new_tokens, param=f"prompts[{index}]")
+                items.append(frontend.make_request(token_ids, params, body.cache_salt or x_cache_salt))
+            except APIError as error:
+                items.append(error)
+        outputs = await frontend.run_batch(items)
+        return {"outputs": [o if "error" in o else _generate_output(o, body.logprobs) for o in outputs]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(default=None)):
+        pairs = openai.completion_requests(body, x_cache_salt)
+        with_logprobs = body.logprobs is not None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(openai.sse(pairs, False, include_usage, with_logprobs), media_type="text/event-stream", headers=_SSE_HEADERS)
+        states = await openai.collect(pairs)
+        return openai.completion_body(states, pairs, int(time.time()), f"cmpl-{uuid.uuid4().hex}", with_logprobs)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, x_cache_salt: str | None = Header(default=None)):
+        pairs = openai.chat_requests(body, x_cache_salt)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(openai.sse(pairs, True, include_usage, body.logprobs), media_type="text/event-stream", headers=_SSE_HEADERS)
+        states = await openai.collect(pairs)
+        return openai.chat_body(states, pairs, int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", body.logprobs)
+
+    @app.get("/stats", dependencies=auth)
+    async def stats() -> dict:
+        replicas = await read_replica_stats()
+        totals = {}
+        for replica_stats in replicas.values():
+            for key in ("hits", "misses", "tokens_saved", "prefill_tokens", "cached_tokens", "decode_tokens"):
+                totals[key] = totals.get(key, 0) + replica_stats.get(key, 0)
+        lookups = totals.get("hits", 0) + totals.get("misses", 0)
+        totals["hit_rate"] = totals.get("hits", 0) / lookups if lookups else 0.0
+        return {"model": config.model_name, "router": config.router, "replicas": replicas, "totals": totals}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        replicas = await read_replica_stats()
+        return Response(frontend.metrics.render(replicas), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _token_params(frontend: Frontend, body):
+    return frontend.sampling(
+        max_new_tokens=body.max_new_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop_token_ids=frontend.check_stop_token_ids(body.stop_token_ids),
+        logprobs=body.logprobs,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def _generate_output(result: dict, with_logprobs: bool) -> dict:
+    output = {
+        "token_ids": list(result["token_ids"]),
+        "replica_id": result["replica_id"],
+        "cached_tokens": result["cached_tokens"],
+        "prompt_tokens": result["prompt_tokens"],
+        "finish_reason": result["finish_reason"],
+    }
+    if with_logprobs:
+        output["logprobs"] = result.get("logprobs")
+    return output
+
+
+async def _token_events(frontend: Frontend, request):
+    """SSE for ``/generate`` with ``stream: true``: one event per token, then the summary."""
+    import json
+
+    try:
+        async for event in frontend.stream(request):
+            yield f"data: {json.dumps(event)}\n\n"
+    except APIError as error:
+        yield error.sse_event()
+    except asyncio.CancelledError:
+        raise
+    yield "data: [DONE]\n\n"

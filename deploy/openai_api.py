@@ -1,0 +1,288 @@
+"""The OpenAI-compatible routes' logic: ``/v1/completions`` and
+``/v1/chat/completions``, whole or streamed as server-sent events.
+
+Each (prompt, choice) pair is one worker request. Choices run concurrently;
+prompts that share a prefix land on the same replica through the router, so
+``n > 1`` computes the prompt once. Stop strings are matched on the decoded
+text and end the worker request as soon as they appear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deploy.errors import APIError
+from deploy.frontend import Frontend
+from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.textstream import TextStream
+from worker.messages import WorkerRequest
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's progress: what was generated and how it ended."""
+
+    index: int
+    prompt_tokens: int
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None = None
+
+
+class OpenAIRoutes:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.tokenizer = frontend.tokenizer
+
+    # ----------------------------------------------------------- preparation
+    def _check_model(self, model: str) -> None:
+        if model != self.frontend.config.model_name:
+            raise APIError(
+                404, f"model {model!r} does not exist; this server serves {self.frontend.config.model_name!r}",
+                code="model_not_found", param="model",
+            )
+
+    def _check_unsupported(self, body) -> None:
+        for name in body.unsupported_fields():
+            if (body.model_extra or {}).get(name) is not None:
+                raise APIError(400, f"parameter {name!r} is not supported", param=name)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as error:
+            raise APIError(400, str(error), param="messages") from None
+        if getattr(self.tokenizer, "chat_template", None):
+            token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(token_ids, dict) or hasattr(token_ids, "keys"):
+                token_ids = token_ids["input_ids"]
+            return list(token_ids)
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        return self._encode(text)
+
+    def _requests(self, prompts: list[list[int]], body, max_tokens: int) -> list[tuple[WorkerRequest, ChoiceState]]:
+        fe = self.frontend
+        if body.n > fe.config.limits.max_n:
+            raise APIError(400, f"n={body.n} is over the limit of {fe.config.limits.max_n}", param="n")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4:
+            raise APIError(400, "at most 4 stop strings are allowed", param="stop")
+        salt = body.cache_salt
+        pairs = []
+        for prompt_index, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{prompt_index}]"
+            token_ids = fe.check_prompt(prompt, max_tokens, param=param if isinstance(body, CompletionRequest) else "messages")
+            for choice in range(body.n):
+                params = fe.sampling(
+                    max_new_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=max(body.top_k, 0),
+                    seed=None if body.seed is None else body.seed + choice,
+                    logprobs=True,
+                )
+                state = ChoiceState(len(pairs), len(token_ids), TextStream(self.tokenizer.decode, stop))
+                pairs.append((fe.make_request(token_ids, params, salt), state))
+        return pairs
+
+    def completion_requests(self, body: CompletionRequest, salt_header: str | None):
+        self._check_model(body.model)
+        self._check_unsupported(body)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [self._encode(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [self._encode(p) for p in prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [list(p) for p in prompt]
+        if len(prompts) * body.n > self.frontend.config.limits.max_batch_prompts:
+            raise APIError(400, "too many prompts × choices in one request", param="prompt")
+        body = body.model_copy(update={"cache_salt": body.cache_salt or salt_header})
+        return self._requests(prompts, body, body.max_tokens or 16)
+
+    def chat_requests(self, body: ChatCompletionRequest, salt_header: str | None):
+        self._check_model(body.model)
+        self._check_unsupported(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.frontend.config.limits.max_new_tokens
+        prompt = self._chat_prompt(body)
+        max_tokens = min(max_tokens, max(1, self.frontend.max_model_len - len(prompt)))
+        body = body.model_copy(update={"cache_salt": body.cache_salt or salt_header})
+        return self._requests([prompt], body, max_tokens)
+
+    # -------------------------------------------------------------- running
+    async def _run_choice(self, request: WorkerRequest, state: ChoiceState, incremental: bool) -> AsyncIterator[Delta]:
+        """Deltas of one choice; the last one has ``finish_reason``."""
+        fe = self.frontend
+        if not incremental and not state.text._stop:
+            result = await fe.run(request)
+            for token_id in result["token_ids"]:
+                state.text.push(token_id)
+            state.token_ids, state.logprobs = list(result["token_ids"]), list(result.get("logprobs") or [])
+            state.cached_tokens = result.get("cached_tokens", 0)
+            state.text.finish()
+            state.finish_reason = result["finish_reason"]
+            yield Delta(state.index, state.text.text, tuple(state.token_ids), tuple(state.logprobs), state.finish_reason)
+            return
+        stream = fe.stream(request)
+        try:
+            async for event in stream:
+                if event.get("done"):
+                    state.cached_tokens = event.get("cached_tokens", 0)
+                    tail = state.text.finish()
+                    state.finish_reason = "stop" if state.text.stopped else event["finish_reason"]
+                    yield Delta(state.index, tail, (), (), state.finish_reason)
+                    return
+                token_id, logprob = event["token_id"], event.get("logprob")
+                state.token_ids.append(token_id)
+                state.logprobs.append(logprob)
+                text = state.text.push(token_id)
+                if state.text.stopped:
+                    state.finish_reason = "stop"
+                    yield Delta(state.index, text, (token_id,), (logprob,), "stop")
+                    return
+                if text or not incremental:
+                    yield Delta(state.index, text, (token_id,), (logprob,))
+        finally:
+            await stream.aclose()
+
+    async def _merged(self, pairs, incremental: bool) -> AsyncIterator[Delta]:
+        """Every choice's deltas as they come (choices run concurrently)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(request, state):
+            try:
+                async for delta in self._run_choice(request, state, incremental):
+                    await queue.put(delta)
+            except BaseException as error:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put(error)
+            finally:
+                await queue.put(done)
+
+        tasks = [asyncio.ensure_future(pump(r, s)) for r, s in pairs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, pairs, incremental: bool = False) -> list[ChoiceState]:
+        async for _ in self._merged(pairs, incremental):
+            pass
+        return [state for _, state in pairs]
+
+    # ------------------------------------------------------------ responses
+    def usage(self, states: list[ChoiceState], pairs) -> dict:
+        prompt_tokens = sum({id(r.prompt_token_ids): r.num_prompt_tokens for r, _ in pairs}.values())
+        completion_tokens = sum(len(s.token_ids) for s in states)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
+        }
+
+    def completion_body(self, states, pairs, created: int, completion_id: str, with_logprobs: bool) -> dict:
+        choices = []
+        for state in states:
+            logprobs = None
+            if with_logprobs:
+                logprobs = {
+                    "tokens": [self.tokenizer.decode([t]) for t in state.token_ids],
+                    "token_logprobs": state.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
+            choices.append({"index": state.index, "text": state.text.text, "logprobs": logprobs, "finish_reason": state.finish_reason})
+        return {
+            "id": completion_id, "object": "text_completion", "created": created,
+            "model": self.frontend.config.model_name, "choices": choices, "usage": self.usage(states, pairs),
+        }
+
+    def chat_body(self, states, pairs, created: int, completion_id: str, with_logprobs: bool) -> dict:
+        choices = []
+        for state in states:
+            logprobs = None
+            if with_logprobs:
+                logprobs = {"content": [
+                    {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(state.token_ids, state.logprobs)
+                ]}
+            choices.append({
+                "index": state.index, "message": {"role": "assistant", "content": state.text.text},
+                "logprobs": logprobs, "finish_reason": state.finish_reason,
+            })
+        return {
+            "id": completion_id, "object": "chat.completion", "created": created,
+            "model": self.frontend.config.model_name, "choices": choices, "usage": self.usage(states, pairs),
+        }
+
+    async def sse(self, pairs, chat: bool, include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+        """Server-sent events for a streamed completion, ending with ``[DONE]``."""
+        created, completion_id = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        base = {"id": completion_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.frontend.config.model_name}
+        try:
+            if chat:
+                for _, state in pairs:
+                    yield _event({**base, "choices": [
+                        {"index": state.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    ]})
+            async for delta in self._merged(pairs, incremental=True):
+                if chat:
+                    choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": None, "finish_reason": delta.finish_reason}
+                    if with_logprobs and delta.token_ids:
+                        choice["logprobs"] = {"content": [
+                            {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(delta.token_ids, delta.logprobs)
+                        ]}
+                else:
+                    choice = {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+                    if with_logprobs and delta.token_ids:
+                        choice["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for t in delta.token_ids],
+                                              "token_logprobs": list(delta.logprobs), "top_logprobs": None, "text_offset": None}
+                yield _event({**base, "choices": [choice]})
+            if include_usage:
+                yield _event({**base, "choices": [], "usage": self.usage([s for _, s in pairs], pairs)})
+        except APIError as error:
+            yield error.sse_event()
+        yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -1,0 +1,60 @@
+"""What the ingress sends a Worker replica (crosses a process boundary).
+
+Besides the generation inputs, each record carries the routing attributes the
+request routers read from a request's first argument: ``block_hashes``,
+``num_prompt_tokens``, ``salt`` (ours) and ``prompt`` (text, for Ray Serve
+LLM's PrefixCacheAffinityRouter). ``prompt`` maps token ``t`` to the character
+``chr(0x10000 + t)``: one character per token, so a character prefix is exactly
+a token prefix and text-based routers see the same sharing we do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker import SamplingParams
+
+_TOKEN_CHAR_BASE = 0x10000
+
+
+def tokens_as_text(token_ids: tuple[int, ...]) -> str:
+    return "".join(chr(_TOKEN_CHAR_BASE + t) for t in token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRequest:
+    """One generation: prompt, sampling, tenant, and routing attributes."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    salt: str | None
+    block_hashes: tuple[int, ...]  # chained, at the app's router_block_size, salted
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def prompt(self) -> str:
+        return tokens_as_text(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerBatch:
+    """Requests sharing a prefix, sent to one replica so it computes the prefix
+    once. Routed like its longest-common-prefix: the routing attributes are
+    those of the shared part."""
+
+    requests: tuple[WorkerRequest, ...]
+    block_hashes: tuple[int, ...]
+    shared_token_ids: tuple[int, ...]
+    salt: str | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.requests)
+
+    @property
+    def prompt(self) -> str:
+        return tokens_as_text(self.shared_token_ids)

@@ -1,0 +1,65 @@
+"""The Worker deployment: one engine per replica, exposed to Ray Serve.
+
+A thin adapter: generation, stats and cache summaries all come from
+``worker.AsyncEngine`` and ``cache.summary``; this file only names them for Serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from cache.summary import CacheSummary
+from worker import AsyncEngine, EngineConfig
+from worker.messages import WorkerBatch, WorkerRequest
+from worker.stats_board import get_board
+
+
+@serve.deployment(name="Worker")
+class Worker:
+    def __init__(self, engine_config: EngineConfig, router_block_size: int, stats_period_s: float) -> None:
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.engine = AsyncEngine(engine_config)
+        self._router_block_size = router_block_size
+        self._publisher = asyncio.get_event_loop().create_task(self._publish_stats(context.app_name, stats_period_s))
+
+    async def generate(self, request: WorkerRequest) -> dict:
+        result = await self.engine.generate(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
+        return {**result.to_dict(), "replica_id": self.replica_id}
+
+    async def generate_stream(self, request: WorkerRequest) -> AsyncIterator[dict]:
+        stream = self.engine.stream(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
+        async for event in stream:
+            yield {**event.to_dict(), "replica_id": self.replica_id}
+
+    async def generate_batch(self, batch: WorkerBatch) -> list[dict]:
+        """Results in batch order; a failed item becomes ``{"error": message}``."""
+        results = await asyncio.gather(*(self.generate(r) for r in batch.requests), return_exceptions=True)
+        return [r if isinstance(r, dict) else {"error": str(r), "error_type": type(r).__name__} for r in results]
+
+    def model_info(self) -> dict:
+        return self.engine.model_info()
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "replica_id": self.replica_id}
+
+    def record_routing_stats(self) -> dict:
+        return CacheSummary.of_engine(self.engine, self._router_block_size).to_dict()
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def _publish_stats(self, app_name: str, period_s: float) -> None:
+        while True:
+            try:
+                await get_board(app_name, create=True).put.remote(self.replica_id, self.stats())
+            except Exception:  # the board's owner died: the next round recreates it
+                pass
+            await asyncio.sleep(period_s)
+
+    async def __del__(self) -> None:
+        self._publisher.cancel()
+        await self.engine.shutdown()

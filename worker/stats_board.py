@@ -1,0 +1,50 @@
+"""A tiny Ray actor where every Worker replica posts its stats, so the
+ingress can show per-replica stats whatever request router is in use.
+
+Workers push every ``period_s``; readers drop entries older than
+``max_age_s`` (a replica that died or was scaled away). The board is created
+on first use (``get_if_exists``) and owned by the replica that created it; if
+that replica dies the board dies with it and the next push recreates it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+NAMESPACE = "kvroute"
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class StatsBoard:
+    def __init__(self) -> None:
+        self._replica_to_entry: dict[str, tuple[float, dict]] = {}
+
+    def put(self, replica_id: str, stats: dict) -> None:
+        self._replica_to_entry[replica_id] = (time.time(), stats)
+
+    def remove(self, replica_id: str) -> None:
+        self._replica_to_entry.pop(replica_id, None)
+
+    def get_all(self, max_age_s: float) -> dict[str, dict]:
+        now = time.time()
+        return {
+            replica_id: {**stats, "age_s": round(now - posted, 3)}
+            for replica_id, (posted, stats) in self._replica_to_entry.items()
+            if now - posted <= max_age_s
+        }
+
+
+def board_name(app_name: str) -> str:
+    return f"kvroute-stats::{app_name}"
+
+
+def get_board(app_name: str, create: bool) -> ray.actor.ActorHandle | None:
+    """The app's board; created if missing and ``create``, else None when absent."""
+    if create:
+        return StatsBoard.options(name=board_name(app_name), namespace=NAMESPACE, get_if_exists=True).remote()
+    try:
+        return ray.get_actor(board_name(app_name), namespace=NAMESPACE)
+    except ValueError:
+        return None
