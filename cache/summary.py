@@ -3,9 +3,18 @@
 A worker reports the hashes of every full block its tree caches (at the
 router's block size, per salt), so the router can tell which replica holds a
 prompt's prefix with the same :func:`cache.block_hashes` it computes itself.
+:class:`CacheSummary` is the record a worker sends (hashes plus load).
 """
 
 from __future__ import annotations
+
+import base64
+import binascii
+import math
+import sys
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from cache.hashing import continue_block_hashes, salt_seed
 from cache.radix import RadixCache, _Node
@@ -15,7 +24,9 @@ def cached_block_hashes(radix: RadixCache, block_size: int) -> set[int]:
     """Chained hashes of every full ``block_size`` block cached in ``radix``.
 
     Equal to the union of ``block_hashes(path, block_size, salt)`` over every
-    root-to-node path of every salt namespace. Cost O(cached tokens +
+    root-to-node path of every salt namespace (the tree keys a namespace by
+    its salt as bytes, which :func:`cache.hashing.salt_seed` hashes like the
+    str). Cost O(cached tokens +
     nodes × block_size); reads only (no LRU touch).
     """
     if type(block_size) is not int or block_size <= 0:
@@ -38,3 +49,176 @@ def cached_block_hashes(radix: RadixCache, block_size: int) -> set[int]:
             for child in node.children.values():
                 stack.append((child, last_hash, rest))
     return hashes
+
+
+# --------------------------------------------------------------------------
+# The replica summary record: what a worker reports through Ray Serve's
+# routing stats and the router consumes. It lives here (not in router/) because
+# workers may not import the router: deploy → worker → cache, deploy → router → cache.
+
+SUMMARY_FORMAT = "kvroute.cache_summary.v1"
+_COUNT_FIELDS = (
+    "num_cached_tokens",
+    "budget_tokens",
+    "num_queued_tokens",
+    "num_running_tokens",
+    "num_running",
+    "num_waiting",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSummary:
+    """One replica's cache contents and load at one moment, as the router sees it.
+
+    Fields:
+      replica_id: the replica that took it (Ray Serve's full replica id string).
+      version: strictly increasing per replica (a counter); a router keeps the
+        newest it has seen and ignores older or equal ones.
+      timestamp_s: the replica's clock when taken (informational only; routers
+        never compare clocks across machines).
+      block_size: the router block size the hashes are chained at
+        (``cache.block_hashes(tokens, block_size, salt)`` of every cached path).
+      block_hashes: every full block the radix tree caches, all salts.
+      num_cached_tokens / budget_tokens: the tree's size and its budget.
+      num_queued_tokens: prompt tokens of waiting requests not yet prefilled.
+      num_running_tokens: tokens of the running sequences (their KV footprint).
+      num_running / num_waiting: request counts.
+
+    ``load_tokens = num_queued_tokens + num_running_tokens`` is the load term
+    the router compares.
+
+    Wire format (:meth:`to_dict`, a plain JSON-able dict for Ray Serve's
+    ``record_routing_stats``)::
+
+        {"format": "kvroute.cache_summary.v1", "replica_id": str,
+         "version": int, "timestamp_s": float, "block_size": int,
+         "num_blocks": int,
+         "block_hashes": base64 of the sorted hashes as little-endian uint64,
+         "num_cached_tokens": int, "budget_tokens": int,
+         "num_queued_tokens": int, "num_running_tokens": int,
+         "num_running": int, "num_waiting": int}
+
+    Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
+    ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field.
+    """
+
+    replica_id: str
+    version: int
+    timestamp_s: float
+    block_size: int
+    block_hashes: frozenset[int]
+    num_cached_tokens: int = 0
+    budget_tokens: int = 0
+    num_queued_tokens: int = 0
+    num_running_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replica_id, str) or not self.replica_id:
+            raise ValueError(f"replica_id must be a non-empty str, got {self.replica_id!r}")
+        _check_count("version", self.version)
+        if type(self.block_size) is not int or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.timestamp_s, (int, float)) or isinstance(self.timestamp_s, bool) \
+                or not math.isfinite(self.timestamp_s):
+            raise ValueError(f"timestamp_s must be a finite number, got {self.timestamp_s!r}")
+        if not isinstance(self.block_hashes, frozenset):
+            raise ValueError(f"block_hashes must be a frozenset, got {type(self.block_hashes).__name__}")
+        for name in _COUNT_FIELDS:
+            _check_count(name, getattr(self, name))
+
+    @property
+    def load_tokens(self) -> int:
+        return self.num_queued_tokens + self.num_running_tokens
+
+    @classmethod
+    def from_radix(
+        cls,
+        radix: RadixCache,
+        block_size: int,
+        *,
+        replica_id: str,
+        version: int,
+        timestamp_s: float,
+        num_queued_tokens: int = 0,
+        num_running_tokens: int = 0,
+        num_running: int = 0,
+        num_waiting: int = 0,
+    ) -> CacheSummary:
+        """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
+        return cls(
+            replica_id=replica_id,
+            version=version,
+            timestamp_s=float(timestamp_s),
+            block_size=block_size,
+            block_hashes=frozenset(cached_block_hashes(radix, block_size)),
+            num_cached_tokens=radix.num_tokens,
+            budget_tokens=radix.budget_tokens,
+            num_queued_tokens=num_queued_tokens,
+            num_running_tokens=num_running_tokens,
+            num_running=num_running,
+            num_waiting=num_waiting,
+        )
+
+    def to_dict(self) -> dict:
+        packed = array("Q", sorted(self.block_hashes))
+        if sys.byteorder != "little":
+            packed.byteswap()
+        out = {
+            "format": SUMMARY_FORMAT,
+            "replica_id": self.replica_id,
+            "version": self.version,
+            "timestamp_s": float(self.timestamp_s),
+            "block_size": self.block_size,
+            "num_blocks": len(packed),
+            "block_hashes": base64.b64encode(packed.tobytes()).decode("ascii"),
+        }
+        for name in _COUNT_FIELDS:
+            out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> CacheSummary:
+        """Parse :meth:`to_dict` output; ``ValueError`` names what is malformed."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"cache summary must be a dict, got {type(data).__name__}")
+        if data.get("format") != SUMMARY_FORMAT:
+            raise ValueError(f"cache summary format must be {SUMMARY_FORMAT!r}, got {data.get('format')!r}")
+        missing = [k for k in ("replica_id", "version", "timestamp_s", "block_size", "num_blocks", "block_hashes")
+                   if k not in data]
+        if missing:
+            raise ValueError(f"cache summary misses {', '.join(missing)}")
+        num_blocks = data["num_blocks"]
+        _check_count("num_blocks", num_blocks)
+        encoded = data["block_hashes"]
+        if not isinstance(encoded, str):
+            raise ValueError(f"block_hashes must be a base64 str, got {type(encoded).__name__}")
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"block_hashes is not valid base64 ({len(encoded)} chars)") from None
+        if len(raw) != 8 * num_blocks:
+            raise ValueError(f"block_hashes holds {len(raw)} bytes, expected 8 x num_blocks = {8 * num_blocks}")
+        hashes = array("Q")
+        hashes.frombytes(raw)
+        if sys.byteorder != "little":
+            hashes.byteswap()
+        timestamp_s = data["timestamp_s"]
+        if not isinstance(timestamp_s, (int, float)) or isinstance(timestamp_s, bool):
+            raise ValueError(f"timestamp_s must be a number, got {timestamp_s!r}")
+        counts = {name: data.get(name, 0) for name in _COUNT_FIELDS}
+        return cls(
+            replica_id=data["replica_id"],
+            version=data["version"],
+            timestamp_s=float(timestamp_s),
+            block_size=data["block_size"],
+            block_hashes=frozenset(hashes),
+            **counts,
+        )
+
+
+def _check_count(name: str, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
