@@ -1,0 +1,70 @@
+"""Print and plot a load-test report (routers side by side)."""
+
+from __future__ import annotations
+
+
+def _fmt(value, digits=3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def print_table(report: dict) -> None:
+    results = report["results"]
+    rows = [
+        ("requests ok", lambda r: f"{r['num_ok']}/{r['num_requests']}"),
+        ("cluster hit rate", lambda r: _fmt(r["cluster_hit_rate"])),
+        ("request hit rate", lambda r: _fmt(r["request_hit_rate"])),
+        ("throughput req/s", lambda r: _fmt(r["throughput_rps"], 2)),
+        ("output tok/s", lambda r: _fmt(r["output_tokens_per_s"], 1)),
+        ("goodput req/s", lambda r: _fmt(r["goodput_rps"], 2)),
+        ("TTFT p50 s", lambda r: _fmt(r["ttft_s"]["p50"])),
+        ("TTFT p99 s", lambda r: _fmt(r["ttft_s"]["p99"])),
+        ("ITL p50 s", lambda r: _fmt(r["itl_s"]["p50"])),
+        ("ITL p99 s", lambda r: _fmt(r["itl_s"]["p99"])),
+        ("latency p50 s", lambda r: _fmt(r["latency_s"]["p50"])),
+        ("latency p90 s", lambda r: _fmt(r["latency_s"]["p90"])),
+        ("latency p99 s", lambda r: _fmt(r["latency_s"]["p99"])),
+        ("load imbalance", lambda r: _fmt(r["load_imbalance"])),
+        ("requests/replica", lambda r: " ".join(str(v["requests"]) for v in r["per_replica"].values())),
+        ("hit rate/replica", lambda r: " ".join(_fmt(v["hit_rate"], 2) for v in r["per_replica"].values())),
+        ("errors", lambda r: str(r["errors"] or "-")),
+    ]
+    names = list(results)
+    width = max(18, *(len(n) + 2 for n in names))
+    print(f"{'':20}" + "".join(f"{n:>{width}}" for n in names))
+    for label, cell in rows:
+        print(f"{label:20}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
+
+
+def write_plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = list(results)
+    panels = [
+        ("cluster hit rate", [results[n]["cluster_hit_rate"] for n in names]),
+        ("TTFT p99 (s)", [results[n]["ttft_s"]["p99"] or 0 for n in names]),
+        ("TTFT p50 (s)", [results[n]["ttft_s"]["p50"] or 0 for n in names]),
+        ("throughput (req/s)", [results[n]["throughput_rps"] for n in names]),
+    ]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.5))
+    for axis, (title, values) in zip(axes, panels):
+        axis.bar(names, values, color=["#999999", "#6699cc", "#cc6633", "#66aa66"][: len(names)])
+        axis.set_title(title)
+        axis.tick_params(axis="x", rotation=20)
+    axis = axes[-1]
+    for offset, name in enumerate(names):
+        counts = [v["requests"] for v in results[name]["per_replica"].values()]
+        axis.bar([i + offset * 0.25 for i in range(len(counts))], counts, width=0.25, label=name)
+    axis.set_title("requests per replica")
+    axis.legend(fontsize=7)
+    meta = report["meta"]
+    fig.suptitle(f"{meta['workload']} ({meta['num_requests']} requests, {meta['mode']} loop)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

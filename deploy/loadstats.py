@@ -1,0 +1,95 @@
+"""Per-request records of a load test and their summary (pure).
+
+Cluster hit rate is token-level: cached prompt tokens / prompt tokens, as the
+servers report them (``cached_tokens`` of each response).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    session_id: int
+    turn: int
+    prompt_tokens: int
+    start_s: float
+    end_s: float = 0.0
+    status: int = 200
+    error: str | None = None
+    replica_id: str | None = None
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    return ordered[rank]
+
+
+def _dist(values: list[float]) -> dict:
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)} | {
+        "mean": sum(values) / len(values) if values else None
+    }
+
+
+def summarize(records: list[RequestRecord], wall_s: float, slo: dict) -> dict:
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itls = [x for r in ok for x in r.itl_s]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached_tokens = sum(r.cached_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    good = [
+        r for r in ok
+        if r.ttft_s is not None and r.ttft_s <= slo["ttft_s"]
+        and (not r.itl_s or max(r.itl_s) <= slo["itl_s"])
+    ]
+    per_replica_requests = Counter(r.replica_id for r in ok)
+    per_replica_cached = Counter()
+    per_replica_prompt = Counter()
+    for r in ok:
+        per_replica_cached[r.replica_id] += r.cached_tokens
+        per_replica_prompt[r.replica_id] += r.prompt_tokens
+    loads = list(per_replica_prompt.values())
+    return {
+        "num_requests": len(records),
+        "num_ok": len(ok),
+        "errors": dict(Counter(r.status for r in records if not r.ok)),
+        "wall_s": wall_s,
+        "throughput_rps": len(ok) / wall_s if wall_s else 0.0,
+        "output_tokens_per_s": output_tokens / wall_s if wall_s else 0.0,
+        "goodput_rps": len(good) / wall_s if wall_s else 0.0,
+        "ttft_s": _dist(ttfts),
+        "itl_s": _dist(itls),
+        "latency_s": _dist([r.latency_s for r in ok]),
+        "cluster_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "request_hit_rate": sum(1 for r in ok if r.cached_tokens > 0) / len(ok) if ok else 0.0,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "per_replica": {
+            str(replica): {
+                "requests": per_replica_requests[replica],
+                "prompt_tokens": per_replica_prompt[replica],
+                "hit_rate": per_replica_cached[replica] / per_replica_prompt[replica] if per_replica_prompt[replica] else 0.0,
+            }
+            for replica in sorted(per_replica_requests, key=str)
+        },
+        "load_imbalance": max(loads) / (sum(loads) / len(loads)) if loads else None,
+    }

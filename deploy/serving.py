@@ -1,0 +1,220 @@
+"""Bring the app up and down exactly as the README does, from Python.
+
+``ray start --head`` → ``serve run --non-blocking CONFIG`` → wait until
+``/health`` answers and every Worker replica is running → ... →
+``serve shutdown -y`` → stop the Ray processes *this object started* (by
+their session directory, never a broad ``ray stop``, so other Ray clusters on
+the machine are left alone). Used by the load test and the integration tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServeApp:
+    """A Serve deployment of ``config_path`` on a Ray cluster.
+
+    ``address``: an existing cluster (e.g. ``"127.0.0.1:6379"``); when None a
+    private head node is started on free ports and stopped on exit.
+    ``args_overrides`` / ``deployment_overrides`` patch the config's app args
+    and per-deployment options (e.g. ``{"Worker": {"num_replicas": 3}}``).
+    """
+
+    def __init__(
+        self,
+        config_path: str | Path = "deploy/config.yaml",
+        *,
+        address: str | None = None,
+        http_port: int | None = None,
+        num_cpus: int | None = None,
+        args_overrides: dict | None = None,
+        deployment_overrides: dict | None = None,
+        ready_timeout_s: float = 240.0,
+    ) -> None:
+        self.config_path = (REPO_ROOT / config_path) if not Path(config_path).is_absolute() else Path(config_path)
+        self.address = address
+        self.http_port = http_port or (8000 if address else free_port())
+        self.num_cpus = num_cpus
+        self.args_overrides = dict(args_overrides or {})
+        self.deployment_overrides = dict(deployment_overrides or {})
+        self.ready_timeout_s = ready_timeout_s
+        self.dashboard_port: int | None = None
+        self._temp_dir: str | None = None
+        self._started_ray = False
+        self._config_file: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    # ---------------------------------------------------------------- cluster
+    def __enter__(self) -> ServeApp:
+        if self.address is None:
+            self._start_ray()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.shutdown_app()
+        finally:
+            if self._started_ray:
+                self.stop_ray()
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env["RAY_ADDRESS"] = self.address
+        if self.dashboard_port:
+            env["RAY_DASHBOARD_ADDRESS"] = f"http://127.0.0.1:{self.dashboard_port}"
+        return env
+
+    def _start_ray(self) -> None:
+        self._temp_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
+        gcs_port, self.dashboard_port = free_port(), free_port()
+        command = [
+            _bin("ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={self.dashboard_port}",
+            f"--temp-dir={self._temp_dir}", "--include-dashboard=true", "--disable-usage-stats",
+            f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        ]
+        if self.num_cpus is not None:
+            command.append(f"--num-cpus={self.num_cpus}")
+        self.address = f"127.0.0.1:{gcs_port}"
+        self._started_ray = True
+        subprocess.run(command, check=True, capture_output=True, text=True, env=self._env(), timeout=120)
+
+    def stop_ray(self) -> None:
+        """Stop the processes of the cluster this object started, and only those."""
+        if not self._temp_dir:
+            return
+        pids = _pids_mentioning(self._temp_dir)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.time() + 10
+            while time.time() < deadline and any(_alive(pid) for pid in pids):
+                time.sleep(0.2)
+            pids = [pid for pid in pids if _alive(pid)]
+            if not pids:
+                break
+        self._started_ray = False
+
+    def ray_pids(self) -> list[int]:
+        return _pids_mentioning(self._temp_dir) if self._temp_dir else []
+
+    # -------------------------------------------------------------------- app
+    def write_config(self, router: str | None = None) -> str:
+        config = yaml.safe_load(self.config_path.read_text())
+        config.setdefault("http_options", {})
+        config["http_options"].update({"host": "127.0.0.1", "port": self.http_port})
+        app = config["applications"][0]
+        app.setdefault("args", {}).update(self.args_overrides)
+        if router is not None:
+            app["args"]["router"] = router
+        runtime_env = app.setdefault("runtime_env", {})
+        runtime_env["working_dir"] = str(REPO_ROOT)
+        for deployment in app.get("deployments", []):
+            deployment.update(self.deployment_overrides.get(deployment["name"], {}))
+        handle, path = tempfile.mkstemp(prefix="kvroute-", suffix=".yaml")
+        with os.fdopen(handle, "w") as file:
+            yaml.safe_dump(config, file)
+        self._config_file = path
+        return path
+
+    def deploy(self, router: str | None = None) -> None:
+        """``serve run --non-blocking`` the (patched) config; wait until ready."""
+        path = self.write_config(router)
+        subprocess.run(
+            [_bin("serve"), "run", "--non-blocking", "--address", self.address, path],
+            check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
+        )
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.time() + self.ready_timeout_s
+        num_workers = self._expected_workers()
+        last = None
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5, trust_env=False).status_code == 200:
+                    stats = httpx.get(f"{self.url}/stats", timeout=10, trust_env=False).json()
+                    last = stats
+                    if len(stats.get("replicas", {})) >= num_workers:
+                        return
+            except httpx.HTTPError as error:
+                last = error
+            time.sleep(1.0)
+        raise TimeoutError(f"app not ready after {self.ready_timeout_s}s: {last!r}")
+
+    def _expected_workers(self) -> int:
+        config = yaml.safe_load(Path(self._config_file).read_text())
+        for deployment in config["applications"][0].get("deployments", []):
+            if deployment["name"] == "Worker":
+                return int(deployment.get("num_replicas", 1))
+        return 1
+
+    def shutdown_app(self) -> None:
+        if self.address is None:
+            return
+        subprocess.run([_bin("serve"), "shutdown", "-y"], capture_output=True, text=True, env=self._env(),
+                       cwd=REPO_ROOT, timeout=120)
+        if self._config_file and os.path.exists(self._config_file):
+            os.unlink(self._config_file)
+            self._config_file = None
+
+
+def _bin(name: str) -> str:
+    """The CLI next to this interpreter (the venv's), else from PATH."""
+    import sys
+
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
