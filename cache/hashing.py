@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterable, Sequence
+from operator import countOf
 
 import xxhash
 
@@ -34,7 +35,7 @@ def salt_seed(salt: str | bytes | None) -> int:
 
 def check_tokens(tokens: Sequence[int]) -> None:
     """Raise TypeError naming the first element that is not an int (bools rejected)."""
-    if all(type(token) is int for token in tokens):  # fast path, C-speed
+    if countOf(map(type, tokens), int) == len(tokens):  # fast path, C loops only
         return
     for index, token in enumerate(tokens):
         if not isinstance(token, int) or isinstance(token, bool):

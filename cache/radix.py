@@ -23,6 +23,18 @@ from dataclasses import dataclass
 from cache.blocks import BlockAllocator
 from cache.hashing import check_tokens
 
+SaltKey = bytes | None
+
+
+def salt_key(salt: str | bytes | None) -> SaltKey:
+    """The namespace a salt names: ``"a"`` and ``b"a"`` are one tenant, as in
+    :func:`cache.hashing.salt_seed`."""
+    if salt is None or isinstance(salt, bytes):
+        return salt
+    if isinstance(salt, str):
+        return salt.encode()
+    raise TypeError(f"salt must be str, bytes or None, got {salt!r} ({type(salt).__name__})")
+
 
 @dataclass(slots=True)
 class CacheStats:
@@ -58,6 +70,18 @@ class _Node:
 
     def __repr__(self) -> str:
         return f"_Node([{self.start}, {self.end}), blocks={self.block_ids}, lock={self.lock_ref})"
+
+
+def _new_root() -> _Node:
+    root = _Node((), 0, None)
+    root.lock_ref = 1  # permanent: a root is never evicted
+    return root
+
+
+def _is_attached(node: _Node) -> bool:
+    """Still in its parent's children (not evicted). Ancestors of an attached
+    node are attached: only childless nodes are removed."""
+    return node.parent.children.get(node.tokens[0]) is node
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +128,13 @@ class RadixCache:
     recently used first ("priority is last access time"; a lookup or insert
     touches every node on its path with one tick of ``clock``, ties go to the
     leaf that became evictable first). A parent left childless becomes a leaf
-    candidate. Sequences longer than the budget are not cached and evict nothing.
+    candidate. An insert that cannot fit (longer than the budget, or blocked
+    by locked positions: ``num_locked_tokens`` plus its cached prefix plus its
+    new positions over budget) changes nothing and evicts nothing.
 
-    Namespaces: each ``salt`` (tenant) has its own root; entries never match
-    across salts. The budget is shared.
+    Namespaces: each ``salt`` (tenant) has its own root, created by its first
+    insert; entries never match across salts (``"a"`` and ``b"a"`` are the
+    same salt, as for :func:`cache.block_hashes`). The budget is shared.
 
     Complexity: ``match`` and ``insert`` are O(len(tokens)) plus the dict
     lookups along the path, independent of how many entries are cached;
@@ -132,8 +159,9 @@ class RadixCache:
         self.allocator = allocator
         self.stats = CacheStats()
         self._clock = clock if clock is not None else itertools.count().__next__
-        self._roots: dict[str | bytes | None, _Node] = {}
+        self._roots: dict[SaltKey, _Node] = {}
         self._num_tokens = 0
+        self._num_locked_tokens = 0  # edge lengths of non-root nodes with lock_ref > 0
         self._num_nodes = 0
         # Lazy min-heap of (last_access, tiebreak, node); stale entries skipped on pop.
         self._evictable: list[tuple[float, int, _Node]] = []
@@ -146,6 +174,11 @@ class RadixCache:
         return self._num_tokens
 
     @property
+    def num_locked_tokens(self) -> int:
+        """Cached positions pinned by locks (never evicted until unlocked)."""
+        return self._num_locked_tokens
+
+    @property
     def is_simulated(self) -> bool:
         return self.allocator is None
 
@@ -153,14 +186,17 @@ class RadixCache:
         """Longest cached prefix of ``tokens`` in the ``salt`` namespace.
 
         With ``touch`` (default) the path's LRU time is refreshed and the lookup
-        counts in :attr:`stats`; ``touch=False`` is a pure read. Never splits.
+        counts in :attr:`stats`; ``touch=False`` is a pure read. Never splits,
+        never creates a namespace (a miss in an unknown one returns a fresh,
+        unattached root, harmless to lock).
         """
         check_tokens(tokens)
-        key = tuple(tokens)
-        root = self._roots.get(salt)
-        num_matched, block_ids, deepest, path = 0, [], root, []
-        if root is not None:
-            num_matched, block_ids, deepest, path = self._walk(root, key)
+        root = self._roots.get(salt_key(salt))
+        if root is None:
+            if touch:
+                self.stats.misses += 1
+            return MatchResult(0, (), _new_root())
+        num_matched, block_ids, path = self._walk(root, tuple(tokens))
         if touch:
             self._touch(path)
             if num_matched:
@@ -168,9 +204,7 @@ class RadixCache:
                 self.stats.tokens_saved += num_matched
             else:
                 self.stats.misses += 1
-        if deepest is None:
-            deepest = self._root(salt)
-        return MatchResult(num_matched, tuple(block_ids), deepest)
+        return MatchResult(num_matched, tuple(block_ids), path[-1])
 
     # ------------------------------------------------------------------ updates
     def insert(
@@ -184,12 +218,15 @@ class RadixCache:
         Real mode: ``block_ids`` is the sequence's block table (at least
         ``ceil(len(tokens) / block_size)`` ids, valid for every position); the
         tree retains the blocks of the new suffix. Simulated mode: omit it.
-        Evicts LRU leaves to stay within budget; caches nothing (and evicts
-        nothing) if ``tokens`` is longer than the budget, or if what is locked
-        leaves no room.
+        Evicts LRU leaves to stay within budget. If ``tokens`` is longer than
+        the budget, or what is locked (plus the cached prefix of ``tokens``)
+        leaves no room, nothing changes at all: nothing cached, nothing
+        evicted, no split, no LRU touch. Splits the edge where ``tokens``
+        leaves the tree.
         """
         check_tokens(tokens)
         key = tuple(tokens)
+        namespace = salt_key(salt)
         num_needed_blocks = -(-len(key) // self.block_size)
         if self.allocator is None:
             if block_ids is not None:
@@ -197,56 +234,62 @@ class RadixCache:
         elif block_ids is None or len(block_ids) < num_needed_blocks:
             got = "none" if block_ids is None else len(block_ids)
             raise ValueError(f"{len(key)} tokens need {num_needed_blocks} block ids, got {got}")
-        elif any(self.allocator.ref_count(b) == 0 for b in block_ids[:num_needed_blocks]):
-            raise ValueError("insert names a free block; cache only blocks a sequence holds")
+        else:
+            for block_id in block_ids[:num_needed_blocks]:
+                if self.allocator.ref_count(block_id) == 0:
+                    raise ValueError(f"insert names free block {block_id}; cache only blocks a sequence holds")
         if not key or len(key) > self.budget_tokens:
             return 0
-        root = self._root(salt)
-        node, pos, path = root, 0, [root]
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            matched = _common_prefix_len(child.tokens, key, pos)
-            if pos + matched == len(key):  # ends inside (or at the end of) this edge
-                path.append(child)
-                pos = len(key)
-                break
-            if matched < len(child.tokens):
-                child = self._split(child, matched)
-            path.append(child)
-            node, pos = child, pos + matched
+        root = self._roots.get(namespace)
+        if root is None:
+            root = _new_root()
+        path, pos, cut = self._descend(root, key)
         num_new = len(key) - pos
-        if num_new == 0:
-            self._touch(path)
+        if num_new == 0:  # already cached (possibly inside an edge)
+            self._touch(path if cut is None else path + [cut[0]])
             return 0
-        for ancestor in path:  # pin the path while making room
-            ancestor.lock_ref += 1
-        try:
-            self.evict(self._num_tokens + num_new - self.budget_tokens)
-        finally:
-            for ancestor in path:
-                ancestor.lock_ref -= 1
-        if self._num_tokens + num_new > self.budget_tokens:
-            self._touch(path)
-            return 0
-        leaf = _Node(key[pos:], pos, node)
+        num_pinned = self._num_locked_tokens + sum(len(n.tokens) for n in path if n.lock_ref == 0)
+        if cut is not None and cut[0].lock_ref == 0:
+            num_pinned += cut[1]
+        if num_pinned + num_new > self.budget_tokens:
+            return 0  # eviction could not make room: change nothing
+        self._roots.setdefault(namespace, root)
+        leaf = _Node(key[pos:], pos, None)
         if self.allocator is not None:
             first, last = pos // self.block_size, (len(key) - 1) // self.block_size
-            leaf.block_ids = [int(b) for b in block_ids[first : last + 1]]
-            for block_id in leaf.block_ids:
+            leaf.block_ids = list(block_ids[first : last + 1])
+            for block_id in leaf.block_ids:  # before evicting, so eviction cannot free them
                 self.allocator.retain(block_id)
-        node.children[key[pos]] = leaf
-        self._num_tokens += num_new
-        self._num_nodes += 1
+        if cut is not None:
+            path.append(self._split(*cut))
+        node = path[-1]
+        self.lock(node)  # pin the path while making room
+        try:
+            self.evict(self._num_tokens + num_new - self.budget_tokens)
+            assert self._num_tokens + num_new <= self.budget_tokens, "room was counted before evicting"
+            leaf.parent = node
+            node.children[key[pos]] = leaf
+            self._num_tokens += num_new
+            self._num_nodes += 1
+        finally:
+            self.unlock(node)
         self.stats.inserted_tokens += num_new
         path.append(leaf)
         self._touch(path)
         return num_new
 
     def lock(self, node: _Node) -> None:
-        """Pin ``node`` and its ancestors against eviction (counted: lock twice, unlock twice)."""
+        """Pin ``node`` and its ancestors against eviction (counted: lock twice, unlock twice).
+
+        ``node`` is a :attr:`MatchResult.node`; lock it before the next insert
+        or evict, which may remove an unlocked node (locking one that was
+        evicted raises ``ValueError``: match again).
+        """
+        if not node.is_root and not _is_attached(node):
+            raise ValueError(f"lock of a node that was evicted: {node!r}")
         while node is not None:
+            if node.lock_ref == 0:
+                self._num_locked_tokens += len(node.tokens)
             node.lock_ref += 1
             node = node.parent
 
@@ -256,8 +299,10 @@ class RadixCache:
             raise ValueError(f"unlock of a node that is not locked: {node!r}")
         while node is not None:
             node.lock_ref -= 1
-            if node.lock_ref == 0 and not node.children:
-                self._push_evictable(node)
+            if node.lock_ref == 0:
+                self._num_locked_tokens -= len(node.tokens)
+                if not node.children:
+                    self._push_evictable(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
@@ -281,11 +326,12 @@ class RadixCache:
 
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        total_tokens, total_nodes = 0, 0
+        total_tokens, total_nodes, locked_tokens = 0, 0, 0
         retained: dict[int, int] = {}
         live_heap = {(id(node), access) for access, _, node in self._evictable}
-        for root in self._roots.values():
-            assert root.lock_ref >= 1 and root.start == 0 and not root.tokens
+        for namespace, root in self._roots.items():
+            assert namespace is None or type(namespace) is bytes, namespace
+            assert root.is_root and root.lock_ref >= 1 and root.start == 0 and not root.tokens
             stack = [root]
             while stack:
                 node = stack.pop()
@@ -300,6 +346,8 @@ class RadixCache:
                     continue
                 total_tokens += len(node.tokens)
                 total_nodes += 1
+                if node.lock_ref:
+                    locked_tokens += len(node.tokens)
                 assert node.last_access >= max((c.last_access for c in node.children.values()), default=0)
                 if self._is_evictable(node):
                     assert (id(node), node.last_access) in live_heap, f"evictable leaf not queued: {node!r}"
@@ -309,34 +357,24 @@ class RadixCache:
                     for block_id in node.block_ids:
                         retained[block_id] = retained.get(block_id, 0) + 1
         assert total_tokens == self._num_tokens <= self.budget_tokens, (total_tokens, self._num_tokens)
+        assert locked_tokens == self._num_locked_tokens, (locked_tokens, self._num_locked_tokens)
         assert total_nodes == self._num_nodes
         if self.allocator is not None:
             for block_id, count in retained.items():
                 assert self.allocator.retained_count(block_id) == count, block_id
 
     # ----------------------------------------------------------------- private
-    def _root(self, salt: str | bytes | None) -> _Node:
-        root = self._roots.get(salt)
-        if root is None:
-            if salt is not None and not isinstance(salt, (str, bytes)):
-                raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
-            root = _Node((), 0, None)
-            root.lock_ref = 1  # permanent: the root is never evicted
-            self._roots[salt] = root
-        return root
-
-    def _walk(self, root: _Node, key: tuple[int, ...]) -> tuple[int, list[int], _Node, list[_Node]]:
-        """Descend along ``key``: (matched length, block ids, deepest node, path)."""
+    def _walk(self, root: _Node, key: tuple[int, ...]) -> tuple[int, list[int], list[_Node]]:
+        """Descend along ``key``: (matched length, block ids, path); ``path[-1]``
+        is the deepest node reached (the match may end inside its edge)."""
         bs = self.block_size
         node, pos, block_ids, path = root, 0, [], [root]
-        deepest = root
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
                 break
             matched = _common_prefix_len(child.tokens, key, pos)
             path.append(child)
-            deepest = child
             if child.block_ids:
                 first = child.start // bs
                 for index in range(first, (pos + matched - 1) // bs + 1):
@@ -349,7 +387,25 @@ class RadixCache:
             if matched < len(child.tokens):
                 break
             node = child
-        return pos, block_ids, deepest, path
+        return pos, block_ids, path
+
+    @staticmethod
+    def _descend(root: _Node, key: tuple[int, ...]) -> tuple[list[_Node], int, tuple[_Node, int] | None]:
+        """Where ``key`` leaves the tree: (path of wholly matched nodes, matched
+        length, ``(child, offset)`` if it stops ``offset`` tokens into
+        ``child``'s edge). Changes nothing."""
+        node, pos, path = root, 0, [root]
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            matched = _common_prefix_len(child.tokens, key, pos)
+            pos += matched
+            if matched < len(child.tokens):
+                return path, pos, (child, matched)
+            path.append(child)
+            node = child
+        return path, pos, None
 
     def _split(self, child: _Node, offset: int) -> _Node:
         """Cut ``child``'s edge after ``offset`` tokens; returns the new upper node."""
@@ -381,12 +437,9 @@ class RadixCache:
         if self._is_evictable(leaf):
             self._push_evictable(leaf)
 
-    def _is_evictable(self, node: _Node) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0 and self._is_attached(node)
-
     @staticmethod
-    def _is_attached(node: _Node) -> bool:
-        return node.parent.children.get(node.tokens[0]) is node
+    def _is_evictable(node: _Node) -> bool:
+        return node.parent is not None and not node.children and node.lock_ref == 0 and _is_attached(node)
 
     def _push_evictable(self, node: _Node) -> None:
         heapq.heappush(self._evictable, (node.last_access, next(self._tiebreak), node))
