@@ -1,0 +1,76 @@
+"""The worker engine's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.model import TinyLlamaSpec
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an :class:`worker.Engine` needs; composed at the edge (deploy/).
+
+    Memory: the KV pool holds ``kv_pool_tokens`` positions (``None``: sized
+    from free GPU memory on CUDA, else ``cache_budget_tokens + 8 *
+    max_model_len``); the radix cache keeps at most ``cache_budget_tokens`` of
+    them for reuse, the rest serves running requests. The pool must be larger
+    than the budget so that cached prefixes never starve running requests.
+    """
+
+    model: str = "tiny-llama"  # "tiny-llama" (built in, seeded) or an HF path / hub id
+    tiny_llama: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)  # used iff model == "tiny-llama"
+    cache_budget_tokens: int = 32768  # unique positions the radix cache may hold
+    kv_pool_tokens: int | None = None  # KV pool capacity in positions (rounded up to blocks)
+    gpu_memory_fraction: float = 0.85  # CUDA with kv_pool_tokens=None: share of free memory for the pool
+    block_size: int = 16  # positions per KV block (pool and radix tree)
+    deterministic: bool = False  # batch-invariant numerics: outputs == worker.reference.generate
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: str = "float32"  # one of float32, bfloat16, float16
+    max_batch_tokens: int = 1024  # tokens per forward step (decodes + prefill chunks)
+    max_num_seqs: int = 64  # running requests at once
+    max_queued_requests: int = 1024  # waiting requests before EngineOverloaded
+    max_model_len: int | None = None  # prompt + output limit; None: the model's context length
+    seed: int = 0  # engine RNG: seeds sampling for requests that carry no seed
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if not isinstance(self.tiny_llama, TinyLlamaSpec):
+            raise ValueError(f"tiny_llama must be a TinyLlamaSpec, got {self.tiny_llama!r}")
+        _check_int("cache_budget_tokens", self.cache_budget_tokens, minimum=0)
+        _check_int("block_size", self.block_size, minimum=1)
+        _check_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_queued_requests", self.max_queued_requests, minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        if self.kv_pool_tokens is not None:
+            _check_int("kv_pool_tokens", self.kv_pool_tokens, minimum=1)
+            if self.kv_pool_tokens <= self.cache_budget_tokens:
+                raise ValueError(
+                    f"kv_pool_tokens {self.kv_pool_tokens} must exceed cache_budget_tokens"
+                    f" {self.cache_budget_tokens}: the pool also holds running requests"
+                )
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=2)
+        if self.max_batch_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_batch_tokens {self.max_batch_tokens} < max_num_seqs {self.max_num_seqs}:"
+                " every running request must fit one token per step"
+            )
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,268 @@
+"""The synchronous engine: model runner + KV pool + allocator + radix cache +
+scheduler, stepped by the caller.
+
+``Engine.step()`` runs one forward over the scheduler's batch and returns the
+tokens it produced as :class:`TokenEvent` records. ``generate`` and
+``generate_batch`` are the DESIGN.md contract (greedy, stop only at EOS);
+worker/async_engine.py steps the same object from a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+
+from cache import BlockAllocator, RadixCache
+from worker.config import EngineConfig
+from worker.kv import bytes_per_token, pool_tokens_from_free_memory
+from worker.results import GenerationResult, TokenEvent
+from worker.runner import ModelRunner
+from worker.sampling import SamplingParams, make_generator, sample
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence as Seq
+from worker.sequence import Status
+from worker.step import SeqChunk
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """One model replica's generation engine (not thread-safe; one caller steps it).
+
+    Invariants (:meth:`check_invariants`): the scheduler's (running requests
+    are exactly the allocator's sequences, each locks one tree path), the
+    allocator's (ref counts = tables + tree retains) and the radix cache's
+    (budget, locks, retained blocks).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config = config or EngineConfig()
+        self._clock = clock
+        self.runner = ModelRunner(
+            config.model, config.tiny_llama, device=config.device, dtype=config.dtype,
+            deterministic=config.deterministic, max_positions=config.max_model_len,
+            trust_remote_code=config.trust_remote_code,
+        )
+        loaded = self.runner.loaded
+        if config.max_model_len is not None and config.max_model_len > loaded.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context {loaded.max_position_embeddings}"
+            )
+        self.max_model_len = config.max_model_len or loaded.max_position_embeddings
+        self.model_id = loaded.model_id
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.bytes_per_token = bytes_per_token(loaded.geometry, self.runner.dtype)
+        pool_tokens = self._pool_tokens()
+        num_blocks = -(-pool_tokens // config.block_size)
+        self.pool = self.runner.new_pool(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.cache = RadixCache(config.cache_budget_tokens, config.block_size, allocator=self.allocator)
+        self.scheduler = Scheduler(
+            self.allocator, self.cache, max_batch_tokens=config.max_batch_tokens,
+            max_num_seqs=config.max_num_seqs, eos_token_ids=self.eos_token_ids,
+        )
+        self._rng = random.Random(config.seed)
+        self._request_counter = itertools.count()
+        self._live: dict[str, Seq] = {}
+        logger.info(
+            "engine: model=%s deterministic=%s pool=%d blocks x %d (%d bytes/token) budget=%d tokens",
+            self.model_id, config.deterministic, num_blocks, config.block_size, self.bytes_per_token,
+            config.cache_budget_tokens,
+        )
+
+    def _pool_tokens(self) -> int:
+        config = self.config
+        if config.kv_pool_tokens is not None:
+            return config.kv_pool_tokens
+        if self.runner.device.type == "cuda":
+            tokens = pool_tokens_from_free_memory(
+                self.runner.geometry, self.runner.dtype, self.runner.device, config.gpu_memory_fraction
+            )
+            if tokens <= config.cache_budget_tokens:
+                raise ValueError(f"free GPU memory holds {tokens} KV positions, not more than the cache budget")
+            return tokens
+        return config.cache_budget_tokens + 8 * self.max_model_len
+
+    # -------------------------------------------------------------- requests
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the problem) if the request cannot be served."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids is empty")
+        for index, token in enumerate(prompt_token_ids):
+            if type(token) is not int or not 0 <= token < self.vocab_size:
+                raise ValueError(f"prompt token {index} is {token!r}, not a token id in [0, {self.vocab_size})")
+        for token in params.stop_token_ids:
+            if token >= self.vocab_size:
+                raise ValueError(f"stop token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total}"
+                f" exceeds max_model_len {self.max_model_len}"
+            )
+        needed = -(-total // self.config.block_size) + 1 + self.scheduler.watermark_blocks
+        if needed > self.allocator.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks, the pool has {self.allocator.num_blocks}")
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        self.validate(prompt_token_ids, params)
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        elif request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        generator = None
+        if not params.is_greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = make_generator(seed)
+        seq = Seq(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            prompt_len=len(prompt_token_ids),
+            params=params,
+            salt=salt,
+            arrival_s=self._clock() if arrival_s is None else arrival_s,
+            generator=generator,
+        )
+        self._live[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its blocks and cache locks are released. False if unknown."""
+        seq = self.scheduler.abort(request_id)
+        self._live.pop(request_id, None)
+        return seq is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[TokenEvent]:
+        """Run one forward over the scheduled batch; the tokens it produced."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        self.pool.copy_blocks(scheduled.copies)
+        chunks = [
+            SeqChunk(
+                token_ids=c.seq.token_ids[c.start_pos : c.start_pos + c.num_tokens],
+                start_pos=c.start_pos,
+                block_table=self.allocator.block_table(c.seq.request_id),
+                needs_logits=c.needs_logits,
+            )
+            for c in scheduled.chunks
+        ]
+        logits = self.runner.forward(chunks, self.pool)
+        wanted = [c.seq for c in scheduled.chunks if c.needs_logits]
+        tokens, logprobs = sample(logits, [s.params for s in wanted], [s.generator for s in wanted])
+        sampled = self.scheduler.complete(scheduled, tokens, logprobs, self._clock())
+        events = []
+        for seq, token, logprob in sampled:
+            result = None
+            if seq.status is Status.FINISHED:
+                result = seq.result()
+                self._live.pop(seq.request_id, None)
+            events.append(
+                TokenEvent(seq.request_id, token, logprob if seq.params.logprobs else None, seq.num_output - 1, result)
+            )
+        return events
+
+    def run(self, request_ids: Sequence[str]) -> dict[str, GenerationResult]:
+        """Step until every listed request finished; their results (other requests' events are dropped)."""
+        pending, results = set(request_ids), {}
+        while pending:
+            if not self.has_work():
+                raise RuntimeError(f"requests {sorted(pending)} are not in the engine")
+            for event in self.step():
+                if event.result is not None and event.request_id in pending:
+                    results[event.request_id] = event.result
+                    pending.discard(event.request_id)
+        return results
+
+    # -------------------------------------------------------------- contract
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, logprobs: bool = False):
+        """Greedy; stops early only at EOS. ``logprobs=True`` → ``(token_ids, logprobs)``."""
+        return self.generate_batch([prompt], max_new_tokens, logprobs=logprobs)[0]
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, logprobs: bool = False) -> list:
+        """What :meth:`generate` returns for each prompt, in input order; all run together."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, logprobs=logprobs)
+        for prompt in prompts:
+            self.validate(prompt, params)
+        ids = [self.add_request(prompt, params) for prompt in prompts]
+        results = self.run(ids)
+        out = []
+        for request_id in ids:
+            result = results[request_id]
+            tokens = list(result.token_ids)
+            out.append((tokens, list(result.logprobs)) if logprobs else tokens)
+        return out
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """Counters since start. ``cached_tokens`` = ``tokens_saved`` = prompt tokens reused
+        at first admission (the sum of results' ``cached_tokens``); ``cache_num_tokens``
+        is what the radix tree holds now."""
+        c = self.scheduler.counters
+        lookups = c.hits + c.misses
+        return {
+            "hits": c.hits,
+            "misses": c.misses,
+            "hit_rate": c.hits / lookups if lookups else 0.0,
+            "tokens_saved": c.tokens_saved,
+            "cached_tokens": c.tokens_saved,
+            "readmission_tokens_saved": c.readmission_tokens_saved,
+            "prefill_tokens": c.prefill_tokens,
+            "decode_tokens": c.decode_tokens,
+            "preemptions": c.preemptions,
+            "inflight_holds": c.inflight_holds,
+            "cow_copies": c.cow_copies,
+            "num_finished": c.finished,
+            "num_aborted": c.aborted,
+            "num_steps": c.steps,
+            **self.load(),
+            "kv_blocks_total": self.allocator.num_blocks,
+            "kv_block_size": self.config.block_size,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "cache_num_tokens": self.cache.num_tokens,
+            "cache_budget_tokens": self.cache.budget_tokens,
+            "cache_evicted_tokens": self.cache.stats.evicted_tokens,
+            "deterministic": self.config.deterministic,
+            "model_id": self.model_id,
+        }
+
+    def load(self) -> dict:
+        """What a router weighs against prefix affinity."""
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "queued_tokens": self.scheduler.queued_tokens(),
+            "running_tokens": self.scheduler.running_tokens(),
+            "kv_blocks_free": self.allocator.num_free_blocks,
+        }
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        live = {seq.request_id for seq in (*self.scheduler.running, *self.scheduler.waiting)}
+        assert live == set(self._live), (live, set(self._live))
+

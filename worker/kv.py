@@ -1,0 +1,83 @@
+"""The KV pool: every layer's keys and values, indexed by block id.
+
+One tensor ``data[num_layers, 2, num_blocks + 1, block_size, kv_heads,
+head_dim]`` (index 0 of the second axis holds keys, 1 values). Block ids come
+from ``cache.BlockAllocator``; the extra last block is scratch, never handed
+out: padding tokens write there and masked key slots read from it. A
+position's *slot* is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.model import KVGeometry
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_token(geometry: KVGeometry, dtype: torch.dtype) -> int:
+    """KV bytes one position costs: 2 × layers × kv_heads × head_dim × dtype bytes."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * element_size
+
+
+def pool_tokens_from_free_memory(geometry: KVGeometry, dtype: torch.dtype, device: torch.device, fraction: float) -> int:
+    """Positions that fit in ``fraction`` of the device's free memory (CUDA only)."""
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    return int(free_bytes * fraction) // bytes_per_token(geometry, dtype)
+
+
+class KVPool:
+    """Paged K/V storage. Invariant: only the engine's forward writes here, and
+    only into slots of blocks the writing sequence holds alone (the allocator's
+    copy-on-write guarantees that); :meth:`copy_block` is the only other writer."""
+
+    def __init__(
+        self, geometry: KVGeometry, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs >= 1 block of >= 1 slot, got {num_blocks} x {block_size}")
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.scratch_block_id = num_blocks
+        # [layers, k/v, num_blocks + 1, block_size, kv_heads, head_dim]
+        self.data = torch.zeros(
+            geometry.num_layers, 2, num_blocks + 1, block_size, geometry.num_kv_heads, geometry.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.num_bytes = self.data.numel() * self.data.element_size()
+        logger.info(
+            "KV pool: %d blocks x %d positions, %d bytes/token, %.1f MiB",
+            num_blocks, block_size, bytes_per_token(geometry, dtype), self.num_bytes / 2**20,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.scratch_block_id * self.block_size
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """``[num_slots, kv_heads, head_dim]`` view of one layer's keys."""
+        return self.data[layer, 0].view(-1, self.geometry.num_kv_heads, self.geometry.head_dim)
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 1].view(-1, self.geometry.num_kv_heads, self.geometry.head_dim)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V rows of block ``src`` into ``dst`` for each pair, in order."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.data.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one block's ``(keys, values)``, each ``[block_size, kv_heads, head_dim]`` (tests)."""
+        return self.data[layer, 0, block_id].clone(), self.data[layer, 1, block_id].clone()

@@ -1,0 +1,69 @@
+"""Runs the model on a step: chunks in, float32 logits of the requested rows out.
+
+Owns the loaded model with its numerics fixed at construction: the RoPE
+table always, the batch-invariant layers (worker/numerics.py) and the tiled
+attention kernel in deterministic mode. Holds no KV state: the pool is an
+argument, so the engine and the plain reference server share one runner
+(same weights, same numerics) with separate pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from worker import attention
+from worker.kv import KVPool
+from worker.model import LoadedModel, TinyLlamaSpec, load_model
+from worker.numerics import install_rope_table, make_batch_invariant
+from worker.step import SeqChunk, build_step
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: str,
+        spec: TinyLlamaSpec,
+        *,
+        device: str,
+        dtype: str,
+        deterministic: bool,
+        max_positions: int | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        attention.register()
+        self.loaded: LoadedModel = load_model(
+            model, spec, device=device, dtype=dtype,
+            attn_implementation=attention.ATTN_IMPLEMENTATION, trust_remote_code=trust_remote_code,
+        )
+        self.deterministic = deterministic
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.max_positions = max_positions or self.loaded.max_position_embeddings
+        install_rope_table(self.loaded.model, self.max_positions)
+        self.swapped = make_batch_invariant(self.loaded.model) if deterministic else {}
+
+    @property
+    def geometry(self):
+        return self.loaded.geometry
+
+    def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        return KVPool(self.geometry, num_blocks, block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk], pool: KVPool) -> torch.Tensor:
+        """Write the chunks' K/V into ``pool``; return ``[num_wanted, vocab]`` float32
+        logits after the last token of each chunk with ``needs_logits``, in order."""
+        step = build_step(
+            chunks, pool, deterministic=self.deterministic,
+            pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
+        )
+        output = self.loaded.model(
+            input_ids=step.input_ids[None],
+            position_ids=step.position_ids[None],
+            use_cache=False,
+            logits_to_keep=step.logits_rows,
+            kvroute_step=step,
+        )
+        return output.logits[0].float()

@@ -1,0 +1,355 @@
+"""Continuous batching over the paged pool and the radix prefix cache.
+
+Each step (:meth:`Scheduler.schedule`) fills a budget of
+``max_batch_tokens`` tokens:
+
+1. Running sequences, oldest admission first: a decoding one feeds its last
+   sampled token (one new slot, reserved with ``allocator.append``, which
+   copies a shared last block first); a prefilling one feeds its next chunk.
+   When the pool is out of blocks: evict unlocked cache entries (LRU), then
+   preempt the youngest running sequence (free its blocks, unlock its path,
+   requeue it at the front; its tokens are recomputed later, mostly from the
+   cache), possibly the one asking.
+2. Waiting sequences, oldest first, while budget and ``max_num_seqs`` allow:
+   match the radix cache on ``tokens[:-1]`` (reuse <= len - 1, so the last
+   position's logits are computed), lock the matched path, share its full
+   blocks and copy a partly matched last block (``allocate_with_prefix``),
+   reserve blocks for the rest of the prompt, and feed a first chunk.
+   *In-flight sharing*: a sequence that shares at least one block more with
+   a sequence still prefilling (same salt) than with the cache waits until
+   that prefill is inserted, so a common prefix is computed once.
+
+After the forward, :meth:`complete` advances each sequence: a prefilling
+one inserts its newly completed full blocks into the tree (the whole
+prompt when its prefill ends) and moves its lock down the path; a
+sequence whose chunk reached its last token takes the sampled token,
+and on EOS / stop token / ``max_new_tokens`` it finishes: it inserts every
+token with KV (prompt + output but the last), unlocks and frees.
+
+Invariants (checked by :meth:`check_invariants`): running sequences are
+exactly the allocator's sequences and each holds one lock on its
+``locked_node``; a running sequence's reserved positions are
+``len(token_ids)`` (or one less, between sampling and its next decode);
+blocks the tree names are never written (only fresh blocks, private COW
+copies and the positions past ``num_inserted`` are).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache import BlockAllocator, OutOfBlocks, RadixCache
+from worker.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.start_pos + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    chunks: list[ScheduledChunk]
+    copies: list[tuple[int, int]]  # (src, dst) KV block copies to do before the forward
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    hits: int = 0  # first admissions that reused >= 1 cached token
+    misses: int = 0
+    tokens_saved: int = 0  # prompt tokens reused at first admission (= sum of cached_tokens)
+    readmission_tokens_saved: int = 0  # tokens reused when re-admitting preempted sequences
+    prefill_tokens: int = 0  # tokens run through the model in prefill (recomputation included)
+    decode_tokens: int = 0
+    preemptions: int = 0
+    inflight_holds: int = 0  # admissions deferred to share a prefix being computed
+    cow_copies: int = 0
+    finished: int = 0
+    aborted: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        cache: RadixCache,
+        *,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.block_size = allocator.block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+        self.watermark_blocks = max(1, allocator.num_blocks // 100)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def queued_tokens(self) -> int:
+        return sum(len(seq.token_ids) for seq in self.waiting)
+
+    def running_tokens(self) -> int:
+        return sum(len(seq.token_ids) for seq in self.running)
+
+    # ---------------------------------------------------------------- requests
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        seq.refresh_key()
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is; its blocks and locks are released."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return self._mark_aborted(seq)
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._release(seq)
+                self.running.remove(seq)
+                return self._mark_aborted(seq)
+        return None
+
+    # -------------------------------------------------------------- scheduling
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.max_batch_tokens
+        step = ScheduledStep([], [])
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if seq.is_prefilling:
+                num = min(seq.prefill_target - seq.num_computed, budget)
+            else:
+                if not self._reserve_decode_slot(seq, step):
+                    preempted = True
+                    continue  # seq itself was preempted; running[index] is now the next one
+                num = 1
+            step.chunks.append(ScheduledChunk(seq, seq.num_computed, num))
+            budget -= num
+            index += 1
+        if not preempted:  # a pool that just forced preemption admits nobody this step
+            self._admit(step, budget)
+        if not step.chunks:
+            return None
+        self.counters.steps += 1
+        return step
+
+    def _reserve_decode_slot(self, seq: Sequence, step: ScheduledStep) -> bool:
+        """Reserve position ``len(token_ids) - 1``; False if ``seq`` had to be preempted."""
+        if self.allocator.num_tokens(seq.request_id) >= len(seq.token_ids):
+            return True
+        while True:
+            try:
+                copy = self.allocator.append(seq.request_id)
+            except OutOfBlocks:
+                if self._evict_for(1):
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            if copy is not None:
+                step.copies.append(copy)
+                self.counters.cow_copies += 1
+            return True
+
+    def _admit(self, step: ScheduledStep, budget: int) -> None:
+        admitted: list[Sequence] = []
+        num_considered = 0
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or num_considered >= 2 * self.max_num_seqs:
+                break
+            num_considered += 1
+            tokens = seq.token_ids
+            peek = self.cache.match(tokens[:-1], seq.salt, touch=False)
+            if self._should_wait(seq, peek.num_tokens, admitted):
+                self.counters.inflight_holds += 1
+                continue
+            self.cache.lock(peek.node)  # pin the match while making room
+            num_new_blocks = -(-len(tokens) // self.block_size) - peek.num_tokens // self.block_size
+            if not self._make_room(num_new_blocks + self.watermark_blocks):
+                self.cache.unlock(peek.node)
+                break
+            match = self.cache.match(tokens[:-1], seq.salt)  # touch: refresh LRU, count lookup
+            self.cache.lock(match.node)
+            self.cache.unlock(peek.node)
+            copy = self.allocator.allocate_with_prefix(seq.request_id, len(tokens), match.block_ids, match.num_tokens)
+            if copy is not None:
+                step.copies.append(copy)
+                self.counters.cow_copies += 1
+            self.waiting.remove(seq)
+            self._start(seq, match.num_tokens, match.node)
+            num = min(len(tokens) - seq.num_computed, budget)
+            step.chunks.append(ScheduledChunk(seq, seq.num_computed, num))
+            budget -= num
+            admitted.append(seq)
+
+    def _start(self, seq: Sequence, num_reused: int, node) -> None:
+        seq.status = Status.RUNNING
+        seq.num_computed = num_reused
+        seq.num_inserted = num_reused
+        seq.prefill_target = len(seq.token_ids)
+        seq.locked_node = node
+        if seq.cached_tokens is None:
+            seq.cached_tokens = num_reused
+            self.counters.hits += num_reused > 0
+            self.counters.misses += num_reused == 0
+            self.counters.tokens_saved += num_reused
+        else:
+            self.counters.readmission_tokens_saved += num_reused
+        self.running.append(seq)
+
+    def _should_wait(self, seq: Sequence, num_cached: int, admitted: list[Sequence]) -> bool:
+        """True if a sequence still prefilling will soon cache >= 1 more block of ``seq``'s prompt."""
+        limit = len(seq.token_ids) - 1
+        if limit - num_cached < self.block_size:
+            return False
+        first = seq.token_ids[0]
+        for other in (*self.running, *admitted):
+            if not other.is_prefilling or other.salt != seq.salt or other.token_ids[0] != first:
+                continue
+            span = min(limit, other.prefill_target, len(other.key))
+            differs = np.flatnonzero(seq.key[:span] != other.key[:span])
+            common = int(differs[0]) if len(differs) else span
+            if common - num_cached >= self.block_size:
+                return True
+        return False
+
+    def _make_room(self, num_blocks: int) -> bool:
+        while self.allocator.num_free_blocks < num_blocks:
+            if not self._evict_for(num_blocks - self.allocator.num_free_blocks):
+                return False
+        return True
+
+    def _evict_for(self, num_blocks: int) -> bool:
+        return self.cache.evict(num_blocks * self.block_size) > 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = seq.num_inserted = seq.prefill_target = 0
+        seq.num_preemptions += 1
+        seq.refresh_key()
+        self.waiting.appendleft(seq)
+        self.counters.preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.request_id)
+        self.cache.unlock(seq.locked_node)
+        seq.locked_node = None
+
+    def _mark_aborted(self, seq: Sequence) -> Sequence:
+        seq.status = Status.FINISHED
+        self.counters.aborted += 1
+        return seq
+
+    # --------------------------------------------------------------- completion
+    def complete(
+        self, step: ScheduledStep, tokens: list[int], logprobs: list[float], now_s: float
+    ) -> list[tuple[Sequence, int, float]]:
+        """Advance the step's sequences; ``tokens``/``logprobs`` hold one entry per
+        chunk with ``needs_logits``, in order. Returns (seq, token, logprob) per
+        sampled token; finished sequences have status FINISHED."""
+        sampled = []
+        index = 0
+        for chunk in step.chunks:
+            seq = chunk.seq
+            was_prefilling = seq.is_prefilling
+            seq.num_computed += chunk.num_tokens
+            if was_prefilling:
+                self.counters.prefill_tokens += chunk.num_tokens
+                self._insert(seq, seq.num_computed if not seq.is_prefilling else self._full_blocks(seq.num_computed))
+            else:
+                self.counters.decode_tokens += chunk.num_tokens
+            if not chunk.needs_logits:
+                continue
+            token, logprob = tokens[index], logprobs[index]
+            index += 1
+            seq.token_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            if seq.first_token_s is None:
+                seq.first_token_s = now_s
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            sampled.append((seq, token, logprob))
+        assert index == len(tokens), (index, len(tokens))
+        return sampled
+
+    def _full_blocks(self, num_tokens: int) -> int:
+        return num_tokens // self.block_size * self.block_size
+
+    def _insert(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache ``token_ids[:num_tokens]`` (all with KV) and move the lock down the path."""
+        if num_tokens <= seq.num_inserted:
+            return
+        prefix = seq.token_ids[:num_tokens]
+        self.cache.insert(prefix, self.allocator.block_table(seq.request_id), seq.salt)
+        node = self.cache.match(prefix, seq.salt, touch=False).node
+        self.cache.lock(node)
+        self.cache.unlock(seq.locked_node)
+        seq.locked_node = node
+        seq.num_inserted = num_tokens
+
+    def _finish_reason(self, seq: Sequence, token: int):
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._insert(seq, seq.num_computed)  # prompt + output but the last token
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.counters.finished += 1
+
+    # --------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        running_ids = {seq.request_id for seq in self.running}
+        assert len(running_ids) == len(self.running), "a request runs twice"
+        allocated = {seq_id for seq_id in self.allocator._seqs}  # noqa: SLF001 (read-only check)
+        assert allocated == running_ids, (allocated, running_ids)
+        for seq in self.running:
+            assert seq.status is Status.RUNNING
+            reserved = self.allocator.num_tokens(seq.request_id)
+            assert reserved in (len(seq.token_ids), len(seq.token_ids) - 1), (seq.request_id, reserved)
+            assert seq.num_inserted <= seq.num_computed <= len(seq.token_ids)
+            assert seq.locked_node is not None and seq.locked_node.lock_ref >= 1
+        for seq in self.waiting:
+            assert seq.status is Status.WAITING and seq.locked_node is None
+            assert seq.request_id not in allocated
+        self.allocator.check_invariants()
+        self.cache.check_invariants()

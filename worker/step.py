@@ -1,0 +1,93 @@
+"""One forward step's inputs: the flattened batch and its attention metadata.
+
+The scheduler describes a step as :class:`SeqChunk` records (one per
+sequence: the tokens it feeds, where they start, its block table);
+:func:`build_step` turns them into tensors. Model code only sees
+``input_ids`` and ``position_ids``; everything paged travels in the
+:class:`StepBatch` handed to the attention function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.attention import ChunkArrays, DefaultPlan, TiledPlan, build_default_plan, build_tiled_plan
+from worker.kv import KVPool
+from worker.numerics import pad_rows
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """A sequence's share of one step: feed ``token_ids`` at positions
+    ``start_pos ..``; ``block_table`` covers every position up to the last fed
+    one; ``needs_logits``: return the logits after the last fed token."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    needs_logits: bool
+
+
+@dataclass(slots=True)
+class StepBatch:
+    pool: KVPool
+    input_ids: torch.Tensor  # [num_rows] (padded with pad tokens in deterministic mode)
+    position_ids: torch.Tensor  # [num_rows]
+    slot_mapping: torch.Tensor  # [num_rows] pool slot each row's K/V is written to
+    logits_rows: torch.Tensor  # [num_logits] rows whose logits are wanted, in chunk order
+    plan: DefaultPlan | TiledPlan
+    num_tokens: int  # real (unpadded) rows
+
+
+def build_step(
+    chunks: Sequence[SeqChunk], pool: KVPool, *, deterministic: bool, pad_token_id: int, num_heads: int
+) -> StepBatch:
+    if not chunks:
+        raise ValueError("a step needs at least one chunk")
+    device = pool.data.device
+    lengths = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+    if (lengths < 1).any():
+        raise ValueError("every chunk feeds at least one token")
+    starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
+    offsets = np.cumsum(lengths) - lengths
+    num_tokens = int(lengths.sum())
+    num_rows = pad_rows(num_tokens) if deterministic else num_tokens
+    max_blocks = max(len(c.block_table) for c in chunks)
+    tables = np.full((len(chunks), max_blocks), pool.scratch_block_id, dtype=np.int64)
+    for index, chunk in enumerate(chunks):
+        tables[index, : len(chunk.block_table)] = chunk.block_table
+        if len(chunk.block_table) * pool.block_size < chunk.start_pos + lengths[index]:
+            raise ValueError(f"chunk {index}: block table too short for position {chunk.start_pos + lengths[index] - 1}")
+    arrays = ChunkArrays(offsets, lengths, starts, tables, pool.block_size, pool.scratch_slot)
+
+    token_chunk = np.repeat(np.arange(len(chunks)), lengths)
+    positions = starts[token_chunk] + np.arange(num_tokens) - offsets[token_chunk]
+    input_ids = np.full(num_rows, pad_token_id, dtype=np.int64)
+    input_ids[:num_tokens] = np.fromiter(
+        (t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens
+    )
+    position_ids = np.zeros(num_rows, dtype=np.int64)
+    position_ids[:num_tokens] = positions
+    slot_mapping = np.full(num_rows, pool.scratch_slot, dtype=np.int64)
+    slot_mapping[:num_tokens] = arrays.slots(token_chunk, positions)
+    wants = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=len(chunks))
+    logits_rows = (offsets + lengths - 1)[wants]
+
+    if deterministic:
+        group = num_heads // pool.geometry.num_kv_heads
+        plan = build_tiled_plan(arrays, num_rows, pool.geometry.num_kv_heads, group, device)
+    else:
+        plan = build_default_plan(arrays, device)
+    return StepBatch(
+        pool=pool,
+        input_ids=torch.from_numpy(input_ids).to(device),
+        position_ids=torch.from_numpy(position_ids).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        logits_rows=torch.from_numpy(logits_rows).to(device),
+        plan=plan,
+        num_tokens=num_tokens,
+    )
