@@ -26,6 +26,12 @@ from worker.messages import WorkerBatch, WorkerRequest
 logger = logging.getLogger("kvroute.ingress")
 
 MAX_BATCH_GROUP = 16  # prompts per worker call in /generate_batch
+MAX_REPLICA_RETRIES = 2  # re-dispatches after the serving replica died
+_REPLICA_FAILURES = ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError")
+
+
+def _is_replica_failure(error: BaseException) -> bool:
+    return any(cls.__name__ in _REPLICA_FAILURES for cls in type(error).__mro__)
 
 
 class Frontend:
@@ -89,41 +95,55 @@ class Frontend:
 
     # --------------------------------------------------------------- dispatch
     async def run(self, request: WorkerRequest) -> dict:
+        """The worker's result. A replica that dies under the request is retried
+        on another (the router drops the dead one at once), up to
+        ``MAX_REPLICA_RETRIES`` times; then 503 with ``Retry-After``."""
         start = time.monotonic()
-        response = self.worker.generate.remote(request)
-        try:
-            result = await response
-        except asyncio.CancelledError:  # the client went away: stop the work too
-            response.cancel()
-            raise
-        except Exception as error:  # noqa: BLE001 - every failure gets a definite status
-            raise self._as_api_error(error) from None
+        for attempt in range(MAX_REPLICA_RETRIES + 1):
+            response = self.worker.generate.remote(request)
+            try:
+                result = await response
+                break
+            except asyncio.CancelledError:  # the client went away: stop the work too
+                response.cancel()
+                raise
+            except Exception as error:  # noqa: BLE001 - every failure gets a definite status
+                if not (_is_replica_failure(error) and attempt < MAX_REPLICA_RETRIES):
+                    raise self._as_api_error(error) from None
+                self.metrics.retries.inc()
+                logger.warning("retrying %s after replica failure: %s", request.request_id, type(error).__name__)
         self.metrics.observe_result(result, time.monotonic() - start)
         return result
 
     async def stream(self, request: WorkerRequest) -> AsyncIterator[dict]:
         """Token events as the worker produces them; the last carries ``done``.
-        Closing the iterator early (client gone, stop string) cancels the request."""
+        Closing the iterator early (client gone, stop string) cancels the
+        request. A replica failure before the first event is retried elsewhere."""
         start = last = time.monotonic()
-        generator = self.worker.options(stream=True).generate_stream.remote(request)
         num_events, finished = 0, False
-        try:
-            async for event in generator:
-                now = time.monotonic()
-                if num_events == 0:
-                    self.metrics.ttft_s.labels(replica=str(event.get("replica_id", "unknown"))).observe(now - start)
-                elif "token_id" in event:
-                    self.metrics.itl_s.observe(now - last)
-                last, num_events = now, num_events + 1
-                if event.get("done"):
-                    finished = True
-                    self.metrics.observe_result(event, now - start, ttft_seen=True)
-                yield event
-        except Exception as error:  # noqa: BLE001
-            raise self._as_api_error(error) from None
-        finally:
-            if not finished:
-                generator.cancel()
+        for attempt in range(MAX_REPLICA_RETRIES + 1):
+            generator = self.worker.options(stream=True).generate_stream.remote(request)
+            try:
+                async for event in generator:
+                    now = time.monotonic()
+                    if num_events == 0:
+                        self.metrics.ttft_s.labels(replica=str(event.get("replica_id", "unknown"))).observe(now - start)
+                    elif "token_id" in event:
+                        self.metrics.itl_s.observe(now - last)
+                    last, num_events = now, num_events + 1
+                    if event.get("done"):
+                        finished = True
+                        self.metrics.observe_result(event, now - start, ttft_seen=True)
+                    yield event
+                return
+            except Exception as error:  # noqa: BLE001
+                if not (_is_replica_failure(error) and num_events == 0 and attempt < MAX_REPLICA_RETRIES):
+                    raise self._as_api_error(error) from None
+                self.metrics.retries.inc()
+                logger.warning("retrying stream %s after replica failure: %s", request.request_id, type(error).__name__)
+            finally:
+                if not finished:
+                    generator.cancel()
 
     async def run_batch(self, items: list[WorkerRequest | APIError]) -> list[dict]:
         """Results in input order. Prompts sharing their first routing block go
@@ -185,7 +205,7 @@ class Frontend:
         if name in ("BackPressureError", "DeploymentUnavailableError"):
             self.metrics.rejected.labels(reason="serve_queue_full").inc()
             return APIError(503, f"server busy: {error}", code="overloaded", retry_after_s=retry)
-        if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError"):
+        if _is_replica_failure(error):
             logger.warning("worker replica failed mid-request: %s", error)
             return APIError(503, "a worker replica failed; retry the request", code="replica_failed", retry_after_s=retry)
         logger.exception("unexpected worker failure", exc_info=error)

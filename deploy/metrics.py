@@ -61,6 +61,7 @@ class IngressMetrics:
         )
         self.requests = Counter("kvroute_requests", "HTTP requests", ["route", "status"], registry=self.registry)
         self.rejected = Counter("kvroute_rejected", "Requests shed under overload", ["reason"], registry=self.registry)
+        self.retries = Counter("kvroute_replica_retries", "Requests re-dispatched after a replica failure", registry=self.registry)
         self._replicas = _ReplicaCollector()
         self.registry.register(self._replicas)
 
