@@ -15,13 +15,13 @@ eviction, no block ids. The router's simulator replays traces through it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache.blocks import BlockAllocator
 from cache.hashing import check_tokens
+from cache.lru import LruQueue
 
 SaltKey = bytes | None
 
@@ -163,9 +163,7 @@ class RadixCache:
         self._num_tokens = 0
         self._num_locked_tokens = 0  # edge lengths of non-root nodes with lock_ref > 0
         self._num_nodes = 0
-        # Lazy min-heap of (last_access, tiebreak, node); stale entries skipped on pop.
-        self._evictable: list[tuple[float, int, _Node]] = []
-        self._tiebreak = itertools.count()
+        self._lru: LruQueue[_Node] = LruQueue(self._is_evictable)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -302,7 +300,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._num_locked_tokens -= len(node.tokens)
                 if not node.children:
-                    self._push_evictable(node)
+                    self._lru.push(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
@@ -313,10 +311,10 @@ class RadixCache:
         mode the blocks' retained references are released.
         """
         removed = 0
-        while removed < num_tokens and self._evictable:
-            last_access, _, leaf = heapq.heappop(self._evictable)
-            if not self._is_evictable(leaf) or leaf.last_access != last_access:
-                continue  # stale entry
+        while removed < num_tokens:
+            leaf = self._lru.pop()
+            if leaf is None:
+                break
             removed += self._remove_leaf(leaf)
         return removed
 
@@ -328,7 +326,7 @@ class RadixCache:
     def check_invariants(self) -> None:
         total_tokens, total_nodes, locked_tokens = 0, 0, 0
         retained: dict[int, int] = {}
-        live_heap = {(id(node), access) for access, _, node in self._evictable}
+        queued = self._lru.live_keys()
         for namespace, root in self._roots.items():
             assert namespace is None or type(namespace) is bytes, namespace
             assert root.is_root and root.lock_ref >= 1 and root.start == 0 and not root.tokens
@@ -350,7 +348,7 @@ class RadixCache:
                     locked_tokens += len(node.tokens)
                 assert node.last_access >= max((c.last_access for c in node.children.values()), default=0)
                 if self._is_evictable(node):
-                    assert (id(node), node.last_access) in live_heap, f"evictable leaf not queued: {node!r}"
+                    assert (id(node), node.last_access) in queued, f"evictable leaf not queued: {node!r}"
                 if self.allocator is not None:
                     first, last = node.start // self.block_size, (node.end - 1) // self.block_size
                     assert len(node.block_ids) == last - first + 1, node
@@ -435,17 +433,11 @@ class RadixCache:
             node.last_access = now
         leaf = path[-1]
         if self._is_evictable(leaf):
-            self._push_evictable(leaf)
+            self._lru.push(leaf)
 
     @staticmethod
     def _is_evictable(node: _Node) -> bool:
         return node.parent is not None and not node.children and node.lock_ref == 0 and _is_attached(node)
-
-    def _push_evictable(self, node: _Node) -> None:
-        heapq.heappush(self._evictable, (node.last_access, next(self._tiebreak), node))
-        if len(self._evictable) > 2 * self._num_nodes + 64:  # drop stale entries
-            self._evictable = [e for e in self._evictable if self._is_evictable(e[2]) and e[2].last_access == e[0]]
-            heapq.heapify(self._evictable)
 
     def _remove_leaf(self, leaf: _Node) -> int:
         parent = leaf.parent
@@ -459,5 +451,5 @@ class RadixCache:
         self.stats.evictions += 1
         self.stats.evicted_tokens += num_removed
         if self._is_evictable(parent):
-            self._push_evictable(parent)
+            self._lru.push(parent)
         return num_removed
