@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from worker.model import TinyLlamaSpec
@@ -34,11 +35,15 @@ class EngineConfig:
     max_queued_requests: int = 1024  # waiting requests before EngineOverloaded
     max_model_len: int | None = None  # prompt + output limit; None: the model's context length
     seed: int = 0  # engine RNG: seeds sampling for requests that carry no seed
+    num_threads: int | None = None  # torch intra-op threads (process-wide); None: leave torch's choice
+    tune_malloc: bool = True  # raise glibc malloc thresholds (process-wide; see worker/host.py)
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if isinstance(self.tiny_llama, Mapping):  # from YAML: {"hidden_size": 256, ...}
+            object.__setattr__(self, "tiny_llama", TinyLlamaSpec(**self.tiny_llama))
         if not isinstance(self.tiny_llama, TinyLlamaSpec):
             raise ValueError(f"tiny_llama must be a TinyLlamaSpec, got {self.tiny_llama!r}")
         _check_int("cache_budget_tokens", self.cache_budget_tokens, minimum=0)
@@ -47,6 +52,8 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("max_queued_requests", self.max_queued_requests, minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        if self.num_threads is not None:
+            _check_int("num_threads", self.num_threads, minimum=1)
         if self.kv_pool_tokens is not None:
             _check_int("kv_pool_tokens", self.kv_pool_tokens, minimum=1)
             if self.kv_pool_tokens <= self.cache_budget_tokens:
@@ -69,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic and 32 % self.block_size and self.block_size % 32:
+            raise ValueError(
+                f"deterministic mode needs a block_size that divides 32 or is a multiple of 32, got {self.block_size}"
+            )
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

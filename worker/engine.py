@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from cache import BlockAllocator, RadixCache
+from worker import host
 from worker.config import EngineConfig
 from worker.kv import bytes_per_token, pool_tokens_from_free_memory
 from worker.results import GenerationResult, TokenEvent
@@ -41,9 +42,13 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config = config or EngineConfig()
         self._clock = clock
+        if config.tune_malloc:
+            host.tune_malloc()
+        host.set_threads(config.num_threads)
         self.runner = ModelRunner(
             config.model, config.tiny_llama, device=config.device, dtype=config.dtype,
-            deterministic=config.deterministic, max_positions=config.max_model_len,
+            deterministic=config.deterministic, max_batch_tokens=max(config.max_batch_tokens, 64),
+            max_positions=config.max_model_len,
             trust_remote_code=config.trust_remote_code,
         )
         loaded = self.runner.loaded

@@ -1,10 +1,15 @@
 """The KV pool: every layer's keys and values, indexed by block id.
 
-One tensor ``data[num_layers, 2, num_blocks + 1, block_size, kv_heads,
+One tensor ``data[num_layers, 2, num_blocks + 1, kv_heads, block_size,
 head_dim]`` (index 0 of the second axis holds keys, 1 values). Block ids come
 from ``cache.BlockAllocator``; the extra last block is scratch, never handed
-out: padding tokens write there and masked key slots read from it. A
-position's *slot* is ``block_id * block_size + offset``.
+out: padding tokens write there and masked key positions read from it.
+
+Inside a block, each KV head's rows are contiguous (head-major), so
+attention gathers whole ``[rows, head_dim]`` *slabs* (one index per slab,
+not per position). Row ``((block_id * kv_heads + head) * block_size +
+offset)`` of :meth:`rows` holds position ``block_id * block_size + offset``
+of that head.
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block_id = num_blocks
-        # [layers, k/v, num_blocks + 1, block_size, kv_heads, head_dim]
+        # [layers, k/v, num_blocks + 1, kv_heads, block_size, head_dim]
         self.data = torch.zeros(
-            geometry.num_layers, 2, num_blocks + 1, block_size, geometry.num_kv_heads, geometry.head_dim,
+            geometry.num_layers, 2, num_blocks + 1, geometry.num_kv_heads, block_size, geometry.head_dim,
             dtype=dtype, device=device,
         )
         self.num_bytes = self.data.numel() * self.data.element_size()
@@ -59,16 +64,13 @@ class KVPool:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    @property
-    def scratch_slot(self) -> int:
-        return self.scratch_block_id * self.block_size
+    def rows(self, layer: int, kind: int) -> torch.Tensor:
+        """``[(num_blocks + 1) * kv_heads * block_size, head_dim]`` view; ``kind`` 0 = keys, 1 = values."""
+        return self.data[layer, kind].view(-1, self.geometry.head_dim)
 
-    def keys(self, layer: int) -> torch.Tensor:
-        """``[num_slots, kv_heads, head_dim]`` view of one layer's keys."""
-        return self.data[layer, 0].view(-1, self.geometry.num_kv_heads, self.geometry.head_dim)
-
-    def values(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 1].view(-1, self.geometry.num_kv_heads, self.geometry.head_dim)
+    def slabs(self, layer: int, kind: int, rows_per_slab: int) -> torch.Tensor:
+        """``[num_slabs, rows_per_slab, head_dim]`` view; ``rows_per_slab`` divides ``block_size``."""
+        return self.data[layer, kind].view(-1, rows_per_slab, self.geometry.head_dim)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V rows of block ``src`` into ``dst`` for each pair, in order."""
@@ -79,5 +81,5 @@ class KVPool:
         self.data[:, :, dst] = self.data[:, :, src]
 
     def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of one block's ``(keys, values)``, each ``[block_size, kv_heads, head_dim]`` (tests)."""
+        """A copy of one block's ``(keys, values)``, each ``[kv_heads, block_size, head_dim]`` (tests)."""
         return self.data[layer, 0, block_id].clone(), self.data[layer, 1, block_id].clone()

@@ -12,13 +12,12 @@ Mistral and most recent decoder-only families do).
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
@@ -77,12 +76,67 @@ class LoadedModel:
 
 
 def byte_tokenizer():
-    """The tiny model's tokenizer: bytes + (pad, eos, unk), with a chat template."""
+    """The tiny model's tokenizer: bytes + (pad, eos, unk), with a chat template.
+
+    Unlike ByT5 (an encoder-decoder tokenizer), it appends no EOS when
+    encoding: a prompt ends where its text ends.
+    """
     from transformers import ByT5Tokenizer
 
-    tokenizer = ByT5Tokenizer(extra_ids=0)
+    class ByteTokenizer(ByT5Tokenizer):
+        def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
+            return list(token_ids_0) + list(token_ids_1 or [])
+
+        def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False):
+            if already_has_special_tokens:
+                return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
+            return [0] * (len(token_ids_0) + len(token_ids_1 or []))
+
+        def create_token_type_ids_from_sequences(self, token_ids_0, token_ids_1=None):
+            return [0] * (len(token_ids_0) + len(token_ids_1 or []))
+
+    tokenizer = ByteTokenizer(extra_ids=0)
     tokenizer.chat_template = BYTE_CHAT_TEMPLATE
     return tokenizer
+
+
+def load_tokenizer(name: str, *, trust_remote_code: bool = False):
+    """The tokenizer of model ``name`` without loading its weights (for an ingress)."""
+    if name == "tiny-llama":
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def model_info(name: str, engine_kwargs: Mapping[str, Any] | None = None) -> dict:
+    """What an ingress validates against, from the config alone (no weights):
+    ``vocab_size``, ``max_model_len``, ``eos_token_id``. ``engine_kwargs`` are
+    ``EngineConfig`` keyword arguments (``max_model_len``, ``tiny_llama``)."""
+    engine_kwargs = dict(engine_kwargs or {})
+    if name == "tiny-llama":
+        spec = engine_kwargs.get("tiny_llama") or TinyLlamaSpec()
+        if isinstance(spec, Mapping):
+            spec = TinyLlamaSpec(**spec)
+        vocab_size, context, eos = len(byte_tokenizer()), spec.max_position_embeddings, (1,)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            name, trust_remote_code=bool(engine_kwargs.get("trust_remote_code", False))
+        ).get_text_config()
+        vocab_size = config.vocab_size
+        context = int(getattr(config, "max_position_embeddings", 2048))
+        eos_value = config.eos_token_id
+        eos = () if eos_value is None else ((eos_value,) if isinstance(eos_value, int) else tuple(eos_value))
+    max_model_len = engine_kwargs.get("max_model_len") or context
+    return {
+        "model_id": name,
+        "vocab_size": vocab_size,
+        "max_model_len": min(max_model_len, context),
+        "eos_token_id": eos[0] if eos else None,
+        "eos_token_ids": list(eos),
+    }
 
 
 def build_tiny_llama(spec: TinyLlamaSpec, vocab_size: int) -> nn.Module:

@@ -7,9 +7,17 @@ take a vector or a scalar path, or another thread's chunk, depending on the
 tensor's total size (see ../shared/DESIGN.md, "Deterministic mode"). Every
 call here therefore has a fixed shape per 16-row tile:
 
-- :class:`TiledLinear`: one batched matmul over zero-padded ``[16, in]`` tiles;
-- :class:`PerTile`: wraps a row-wise module (RMSNorm, the MLP activation) and
-  calls it once per ``[16, hidden]`` tile;
+- :class:`TiledLinear`: one batched matmul over zero-padded ``[16, in]`` tiles
+  (``torch.matmul`` of ``[tiles, 16, in]`` by the weight: a single GEMM over
+  the padded rows; :func:`rows_are_invariant` checks at start-up, per weight
+  shape, that this BLAS gives each row the same bits for every multiple of 16
+  rows up to the step size, and where it does not the layer falls back to a
+  true per-tile ``bmm``, slower but fixed-shape by construction);
+- :class:`PerTile`: wraps a row-wise module (the MLP activation, and a norm
+  that fails :func:`module_rows_are_invariant`) and calls it once per
+  ``[16, hidden]`` tile. RMSNorm needs no tiling where its ``rsqrt`` is the
+  correctly rounded ``1 / sqrt`` (checked at start-up): its other ops are
+  exact element-wise ops and a fixed-length row mean;
 - :class:`RopeTable`: cos/sin looked up in a table computed once for every
   position, so a position's rotation never depends on the batch.
 
@@ -20,6 +28,8 @@ end. Attention has its own tiled kernel (worker/attention.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -33,18 +43,21 @@ def pad_rows(num_rows: int) -> int:
 
 
 class TiledLinear(nn.Module):
-    """``nn.Linear`` computed as a batched matmul over 16-row tiles.
+    """``nn.Linear`` computed over zero-padded 16-row tiles.
 
     Shares the wrapped layer's parameters. Input ``[..., in]``; rows are padded
     with zeros up to whole tiles and the padding is dropped from the output.
+    ``per_tile_bmm``: one ``[16, in] x [in, out]`` product per tile (``bmm``)
+    instead of one GEMM over all padded rows.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, *, per_tile_bmm: bool = False) -> None:
         super().__init__()
         self.weight = linear.weight  # [out, in]
         self.bias = linear.bias
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.per_tile_bmm = per_tile_bmm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -54,8 +67,12 @@ class TiledLinear(nn.Module):
         if num_padded != num_rows:
             rows = torch.cat([rows, rows.new_zeros(num_padded - num_rows, self.in_features)])
         tiles = rows.view(-1, TILE_ROWS, self.in_features)  # [num_tiles, 16, in]
-        weight_t = self.weight.t().expand(tiles.shape[0], self.in_features, self.out_features)
-        out = torch.bmm(tiles, weight_t).view(num_padded, self.out_features)
+        if self.per_tile_bmm:
+            weight_t = self.weight.t().expand(tiles.shape[0], self.in_features, self.out_features)
+            out = torch.bmm(tiles, weight_t)
+        else:
+            out = torch.matmul(tiles, self.weight.t())
+        out = out.view(num_padded, self.out_features)
         if self.bias is not None:
             out = out + self.bias
         return out[:num_rows].view(*lead, self.out_features)
@@ -119,24 +136,71 @@ def install_rope_table(model: nn.Module, max_positions: int) -> int:
     return replaced
 
 
-def make_batch_invariant(model: nn.Module) -> dict[str, int]:
+@functools.lru_cache(maxsize=None)
+def rows_are_invariant(in_features: int, out_features: int, max_rows: int, dtype, device) -> bool:
+    """Does one GEMM give every row the same bits for 16, 32, ..., ``max_rows`` rows?
+
+    Checks every multiple of 16 up to 128 rows, then powers of two and
+    ``max_rows``, against the full product, on seeded random data (cached
+    per process: the answer is a property of the BLAS and the shape).
+    """
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    num_rows = pad_rows(max(max_rows, TILE_ROWS))
+    x = torch.randn(num_rows, in_features, generator=generator).to(device=device, dtype=dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(device=device, dtype=dtype) * 0.05
+    full = torch.matmul(x.view(-1, TILE_ROWS, in_features), weight.t()).view(num_rows, out_features)
+    counts = set(range(TILE_ROWS, min(num_rows, 128) + 1, TILE_ROWS))
+    counts |= {1 << k for k in range(4, num_rows.bit_length()) if 1 << k <= num_rows} | {num_rows}
+    for count in sorted(counts):
+        part = torch.matmul(x[:count].view(-1, TILE_ROWS, in_features), weight.t()).view(count, out_features)
+        if not torch.equal(part, full[:count]):
+            return False
+    return True
+
+
+def module_rows_are_invariant(module: nn.Module, width: int, max_rows: int, dtype, device) -> bool:
+    """Does a row-wise module give each row the same bits for 16, 32, ... ``max_rows`` rows?"""
+    generator = torch.Generator(device="cpu").manual_seed(99)
+    num_rows = pad_rows(max(max_rows, TILE_ROWS))
+    x = (torch.randn(num_rows, width, generator=generator) * 3).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        full = module(x)
+        for count in range(TILE_ROWS, num_rows + 1, TILE_ROWS):
+            if not torch.equal(module(x[:count]), full[:count]):
+                return False
+    return True
+
+
+def make_batch_invariant(model: nn.Module, max_rows: int) -> dict[str, int]:
     """Swap in tiled linears, per-tile norms and activations, in place.
 
+    ``max_rows``: the most tokens one forward carries (the step budget).
     Norms are recognised by class name (``*RMSNorm``, ``*LayerNorm``), the
     activation by the attribute name ``act_fn`` (Llama, Qwen2, Mistral MLPs).
-    Returns counts of what was replaced.
+    Returns counts of what was found and replaced (``per_tile_bmm``: linears
+    whose shape failed :func:`rows_are_invariant`; ``norm_per_tile``: norms
+    that failed :func:`module_rows_are_invariant` and are called per tile).
     """
-    counts = {"linear": 0, "norm": 0, "activation": 0}
+    counts = {"linear": 0, "per_tile_bmm": 0, "norm": 0, "norm_per_tile": 0, "activation": 0}
+    shape_is_invariant: dict[tuple, bool] = {}
     for parent in list(model.modules()):
         if isinstance(parent, (TiledLinear, PerTile, RopeTable)):
             continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, TiledLinear(child))
+                shape = (child.in_features, child.out_features, child.weight.dtype, child.weight.device)
+                if shape not in shape_is_invariant:
+                    shape_is_invariant[shape] = rows_are_invariant(*shape[:2], max_rows, *shape[2:])
+                per_tile_bmm = not shape_is_invariant[shape]
+                setattr(parent, name, TiledLinear(child, per_tile_bmm=per_tile_bmm))
                 counts["linear"] += 1
+                counts["per_tile_bmm"] += per_tile_bmm
             elif type(child).__name__.endswith(("RMSNorm", "LayerNorm")):
-                setattr(parent, name, PerTile(child))
                 counts["norm"] += 1
+                weight = child.weight
+                if not module_rows_are_invariant(child, weight.shape[-1], max_rows, weight.dtype, weight.device):
+                    setattr(parent, name, PerTile(child))
+                    counts["norm_per_tile"] += 1
             elif name == "act_fn":
                 setattr(parent, name, PerTile(child))
                 counts["activation"] += 1

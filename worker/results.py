@@ -28,6 +28,25 @@ class GenerationResult:
     request_id: str = ""
     num_preemptions: int = 0
 
+    @property
+    def done(self) -> bool:
+        """Always True: in a stream, the result is the item after the last token."""
+        return True
+
+    def to_dict(self) -> dict:
+        """Plain types only (crosses process boundaries); ``done`` marks a stream's end."""
+        return {
+            "done": True,
+            "request_id": self.request_id,
+            "token_ids": list(self.token_ids),
+            "logprobs": None if self.logprobs is None else list(self.logprobs),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.ttft_s,
+            "num_preemptions": self.num_preemptions,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
@@ -43,3 +62,7 @@ class TokenEvent:
     @property
     def is_last(self) -> bool:
         return self.result is not None
+
+    def to_dict(self) -> dict:
+        """The token only (a stream's final item, the result, has its own ``to_dict``)."""
+        return {"request_id": self.request_id, "token_id": self.token_id, "logprob": self.logprob, "index": self.index}

@@ -18,6 +18,7 @@ from worker.kv import KVPool
 from worker.model import LoadedModel, TinyLlamaSpec, load_model
 from worker.numerics import install_rope_table, make_batch_invariant
 from worker.step import SeqChunk, build_step
+from worker.tiled_attention import KEY_BLOCK, TILE_ROWS, small_tile_rows, small_tiles_are_exact
 
 
 class ModelRunner:
@@ -29,6 +30,7 @@ class ModelRunner:
         device: str,
         dtype: str,
         deterministic: bool,
+        max_batch_tokens: int = 2048,
         max_positions: int | None = None,
         trust_remote_code: bool = False,
     ) -> None:
@@ -42,7 +44,14 @@ class ModelRunner:
         self.dtype = getattr(torch, dtype)
         self.max_positions = max_positions or self.loaded.max_position_embeddings
         install_rope_table(self.loaded.model, self.max_positions)
-        self.swapped = make_batch_invariant(self.loaded.model) if deterministic else {}
+        # The plain reference prefills a whole prompt in one forward: calibrate up to max_positions rows.
+        max_rows = max(max_batch_tokens, self.max_positions)
+        self.swapped = make_batch_invariant(self.loaded.model, max_rows) if deterministic else {}
+        geometry = self.loaded.geometry
+        self.decode_tile_rows = TILE_ROWS
+        rows = small_tile_rows(geometry.num_heads // geometry.num_kv_heads)
+        if deterministic and small_tiles_are_exact(rows, geometry.head_dim, KEY_BLOCK, self.dtype, self.device):
+            self.decode_tile_rows = rows
 
     @property
     def geometry(self):
@@ -58,6 +67,7 @@ class ModelRunner:
         step = build_step(
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
+            decode_tile_rows=self.decode_tile_rows,
         )
         output = self.loaded.model(
             input_ids=step.input_ids[None],

@@ -309,8 +309,11 @@ class Scheduler:
         return num_tokens // self.block_size * self.block_size
 
     def _insert(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache ``token_ids[:num_tokens]`` (all with KV) and move the lock down the path."""
-        if num_tokens <= seq.num_inserted:
+        """Cache ``token_ids[:num_tokens]`` (all with KV) and move the lock down the path.
+
+        A prompt longer than the budget is not cached at all, not even its
+        first blocks while it is prefilled, so it flushes nothing."""
+        if num_tokens <= seq.num_inserted or seq.prefill_target > self.cache.budget_tokens:
             return
         prefix = seq.token_ids[:num_tokens]
         self.cache.insert(prefix, self.allocator.block_table(seq.request_id), seq.salt)

@@ -15,9 +15,38 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention import ChunkArrays, DefaultPlan, TiledPlan, build_default_plan, build_tiled_plan
+from worker.attention import DefaultPlan, build_default_plan
 from worker.kv import KVPool
 from worker.numerics import pad_rows
+from worker.tiled_attention import TiledPlan, build_tiled_plan
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkArrays:
+    """The step's chunks as arrays (one entry per chunk)."""
+
+    offsets: np.ndarray  # first row of the chunk in the flattened batch
+    lengths: np.ndarray  # tokens fed this step
+    starts: np.ndarray  # absolute position of the first fed token
+    tables: np.ndarray  # [num_chunks, max_blocks] block tables, padded with the scratch block
+    block_size: int
+    scratch_block: int
+    num_kv_heads: int
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Sequence length after this step (positions ``< end`` hold keys)."""
+        return self.starts + self.lengths
+
+    def blocks(self, chunk: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Block ids holding ``positions`` (same shape) for chunk ``chunk``; scratch past the end."""
+        index = np.minimum(positions // self.block_size, self.tables.shape[1] - 1)
+        return np.where(positions < self.ends[chunk], self.tables[chunk, index], self.scratch_block)
+
+    def slab_ids(self, blocks: np.ndarray, heads: np.ndarray, positions: np.ndarray, rows_per_slab: int) -> np.ndarray:
+        """Index of the slab holding (block, head, position) in a ``rows_per_slab``-row slab view of the pool."""
+        offset = positions % self.block_size
+        return ((blocks * self.num_kv_heads + heads) * self.block_size + offset) // rows_per_slab
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +66,20 @@ class StepBatch:
     pool: KVPool
     input_ids: torch.Tensor  # [num_rows] (padded with pad tokens in deterministic mode)
     position_ids: torch.Tensor  # [num_rows]
-    slot_mapping: torch.Tensor  # [num_rows] pool slot each row's K/V is written to
+    write_rows: torch.Tensor  # [kv_heads * num_rows] pool row of each (head, token)'s K/V, head-major
     logits_rows: torch.Tensor  # [num_logits] rows whose logits are wanted, in chunk order
     plan: DefaultPlan | TiledPlan
     num_tokens: int  # real (unpadded) rows
 
 
 def build_step(
-    chunks: Sequence[SeqChunk], pool: KVPool, *, deterministic: bool, pad_token_id: int, num_heads: int
+    chunks: Sequence[SeqChunk],
+    pool: KVPool,
+    *,
+    deterministic: bool,
+    pad_token_id: int,
+    num_heads: int,
+    decode_tile_rows: int = 16,
 ) -> StepBatch:
     if not chunks:
         raise ValueError("a step needs at least one chunk")
@@ -62,7 +97,8 @@ def build_step(
         tables[index, : len(chunk.block_table)] = chunk.block_table
         if len(chunk.block_table) * pool.block_size < chunk.start_pos + lengths[index]:
             raise ValueError(f"chunk {index}: block table too short for position {chunk.start_pos + lengths[index] - 1}")
-    arrays = ChunkArrays(offsets, lengths, starts, tables, pool.block_size, pool.scratch_slot)
+    num_kv_heads = pool.geometry.num_kv_heads
+    arrays = ChunkArrays(offsets, lengths, starts, tables, pool.block_size, pool.scratch_block_id, num_kv_heads)
 
     token_chunk = np.repeat(np.arange(len(chunks)), lengths)
     positions = starts[token_chunk] + np.arange(num_tokens) - offsets[token_chunk]
@@ -72,21 +108,25 @@ def build_step(
     )
     position_ids = np.zeros(num_rows, dtype=np.int64)
     position_ids[:num_tokens] = positions
-    slot_mapping = np.full(num_rows, pool.scratch_slot, dtype=np.int64)
-    slot_mapping[:num_tokens] = arrays.slots(token_chunk, positions)
+    token_blocks = np.full(num_rows, pool.scratch_block_id, dtype=np.int64)
+    token_blocks[:num_tokens] = arrays.blocks(token_chunk, positions)
+    heads = np.arange(num_kv_heads)[:, None]
+    write_rows = (token_blocks[None] * num_kv_heads + heads) * pool.block_size + position_ids[None] % pool.block_size
+    write_rows[:, num_tokens:] = pool.scratch_block_id * num_kv_heads * pool.block_size  # padding: scratch
     wants = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=len(chunks))
     logits_rows = (offsets + lengths - 1)[wants]
 
     if deterministic:
-        group = num_heads // pool.geometry.num_kv_heads
-        plan = build_tiled_plan(arrays, num_rows, pool.geometry.num_kv_heads, group, device)
+        plan = build_tiled_plan(
+            arrays, num_rows, num_heads // num_kv_heads, device, decode_tile_rows=decode_tile_rows
+        )
     else:
         plan = build_default_plan(arrays, device)
     return StepBatch(
         pool=pool,
         input_ids=torch.from_numpy(input_ids).to(device),
         position_ids=torch.from_numpy(position_ids).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        write_rows=torch.from_numpy(write_rows.reshape(-1)).to(device),
         logits_rows=torch.from_numpy(logits_rows).to(device),
         plan=plan,
         num_tokens=num_tokens,

@@ -1,0 +1,191 @@
+"""Scheduler logic on the real allocator and radix cache, no model: sampled
+tokens are supplied by the test. Exact chunks, blocks, holds and preemptions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cache import BlockAllocator, RadixCache
+from worker.sampling import SamplingParams
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence, Status
+
+BS = 4
+
+
+def make(num_blocks=64, budget=64, max_batch_tokens=16, max_num_seqs=4):
+    allocator = BlockAllocator(num_blocks, BS)
+    cache = RadixCache(budget, BS, allocator=allocator)
+    scheduler = Scheduler(allocator, cache, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, eos_token_ids=(1,))
+    return scheduler
+
+
+def seq(request_id, tokens, max_new_tokens=3, salt=None):
+    return Sequence(request_id, list(tokens), len(tokens), SamplingParams(max_new_tokens=max_new_tokens), salt, 0.0)
+
+
+def run_step(scheduler, token=7):
+    step = scheduler.schedule()
+    if step is None:
+        return None, []
+    num_wanted = sum(c.needs_logits for c in step.chunks)
+    sampled = scheduler.complete(step, [token] * num_wanted, [0.0] * num_wanted, 0.0)
+    scheduler.check_invariants()
+    return step, sampled
+
+
+def drain(scheduler, token=7, max_steps=1000):
+    for _ in range(max_steps):
+        if not scheduler.has_work():
+            return
+        run_step(scheduler, token)
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_under_the_token_budget_then_decode():
+    s = make(max_batch_tokens=8)
+    a = seq("a", range(10, 30), max_new_tokens=2)  # 20 tokens
+    s.add(a)
+    chunks = []
+    for _ in range(3):
+        step, _ = run_step(s)
+        chunks.append([(c.seq.request_id, c.start_pos, c.num_tokens) for c in step.chunks])
+    assert chunks == [[("a", 0, 8)], [("a", 8, 8)], [("a", 16, 4)]]
+    assert a.token_ids[-1] == 7 and a.num_output == 1
+    step, sampled = run_step(s)
+    assert [(c.start_pos, c.num_tokens) for c in step.chunks] == [(20, 1)]
+    assert a.status is Status.FINISHED and a.finish_reason == "length"
+    assert s.counters.prefill_tokens == 20 and s.counters.decode_tokens == 1
+
+
+def test_full_blocks_enter_the_tree_while_prefill_runs():
+    s = make(max_batch_tokens=6)
+    a = seq("a", range(10, 24))  # 14 tokens
+    s.add(a)
+    run_step(s)  # computed 6 -> one full block (4) inserted
+    assert s.cache.num_tokens == 4 and a.num_inserted == 4
+    run_step(s)  # computed 12 -> 3 full blocks
+    assert s.cache.num_tokens == 12
+    run_step(s)  # prefill done: the whole prompt (partial last block too)
+    assert s.cache.num_tokens == 14 and a.num_inserted == 14
+    assert s.cache.match(list(range(10, 24))).num_tokens == 14
+
+
+def test_reuse_is_capped_at_len_minus_one_and_counts_a_hit():
+    s = make()
+    s.add(seq("a", range(10, 22)))
+    drain(s)
+    b = seq("b", range(10, 22))
+    s.add(b)
+    step, _ = run_step(s)
+    assert [(c.start_pos, c.num_tokens) for c in step.chunks] == [(11, 1)]
+    assert b.cached_tokens == 11
+    assert s.counters.hits == 1 and s.counters.misses == 1 and s.counters.tokens_saved == 11
+
+
+def test_partly_matched_block_is_copied_not_shared():
+    s = make()
+    s.add(seq("a", range(10, 20)))  # 10 tokens: blocks [10..13][14..17][18,19]
+    drain(s)
+    b = seq("b", [*range(10, 16), 99, 98, 97])  # shares 6 tokens: 1 full block + 2 of the next
+    s.add(b)
+    step = s.schedule()
+    assert b.cached_tokens == 6
+    (copy,) = step.copies
+    table_a_block1 = s.cache.match(list(range(10, 20))).block_ids[1]
+    assert copy[0] == table_a_block1 and copy[1] == s.allocator.block_table("b")[1]
+    assert s.allocator.block_table("b")[0] == s.cache.match(list(range(10, 20))).block_ids[0]
+
+
+def test_decode_never_writes_a_block_the_tree_holds():
+    s = make()
+    a = seq("a", range(10, 16), max_new_tokens=4)  # 6 tokens: last block half full
+    s.add(a)
+    run_step(s)  # prefill: the prompt, partial block included, enters the tree
+    shared = s.allocator.block_table("a")[1]
+    assert s.allocator.ref_count(shared) == 2
+    step, _ = run_step(s)  # first decode must copy that block
+    assert step.copies == [(shared, s.allocator.block_table("a")[1])]
+    assert s.allocator.block_table("a")[1] != shared
+
+
+def test_inflight_sharing_holds_back_until_the_prefix_is_cached():
+    s = make(max_batch_tokens=32, max_num_seqs=4)
+    system = list(range(100, 116))  # 16 tokens = 4 blocks
+    a = seq("a", [*system, 1, 2, 3])
+    b = seq("b", [*system, 4, 5, 6])
+    s.add(a)
+    s.add(b)
+    step, _ = run_step(s)
+    assert [c.seq.request_id for c in step.chunks] == ["a"]  # b waits for a's prefix
+    assert s.counters.inflight_holds == 1
+    drain(s)
+    assert b.cached_tokens == 16
+    assert s.counters.prefill_tokens == 19 + 3
+
+
+def test_no_hold_for_a_short_chance_match():
+    s = make(max_batch_tokens=64)
+    s.add(seq("a", [5, 6, 7, 8, 9, 10, 11, 12]))
+    s.add(seq("b", [5, 6, 40, 41, 42, 43, 44, 45]))  # shares 2 tokens < one block
+    step, _ = run_step(s)
+    assert [c.seq.request_id for c in step.chunks] == ["a", "b"]
+
+
+def test_different_salts_never_share():
+    s = make()
+    s.add(seq("a", range(10, 22), salt="t1"))
+    drain(s)
+    b = seq("b", range(10, 22), salt="t2")
+    s.add(b)
+    drain(s)
+    assert b.cached_tokens == 0
+
+
+def test_preemption_frees_the_youngest_and_recomputes_it():
+    s = make(num_blocks=7, budget=6, max_batch_tokens=32, max_num_seqs=4)
+    a = seq("a", range(10, 18), max_new_tokens=6)  # 8 tokens = 2 blocks, grows to 14
+    b = seq("b", range(40, 48), max_new_tokens=6)
+    s.add(a)
+    s.add(b)
+    drain(s)
+    assert s.counters.preemptions >= 1
+    assert a.num_output == 6 and b.num_output == 6
+    assert a.status is b.status is Status.FINISHED
+    s.cache.clear()
+    assert s.allocator.num_free_blocks == 7
+
+
+def test_abort_releases_blocks_and_locks():
+    s = make()
+    a = seq("a", range(10, 30))
+    s.add(a)
+    run_step(s)
+    assert s.abort("a") is a and a.status is Status.FINISHED
+    s.check_invariants()
+    assert s.abort("a") is None
+    s.cache.clear()
+    assert s.allocator.num_free_blocks == s.allocator.num_blocks
+
+
+def test_random_workload_keeps_invariants():
+    rng = random.Random(3)
+    s = make(num_blocks=24, budget=40, max_batch_tokens=12, max_num_seqs=3)
+    prefixes = [[rng.randrange(3, 50) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+    live = []
+    for index in range(60):
+        if rng.random() < 0.4:
+            tokens = rng.choice(prefixes) + [rng.randrange(3, 50) for _ in range(rng.randrange(1, 8))]
+            r = seq(f"r{index}", tokens, max_new_tokens=rng.randrange(1, 6))
+            s.add(r)
+            live.append(r)
+        if rng.random() < 0.1 and live:
+            s.abort(rng.choice(live).request_id)
+            s.check_invariants()
+        run_step(s, token=rng.randrange(2, 50))
+    drain(s)
+    assert all(r.status is Status.FINISHED for r in live)
+    s.cache.clear()
+    assert s.allocator.num_free_blocks == s.allocator.num_blocks

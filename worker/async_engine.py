@@ -1,0 +1,349 @@
+"""asyncio interface to the engine, for the serving layer.
+
+One background thread owns the :class:`~worker.engine.Engine`: it takes
+submissions and cancellations from an inbox, steps the engine (torch
+releases the GIL during the forward), and hands each step's events to the
+event loop each request came from, one ``call_soon_threadsafe`` per loop per
+step. Callers on any number of event loops may submit and cancel at once.
+
+Per request::
+
+    result = await engine.generate(prompt_ids, params, salt=..., request_id=...)
+    async for item in engine.stream(prompt_ids, params):
+        ...  # TokenEvent per token, then the GenerationResult as the last item
+
+Cancelling the awaiting task, or closing the stream early (``aclose()``,
+``break`` then garbage collection), cancels the request: the engine thread
+aborts it at the start of its next step and its blocks return to the pool.
+Bad input raises ``ValueError`` before anything is queued; a full queue
+(``max_queued_requests`` not yet running) raises :class:`EngineOverloaded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from cache.summary import cached_block_hashes
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.results import GenerationResult, TokenEvent
+from worker.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests are waiting; retry later (the app answers 429/503)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Sink:
+    """Where a request's items go: a queue on the submitting event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    wants_tokens: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    is_done: bool = False  # result or error handed over (engine thread side)
+
+
+class AsyncEngine:
+    """An :class:`Engine` stepped by a background thread.
+
+    Invariants (:meth:`check_invariants`): the engine's own, and every request
+    the engine holds has a live sink (a waiter), so nothing runs unobserved.
+    Lock order: ``_lock`` (engine state) may be held while taking
+    ``_sinks_lock``, never the reverse.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine: Engine | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine if engine is not None else Engine(config)
+        self.config = self.engine.config
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._sinks_lock = threading.Lock()
+        self._sinks: dict[str, _Sink] = {}
+        self._inbox: deque[tuple] = deque()
+        self._wakeup = threading.Event()
+        self._closed = False
+        self._step_failed = False
+        self._snapshot = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ passthrough
+    @property
+    def cache(self):
+        return self.engine.cache
+
+    @property
+    def allocator(self):
+        return self.engine.allocator
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    def model_info(self) -> dict:
+        eos = self.engine.eos_token_ids
+        return {
+            "model_id": self.model_id,
+            "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+            "eos_token_id": eos[0] if eos else None,
+            "eos_token_ids": list(eos),
+            "block_size": self.config.block_size,
+            "deterministic": self.config.deterministic,
+        }
+
+    # --------------------------------------------------------------- requests
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+        """ValueError naming the problem if the request cannot be served."""
+        self.engine.validate(prompt_token_ids, params if params is not None else SamplingParams())
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        sink = self._submit(prompt_token_ids, params, salt, request_id, wants_tokens=False)
+        try:
+            item = await sink.queue.get()
+        except BaseException:
+            self._cancel(sink)
+            raise
+        finally:
+            self._forget(sink)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[TokenEvent | GenerationResult]:
+        """Yields a :class:`TokenEvent` per generated token, then the
+        :class:`GenerationResult` (``.done`` is True) as the last item."""
+        sink = self._submit(prompt_token_ids, params, salt, request_id, wants_tokens=True)
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if isinstance(item, GenerationResult):
+                    finished = True
+                    yield item
+                    return
+                yield item
+        finally:
+            if not finished:
+                self._cancel(sink)
+            self._forget(sink)
+
+    def _submit(self, prompt_token_ids, params, salt, request_id, *, wants_tokens: bool) -> _Sink:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        params = params if params is not None else SamplingParams()
+        self.engine.validate(prompt_token_ids, params)
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        request_id = request_id or uuid.uuid4().hex
+        sink = _Sink(request_id, asyncio.get_running_loop(), wants_tokens)
+        with self._sinks_lock:
+            if request_id in self._sinks:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            num_queued = len(self._sinks) - self._snapshot["num_running"]
+            if num_queued >= self.config.max_queued_requests:
+                raise EngineOverloaded(f"{num_queued} requests are queued (max_queued_requests)")
+            self._sinks[request_id] = sink
+        self._inbox.append(("add", request_id, list(prompt_token_ids), params, salt, self._clock()))
+        self._wakeup.set()
+        return sink
+
+    def _cancel(self, sink: _Sink) -> None:
+        if not sink.is_done:
+            self._inbox.append(("abort", sink.request_id))
+            self._wakeup.set()
+
+    def _forget(self, sink: _Sink) -> None:
+        with self._sinks_lock:
+            if self._sinks.get(sink.request_id) is sink:
+                del self._sinks[sink.request_id]
+
+    # ------------------------------------------------------------ engine side
+    def _run(self) -> None:
+        while True:
+            if not self._inbox and not self._closed and not self.engine.has_work():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            deliveries: list[tuple[_Sink, object]] = []
+            with self._lock:
+                self._drain_inbox(deliveries)
+                if self._closed:
+                    self._fail_all(RuntimeError("the engine shut down"), deliveries)
+                    self._deliver(deliveries)
+                    return
+                try:
+                    events = self.engine.step() if self.engine.has_work() else []
+                    self._step_failed = False
+                except Exception as error:  # a bug: fail what is in flight, keep serving
+                    logger.exception("engine step failed; failing in-flight requests")
+                    self._step_failed = True
+                    events = []
+                    self._fail_all(RuntimeError(f"engine step failed: {error!r}"), deliveries)
+                self._route(events, deliveries)
+                self._snapshot = self.engine.stats()
+            self._deliver(deliveries)
+
+    def _drain_inbox(self, deliveries: list) -> None:
+        while self._inbox:
+            command = self._inbox.popleft()
+            if command[0] == "abort":
+                self.engine.abort(command[1])
+                continue
+            _, request_id, prompt, params, salt, arrival_s = command
+            with self._sinks_lock:
+                sink = self._sinks.get(request_id)
+            if sink is None or sink.is_done:  # cancelled before it was queued
+                continue
+            try:
+                self.engine.add_request(prompt, params, salt=salt, request_id=request_id, arrival_s=arrival_s)
+            except ValueError as error:
+                sink.is_done = True
+                deliveries.append((sink, error))
+
+    def _route(self, events: list[TokenEvent], deliveries: list) -> None:
+        with self._sinks_lock:
+            for event in events:
+                sink = self._sinks.get(event.request_id)
+                if sink is None or sink.is_done:
+                    continue
+                if sink.wants_tokens:
+                    deliveries.append((sink, event))
+                if event.result is not None:
+                    sink.is_done = True
+                    deliveries.append((sink, event.result))
+
+    def _fail_all(self, error: BaseException, deliveries: list) -> None:
+        with self._sinks_lock:
+            sinks = [s for s in self._sinks.values() if not s.is_done]
+        for sink in sinks:
+            self.engine.abort(sink.request_id)
+            sink.is_done = True
+            deliveries.append((sink, error))
+
+    def _deliver(self, deliveries: list[tuple[_Sink, object]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sink, item in deliveries:
+            by_loop.setdefault(sink.loop, []).append((sink, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is waiting any more
+                for sink, _ in items:
+                    self._cancel(sink)
+
+    # ------------------------------------------------------------ inspection
+    def stats(self) -> dict:
+        """Engine counters as of the last step (never blocks on a running step)."""
+        return dict(self._snapshot)
+
+    def load(self) -> dict:
+        snapshot = self._snapshot
+        with self._sinks_lock:
+            num_live = len(self._sinks)
+        return {
+            "num_running": snapshot["num_running"],
+            "num_waiting": max(snapshot["num_waiting"], num_live - snapshot["num_running"]),
+            "queued_tokens": snapshot["queued_tokens"],
+            "running_tokens": snapshot["running_tokens"],
+            "kv_blocks_free": snapshot["kv_blocks_free"],
+        }
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Engine]:
+        """Exclusive access to the engine between steps (blocks up to one step)."""
+        with self._lock:
+            yield self.engine
+
+    def cache_block_hashes(self, block_size: int) -> set[int]:
+        """Chained hashes of every full ``block_size`` block the cache holds, taken between steps."""
+        with self._lock:
+            return cached_block_hashes(self.engine.cache, block_size)
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self.engine.check_invariants()
+            with self._sinks_lock:
+                live = {s.request_id for s in self._sinks.values()}
+            aborting = {command[1] for command in list(self._inbox) if command[0] == "abort"}
+            held = {seq.request_id for seq in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)}
+            assert held <= live | aborting, f"requests without a waiter: {held - live - aborting}"
+
+    def check_health(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
+        if self._step_failed:
+            raise RuntimeError("the engine's last step failed")
+
+    async def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the inbox is drained and no request is waiting or running."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if not self._inbox and not self.engine.has_work():
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine still busy after {timeout_s} s")
+            await asyncio.sleep(0.005)
+
+    async def shutdown(self) -> None:
+        """Stop the thread; requests still in flight fail with RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+
+
+def _put_all(items: list[tuple[_Sink, object]]) -> None:
+    for sink, item in items:
+        sink.queue.put_nowait(item)

@@ -1,0 +1,194 @@
+"""Batch-invariant paged attention: a query's output depends only on its own
+keys, never on the batch, the chunking, or where its tile sits.
+
+Layout. Query rows are (token, query head) pairs; a *tile* holds rows of one
+sequence that share one KV head (head-major: row ``(h * T + t) * group + r``
+of the step's query matrix is token ``t``, query head ``h * group + r``).
+Keys come in blocks of ``key_block`` positions aligned to absolute positions
+(block ``j`` holds positions ``[j * key_block, (j + 1) * key_block)``). A
+*pair* is (tile, key block) for every key block up to the tile's last
+position.
+
+Numerics. Per pair, the scores ``q·kᵀ`` and ``P·V`` are batched matmuls of a
+fixed shape, so each row gets the same bits wherever it is computed; masked
+scores become ``-inf`` before the exponent, so they contribute exact zeros.
+A row's max over all its pairs is exact (max does not round); its
+exponentials, fixed-length row sums and products are element-wise; the
+pairs' results are added into the row in key-block order, one add per
+element per block. Nothing depends on how many pairs, tiles or sequences
+share the step.
+
+Tile shapes. Prefill rows come in 16-row tiles; a decode token (one token,
+``group`` rows) gets a small tile of ``max(group, 4)`` rows instead of
+wasting most of a 16-row tile, but only where :func:`small_tiles_are_exact`
+confirms, at start-up, that this BLAS gives a row the same bits in a
+small-tile matmul as in a 16-row one (it does from 4 rows up on the CPUs we
+measured; 1-3 rows take another kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from worker.step import ChunkArrays
+
+TILE_ROWS = 16  # rows per prefill tile
+KEY_BLOCK = 32  # keys per pair
+MIN_EXACT_ROWS = 4  # below this, matmuls switch kernels (measured)
+
+
+@dataclass(slots=True)
+class TileGroup:
+    """Tiles of one shape, their pairs, and the order to add the pairs up in."""
+
+    rows_per_tile: int
+    num_tiles: int
+    tile_rows: torch.Tensor  # [num_tiles, rows_per_tile] query rows; pad_row for padding
+    pair_tile: torch.Tensor  # [num_pairs] tile of each pair, key-block-major order
+    pair_query_rows: torch.Tensor  # [num_pairs * rows_per_tile] = tile_rows[pair_tile]
+    pair_slabs: torch.Tensor  # [num_pairs * slabs_per_pair] pool slabs holding each pair's keys
+    pair_masked: torch.Tensor  # [num_pairs, rows_per_tile, key_block] True where the key is not visible
+    block_steps: list[tuple[int, int, torch.Tensor]]  # per key block j, in order: (first pair, end, their tiles)
+
+
+@dataclass(slots=True)
+class TiledPlan:
+    key_block: int
+    rows_per_slab: int  # min(block_size, key_block): the pool is read in slabs of this many rows
+    pad_row: int  # the all-zero row appended to the query matrix
+    groups: list[TileGroup]
+
+
+def small_tile_rows(group: int) -> int:
+    """Rows of a decode token's tile: all its query heads, at least 4, at most 16."""
+    return min(TILE_ROWS, max(group, MIN_EXACT_ROWS))
+
+
+@functools.lru_cache(maxsize=None)
+def small_tiles_are_exact(rows: int, head_dim: int, key_block: int, dtype, device) -> bool:
+    """Do ``[rows, D] x [D, key_block]`` and ``[rows, key_block] x [key_block, D]``
+    batched matmuls give each row the bits of the 16-row ones, for any batch count?"""
+    generator = torch.Generator(device="cpu").manual_seed(4321)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    q, k, p, v = rand(33, TILE_ROWS, head_dim), rand(33, head_dim, key_block), rand(33, TILE_ROWS, key_block), rand(33, key_block, head_dim)
+    for lhs, rhs in ((q, k), (p, v)):
+        full = torch.bmm(lhs, rhs)
+        for batch in (1, 5, 33):
+            small = torch.bmm(lhs[:batch, :rows].contiguous(), rhs[:batch])
+            if not torch.equal(small, full[:batch, :rows]):
+                return False
+    return True
+
+
+def build_tiled_plan(
+    chunks: ChunkArrays, num_rows: int, group: int, device: torch.device, *, decode_tile_rows: int = TILE_ROWS
+) -> TiledPlan:
+    """``num_rows``: tokens in the (padded) flattened batch; ``group``: query heads per
+    KV head; ``decode_tile_rows``: tile rows for one-token chunks."""
+    rows_per_slab = min(chunks.block_size, KEY_BLOCK)
+    pad_row = chunks.num_kv_heads * num_rows * group
+    is_decode = chunks.lengths == 1
+    classes = [(np.flatnonzero(is_decode), decode_tile_rows), (np.flatnonzero(~is_decode), TILE_ROWS)]
+    if decode_tile_rows == TILE_ROWS:
+        classes = [(np.arange(len(chunks.lengths)), TILE_ROWS)]
+    groups = [
+        _build_group(chunks, members, rows, num_rows, group, rows_per_slab, pad_row, device)
+        for members, rows in classes
+        if len(members)
+    ]
+    return TiledPlan(KEY_BLOCK, rows_per_slab, pad_row, groups)
+
+
+def _build_group(chunks, members, rows_per_tile, num_rows, group, rows_per_slab, pad_row, device) -> TileGroup:
+    lengths, starts, offsets = chunks.lengths[members], chunks.starts[members], chunks.offsets[members]
+    tiles_per_chunk = -(-lengths * group // rows_per_tile)
+    num_chunk_tiles = int(tiles_per_chunk.sum())
+    tile_member = np.repeat(np.arange(len(members)), tiles_per_chunk)
+    tile_local = np.arange(num_chunk_tiles) - np.repeat(np.cumsum(tiles_per_chunk) - tiles_per_chunk, tiles_per_chunk)
+    local_row = tile_local[:, None] * rows_per_tile + np.arange(rows_per_tile)  # [tiles, rows]
+    row_valid = local_row < (lengths * group)[tile_member][:, None]
+    token = np.minimum(local_row // group, lengths[tile_member][:, None] - 1)
+    row_pos = starts[tile_member][:, None] + token  # padding rows repeat the last token
+    row_base = offsets[tile_member][:, None] * group + local_row
+    blocks_per_tile = row_pos.max(axis=1) // KEY_BLOCK + 1
+    pair_tile = np.repeat(np.arange(num_chunk_tiles), blocks_per_tile)
+    pair_block = np.arange(len(pair_tile)) - np.repeat(np.cumsum(blocks_per_tile) - blocks_per_tile, blocks_per_tile)
+    pair_chunk = members[tile_member[pair_tile]]
+    key_pos = pair_block[:, None] * KEY_BLOCK + np.arange(KEY_BLOCK)  # [pairs, key_block]
+    masked = key_pos[:, None, :] > row_pos[pair_tile][:, :, None]  # [pairs, rows, key_block]
+    slab_pos = pair_block[:, None] * KEY_BLOCK + np.arange(0, KEY_BLOCK, rows_per_slab)  # [pairs, slabs]
+    slab_blocks = chunks.blocks(pair_chunk[:, None], slab_pos)
+
+    # Replicate per KV head: head h's query rows start at h * num_rows * group.
+    heads = np.arange(chunks.num_kv_heads)
+    tile_rows = np.where(row_valid[None], row_base[None] + heads[:, None, None] * num_rows * group, pad_row)
+    tile_rows = tile_rows.reshape(-1, rows_per_tile)
+    all_pair_tile = (pair_tile[None] + heads[:, None] * num_chunk_tiles).reshape(-1)
+    all_pair_block = np.tile(pair_block, len(heads))
+    slabs = chunks.slab_ids(slab_blocks[None], heads[:, None, None], slab_pos[None], rows_per_slab)
+    order = np.argsort(all_pair_block, kind="stable")  # key-block-major: blocks are added in order
+    all_pair_tile, all_pair_block = all_pair_tile[order], all_pair_block[order]
+    slabs = slabs.reshape(-1, slabs.shape[-1])[order]
+    masked = np.tile(masked, (len(heads), 1, 1))[order]
+    bounds = np.searchsorted(all_pair_block, np.arange(all_pair_block[-1] + 2))
+    pair_tile_t = torch.from_numpy(all_pair_tile).to(device)
+    block_steps = [(int(lo), int(hi), pair_tile_t[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    return TileGroup(
+        rows_per_tile=rows_per_tile,
+        num_tiles=len(tile_rows),
+        tile_rows=torch.from_numpy(tile_rows).to(device),
+        pair_tile=pair_tile_t,
+        pair_query_rows=torch.from_numpy(tile_rows[all_pair_tile].reshape(-1)).to(device),
+        pair_slabs=torch.from_numpy(slabs.reshape(-1)).to(device),
+        pair_masked=torch.from_numpy(masked).to(device),
+        block_steps=block_steps,
+    )
+
+
+def tiled_attention(q: torch.Tensor, pool, layer: int, plan: TiledPlan, scale: float) -> torch.Tensor:
+    """``q [heads, T, D]`` → ``[T, heads, D]``."""
+    num_heads, num_rows, head_dim = q.shape
+    num_kv_heads = pool.geometry.num_kv_heads
+    group = num_heads // num_kv_heads
+    q_rows = (q * scale).view(num_kv_heads, group, num_rows, head_dim).transpose(1, 2).reshape(-1, head_dim)
+    q_rows = torch.cat([q_rows, q_rows.new_zeros(1, head_dim)])  # the padding row
+    keys = pool.slabs(layer, 0, plan.rows_per_slab)
+    values = pool.slabs(layer, 1, plan.rows_per_slab)
+    out_rows = q_rows.new_zeros(q_rows.shape[0], head_dim)
+    for tiles in plan.groups:
+        tile_out = _attend(q_rows, keys, values, tiles, plan.key_block)
+        out_rows.index_copy_(0, tiles.tile_rows.view(-1), tile_out.view(-1, head_dim))
+    out = out_rows[:-1].view(num_kv_heads, num_rows, group, head_dim).permute(1, 0, 2, 3)
+    return out.reshape(num_rows, num_heads, head_dim)
+
+
+def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int) -> torch.Tensor:
+    """One tile group → ``[tiles, rows, D]``."""
+    rows, head_dim = tiles.rows_per_tile, q_rows.shape[1]
+    num_pairs = tiles.pair_tile.shape[0]
+    qp = q_rows.index_select(0, tiles.pair_query_rows).view(num_pairs, rows, head_dim)
+    kp = keys.index_select(0, tiles.pair_slabs).view(num_pairs, key_block, head_dim)
+    vp = values.index_select(0, tiles.pair_slabs).view(num_pairs, key_block, head_dim)
+    scores = torch.bmm(qp, kp.transpose(1, 2))  # [P, rows, key_block]
+    scores.masked_fill_(tiles.pair_masked, float("-inf"))
+    pair_max = scores.amax(dim=-1)  # [P, rows]
+    row_max = pair_max.new_full((tiles.num_tiles, rows), float("-inf"))
+    row_max.scatter_reduce_(0, tiles.pair_tile[:, None].expand_as(pair_max), pair_max, "amax")  # exact
+    scores.sub_(row_max.index_select(0, tiles.pair_tile).unsqueeze(-1)).exp_()  # masked: exp(-inf) = 0
+    sums = scores.sum(dim=-1)  # [P, rows], fixed length key_block
+    partial = torch.bmm(scores, vp)  # [P, rows, D]
+    total = partial.new_zeros(tiles.num_tiles, rows, head_dim)
+    denom = sums.new_zeros(tiles.num_tiles, rows)
+    for lo, hi, tile_ids in tiles.block_steps:  # key block 0, 1, 2, ...: one add per element each
+        total.index_add_(0, tile_ids, partial[lo:hi])
+        denom.index_add_(0, tile_ids, sums[lo:hi])
+    return total / denom.unsqueeze(-1)
