@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import struct
@@ -201,9 +202,8 @@ class PrefixAffinityPolicy:
         except ValueError as error:
             logger.warning("ignoring malformed routing stats from %s: %s", replica_id, error)
             return False
-        if summary.replica_id != replica_id:
-            logger.warning("routing stats of %s claim replica %s; ignored", replica_id, summary.replica_id)
-            return False
+        if summary.replica_id != replica_id:  # Ray says whose stats these are
+            summary = dataclasses.replace(summary, replica_id=replica_id)
         return self.on_summary(summary)
 
     # ------------------------------------------------------------------ routing
@@ -241,8 +241,8 @@ class PrefixAffinityPolicy:
         now = self._clock()
         try:
             routing = RoutingRequest.from_object(request)
-        except ValueError:
-            self._loads.on_routed(request_id, replica_id, 0.0, now)
+        except ValueError:  # count it (one token), so fallback ties rotate
+            self._loads.on_routed(request_id, replica_id, 1.0, now)
             return
         _, matched = self._index.deepest_holders(routing.block_hashes, 1, (replica_id,))
         self._loads.on_routed(request_id, replica_id, self._work(routing, matched.get(replica_id, 0)), now)
@@ -316,7 +316,8 @@ class PrefixAffinityPolicy:
         return self._work_tokens(request, self._cached_tokens(request, depth))
 
     def _least_loaded(self, live: Collection[str]) -> list[str]:
-        ordered = sorted(live, key=lambda r: (self._loads.load(r), r))
+        now = self._clock()
+        ordered = sorted(live, key=lambda r: (self._loads.load(r), self._loads.recent_work(r, now), r))
         return ordered[: self.config.num_ranked]
 
     def check_invariants(self) -> None:

@@ -1,0 +1,162 @@
+"""router.serve.KVRouteRouter in a live local Ray Serve app.
+
+A small real deployment keeps a simulated-mode RadixCache per replica and
+reports it through ``record_routing_stats``; requests go through a handle
+whose request router is ours.
+"""
+
+import socket
+import tempfile
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+
+from cache import block_hashes  # noqa: E402
+from router import RoutingRequest  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+BLOCK = 4
+APP = "kvroute-router-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cache_worker():
+    """The deployment class, built inside a function so Ray pickles it by value."""
+    from ray import serve as _serve
+
+    @_serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+    class CacheWorker:
+        def __init__(self, preload: int):
+            import random
+
+            from cache import RadixCache
+
+            self.replica_id = _serve.get_replica_context().replica_id.to_full_id_str()
+            self.cache = RadixCache(10_000, BLOCK)
+            rng = random.Random(self.replica_id)
+            # A prefix only this replica holds, which no router has ever routed.
+            self.preloaded = [rng.randrange(1000, 2000) for _ in range(preload)]
+            self.cache.insert(self.preloaded)
+            self.version = 0
+
+        def info(self):
+            return self.replica_id, self.preloaded
+
+        def __call__(self, request, tokens):
+            hit = self.cache.match(tokens).num_tokens
+            self.cache.insert(tokens)
+            return self.replica_id, hit
+
+        def record_routing_stats(self):
+            from cache.summary import CacheSummary
+
+            self.version += 1
+            return CacheSummary.from_radix(
+                self.cache, BLOCK, replica_id=self.replica_id, version=self.version, timestamp_s=time.time()
+            ).to_dict()
+
+    return CacheWorker
+
+
+def _request(tokens):
+    return RoutingRequest(tuple(block_hashes(tokens, BLOCK)), len(tokens), None, ""), tokens
+
+
+@pytest.fixture(scope="module")
+def handle():
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(
+            num_cpus=2,
+            namespace=f"kvroute-router-test-{time.time_ns()}",
+            include_dashboard=False,
+            _temp_dir=tempfile.mkdtemp(prefix="kvr"),
+            logging_level="ERROR",
+        )
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    app = _cache_worker().options(
+        num_replicas=3,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.serve:KVRouteRouter",
+            request_router_kwargs={"block_size": BLOCK},
+            request_routing_stats_period_s=0.2,
+        ),
+    ).bind(64)
+    yield serve.run(app, name=APP, route_prefix=None)
+    serve.delete(APP)
+    if started_ray:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _call(handle, tokens):
+    request, tokens = _request(tokens)
+    return handle.remote(request, tokens).result(timeout_s=30)
+
+
+def test_a_shared_prefix_sticks_to_one_replica_and_hits(handle):
+    prefix = list(range(100, 164))
+    first_replica, first_hit = _call(handle, prefix + [1, 2, 3, 4])
+    assert first_hit == 0
+    for question in range(5):
+        replica_id, hit = _call(handle, prefix + [question, 9, 9, 9, 9])
+        assert replica_id == first_replica
+        assert hit >= len(prefix)
+
+
+def test_cold_prefixes_spread_over_replicas(handle):
+    seen = {_call(handle, [5000 + 100 * i + j for j in range(32)])[0] for i in range(24)}
+    assert len(seen) >= 2
+
+
+def test_requests_without_routing_attributes_still_get_served(handle):
+    replicas = set()
+    for _ in range(12):
+        replica_id, preloaded = handle.info.remote().result(timeout_s=30)
+        assert len(preloaded) == 64
+        replicas.add(replica_id)
+    assert len(replicas) >= 2  # the least-loaded fallback rotates
+
+
+def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
+    preloaded = {}
+    deadline = time.monotonic() + 60
+    while len(preloaded) < 3 and time.monotonic() < deadline:
+        replica_id, tokens = handle.info.remote().result(timeout_s=30)
+        preloaded[replica_id] = tokens
+    assert len(preloaded) == 3
+    time.sleep(2.0)  # a few routing-stats periods
+    for replica_id, tokens in preloaded.items():
+        landed, hit = _call(handle, tokens + [7, 7, 7, 7])
+        assert landed == replica_id  # only its summary could have said so
+        assert hit == len(tokens)
+
+
+def test_scaled_down_replica_is_never_chosen(handle):
+    app = _cache_worker().options(
+        num_replicas=2,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.serve:KVRouteRouter",
+            request_router_kwargs={"block_size": BLOCK},
+            request_routing_stats_period_s=0.2,
+        ),
+    ).bind(64)
+    small = serve.run(app, name=APP, route_prefix=None)
+    live = set()
+    deadline = time.monotonic() + 60
+    while len(live) < 2 and time.monotonic() < deadline:
+        live.add(small.info.remote().result(timeout_s=30)[0])
+    time.sleep(1.0)
+    for i in range(20):
+        replica_id, _ = _call(small, [9000 + 50 * i + j for j in range(16)])
+        assert replica_id in live
