@@ -15,9 +15,10 @@ Each step (:meth:`Scheduler.schedule`) fills a budget of
    position's logits are computed), lock the matched path, share its full
    blocks and copy a partly matched last block (``allocate_with_prefix``),
    reserve blocks for the rest of the prompt, and feed a first chunk.
-   *In-flight sharing*: a sequence that shares at least one block more with
-   a sequence still prefilling (same salt) than with the cache waits until
-   that prefill is inserted, so a common prefix is computed once.
+   *In-flight sharing*: a sequence that shares a prefix of at least one
+   block with a sequence still prefilling (same salt), longer than what the
+   cache holds, waits until that prefill is inserted, so a common prefix is
+   computed once (a chance match shorter than a block never holds anyone).
 
 After the forward, :meth:`complete` advances each sequence: a prefilling
 one inserts its newly completed full blocks into the tree (the whole
@@ -228,9 +229,10 @@ class Scheduler:
         self.running.append(seq)
 
     def _should_wait(self, seq: Sequence, num_cached: int, admitted: list[Sequence]) -> bool:
-        """True if a sequence still prefilling will soon cache >= 1 more block of ``seq``'s prompt."""
+        """True if a sequence still prefilling shares a real prefix with ``seq`` (at least
+        one block) and will cache more of it than the cache holds now."""
         limit = len(seq.token_ids) - 1
-        if limit - num_cached < self.block_size:
+        if limit <= num_cached:
             return False
         first = seq.token_ids[0]
         for other in (*self.running, *admitted):
@@ -239,7 +241,7 @@ class Scheduler:
             span = min(limit, other.prefill_target, len(other.key))
             differs = np.flatnonzero(seq.key[:span] != other.key[:span])
             common = int(differs[0]) if len(differs) else span
-            if common - num_cached >= self.block_size:
+            if common >= self.block_size and common > num_cached:
                 return True
         return False
 

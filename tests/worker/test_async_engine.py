@@ -1,0 +1,199 @@
+"""The asyncio interface: many concurrent callers, streaming, cancellation,
+overload, shutdown. Each test runs its own event loop."""
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+from cache.summary import cached_block_hashes
+from worker import EngineOverloaded, GenerationResult, SamplingParams, TokenEvent, reference
+
+def prompts(seed: int, count: int, shared: int = 40):
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 259) for _ in range(shared)]
+    return [system + [rng.randrange(3, 259) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
+
+
+def test_many_concurrent_callers_get_the_plain_servers_outputs(make_async_engine):
+    async def main():
+        engine = make_async_engine(max_batch_tokens=64, max_num_seqs=8)
+        batch = prompts(0, 40)
+        params = SamplingParams(max_new_tokens=6, logprobs=True)
+        results = await asyncio.gather(*(engine.generate(p, params) for p in batch))
+        for prompt, result in zip(batch, results):
+            assert isinstance(result, GenerationResult)
+            assert (list(result.token_ids), list(result.logprobs)) == reference.generate(engine.engine, prompt, 6, logprobs=True)
+        stats = engine.stats()
+        assert stats["hits"] >= 30 and stats["num_finished"] == 40
+        engine.check_invariants()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stream_yields_tokens_then_the_result(make_async_engine):
+    async def main():
+        engine = make_async_engine()
+        prompt = prompts(1, 1)[0]
+        items = [item async for item in engine.stream(prompt, SamplingParams(max_new_tokens=5), request_id="s1")]
+        *events, result = items
+        assert all(isinstance(e, TokenEvent) and e.request_id == "s1" and e.logprob is None for e in events)
+        assert [e.index for e in events] == [0, 1, 2, 3, 4] and events[-1].result == result
+        assert isinstance(result, GenerationResult) and result.done
+        assert tuple(e.token_id for e in events) == result.token_ids
+        assert list(result.token_ids) == reference.generate(engine.engine, prompt, 5)
+        assert events[0].to_dict() == {"request_id": "s1", "token_id": events[0].token_id, "logprob": None, "index": 0}
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancellation_leaks_no_blocks_and_disturbs_nobody(make_async_engine):
+    async def main():
+        engine = make_async_engine(max_batch_tokens=32, max_num_seqs=6)
+        rng = random.Random(2)
+        batch = prompts(2, 24)
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(p, params)) for p in batch]
+        streams = [engine.stream(p, params) for p in batch[:6]]
+
+        async def read_some(stream, count):
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == count:
+                    break
+            await stream.aclose()
+
+        readers = [asyncio.create_task(read_some(s, rng.randrange(1, 10))) for s in streams]
+        await asyncio.sleep(0.05)
+        cancelled = set(rng.sample(range(len(tasks)), 12))
+        for index in cancelled:
+            tasks[index].cancel()
+            await asyncio.sleep(rng.random() * 0.01)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*readers)
+        await engine.wait_idle()
+        engine.check_invariants()
+        for index, (prompt, outcome) in enumerate(zip(batch, outcomes)):
+            if isinstance(outcome, asyncio.CancelledError):
+                assert index in cancelled
+                continue
+            assert list(outcome.token_ids)[:5] == reference.generate(engine.engine, prompt, 5)
+        with engine.locked() as inner:
+            assert inner.stats()["num_running"] == 0 and inner.stats()["num_waiting"] == 0
+            inner.cache.clear()
+            assert inner.allocator.num_free_blocks == inner.allocator.num_blocks
+        assert engine.stats()["num_aborted"] >= 1
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bounded_queue_raises_engine_overloaded(make_async_engine):
+    async def main():
+        engine = make_async_engine(max_queued_requests=3, max_num_seqs=1, max_batch_tokens=16)
+        params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        accepted, rejected = [], 0
+        for prompt in prompts(3, 8):
+            try:
+                accepted.append(asyncio.ensure_future(engine.generate(prompt, params)))
+                await asyncio.sleep(0)
+            except EngineOverloaded:
+                rejected += 1
+        results = await asyncio.gather(*accepted, return_exceptions=True)
+        overloaded = [r for r in results if isinstance(r, EngineOverloaded)]
+        finished = [r for r in results if isinstance(r, GenerationResult)]
+        assert len(overloaded) + rejected >= 4 and len(finished) >= 3
+        assert all(len(r.token_ids) == 20 for r in finished)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_input_raises_before_queueing(make_async_engine):
+    async def main():
+        engine = make_async_engine()
+        for bad in ([], [5, 400], [5] * 2000):
+            with pytest.raises(ValueError):
+                await engine.generate(bad, SamplingParams(max_new_tokens=4))
+            with pytest.raises(ValueError):
+                engine.validate(bad, SamplingParams(max_new_tokens=4))
+        with pytest.raises(ValueError, match="in flight"):
+            first = asyncio.ensure_future(engine.generate([5, 6], request_id="dup"))
+            await asyncio.sleep(0)
+            await engine.generate([5, 6], request_id="dup")
+        await first
+        assert engine.load()["num_waiting"] == 0 and engine.stats()["num_finished"] == 1
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_what_is_in_flight_and_refuses_new_work(make_async_engine):
+    async def main():
+        engine = make_async_engine(max_num_seqs=1, max_batch_tokens=16)
+        tasks = [asyncio.ensure_future(engine.generate(p, SamplingParams(max_new_tokens=200, ignore_eos=True))) for p in prompts(4, 3)]
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(o, RuntimeError) for o in outcomes)
+        with pytest.raises(RuntimeError):
+            await engine.generate([5, 6])
+        with pytest.raises(RuntimeError):
+            engine.check_health()
+
+    asyncio.run(main())
+
+
+def test_callers_on_several_event_loops(make_async_engine):
+    engine = make_async_engine()
+    outputs = {}
+
+    def worker(index):
+        async def main():
+            batch = prompts(10 + index, 4)
+            results = await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=4)) for p in batch))
+            outputs[index] = [(p, list(r.token_ids)) for p, r in zip(batch, results)]
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outputs) == [0, 1, 2]
+    for pairs in outputs.values():
+        for prompt, token_ids in pairs:
+            assert token_ids == reference.generate(engine.engine, prompt, 4)
+    engine.check_health()
+    asyncio.run(engine.shutdown())
+
+
+def test_stats_load_model_info_and_cache_summary(make_async_engine):
+    async def main():
+        engine = make_async_engine()
+        assert engine.model_info() == {
+            "model_id": "tiny-llama", "vocab_size": 259, "max_model_len": 1024, "eos_token_id": 1,
+            "eos_token_ids": [1], "block_size": 16, "deterministic": True,
+        }
+        prompt = prompts(5, 1, shared=50)[0]
+        await engine.generate(prompt, SamplingParams(max_new_tokens=3))
+        await engine.wait_idle()
+        load = engine.load()
+        assert set(load) == {"num_running", "num_waiting", "queued_tokens", "running_tokens", "kv_blocks_free"}
+        stats = engine.stats()
+        for key in ("hits", "misses", "tokens_saved", "prefill_tokens", "cached_tokens", "decode_tokens", "preemptions",
+                    "kv_blocks_free", "kv_blocks_total", "cache_num_tokens", "num_running", "num_waiting"):
+            assert key in stats
+        assert stats["prefill_tokens"] == len(prompt) and stats["misses"] == 1
+        hashes = engine.cache_block_hashes(16)
+        assert hashes == cached_block_hashes(engine.cache, 16) and len(hashes) == (len(prompt) + 2) // 16
+        assert engine.vocab_size == 259 and engine.max_model_len == 1024 and engine.model_id == "tiny-llama"
+        assert engine.tokenizer.decode(engine.tokenizer.encode("ok")) == "ok"
+        await engine.shutdown()
+
+    asyncio.run(main())

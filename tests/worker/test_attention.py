@@ -1,0 +1,95 @@
+"""Both kernels against plain causal attention over each sequence's full context."""
+
+import pytest
+import torch
+
+from worker.attention import paged_attention
+from worker.kv import KVPool
+from worker.model import KVGeometry
+from worker.step import SeqChunk, build_step
+from worker.tiled_attention import small_tile_rows, small_tiles_are_exact
+
+GEOMETRY = KVGeometry(num_layers=1, num_kv_heads=2, head_dim=8, num_heads=4)
+
+
+class Layer:
+    layer_idx = 0
+
+
+def naive(q_all, k_all, v_all, scale):
+    """q [heads, n, D] at positions ctx-n..ctx-1; k, v [kv_heads, ctx, D] -> [n, heads, D]."""
+    heads, n, _ = q_all.shape
+    ctx = k_all.shape[1]
+    k = k_all.repeat_interleave(heads // k_all.shape[0], dim=0)
+    v = v_all.repeat_interleave(heads // v_all.shape[0], dim=0)
+    scores = (q_all.double() @ k.double().transpose(1, 2)) * scale
+    positions = torch.arange(ctx - n, ctx)
+    scores = scores.masked_fill(torch.arange(ctx)[None, None, :] > positions[None, :, None], float("-inf"))
+    return (torch.softmax(scores, -1) @ v.double()).transpose(0, 1).float()
+
+
+def run(chunk_specs, deterministic, decode_tile_rows=16, block_size=4):
+    """chunk_specs: (start, n, table) per sequence. A sequence's q, k, v depend only on
+    its own spec (seeded by it), so the same sequence in two batches sees equal inputs.
+    Keys of positions before ``start`` are written into the pool first."""
+    pool = KVPool(GEOMETRY, num_blocks=64, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
+    data = []
+    for start, length, table in chunk_specs:
+        generator = torch.Generator().manual_seed(start * 1000 + length)
+        q = torch.randn(4, length, 8, generator=generator)
+        k = torch.randn(2, start + length, 8, generator=generator)
+        v = torch.randn(2, start + length, 8, generator=generator)
+        data.append((q, k, v))
+        for pos in range(start):
+            block, offset = table[pos // block_size], pos % block_size
+            pool.data[0, 0, block, :, offset] = k[:, pos]
+            pool.data[0, 1, block, :, offset] = v[:, pos]
+    chunks = [SeqChunk([5] * n, s, t, True) for s, n, t in chunk_specs]
+    step = build_step(
+        chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, decode_tile_rows=decode_tile_rows
+    )
+    rows = step.input_ids.shape[0]
+    query, key, value = torch.zeros(1, 4, rows, 8), torch.zeros(1, 2, rows, 8), torch.zeros(1, 2, rows, 8)
+    offset = 0
+    for (start, length, _), (q, k, v) in zip(chunk_specs, data):
+        query[0, :, offset : offset + length] = q
+        key[0, :, offset : offset + length] = k[:, start:]
+        value[0, :, offset : offset + length] = v[:, start:]
+        offset += length
+    out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, kvroute_step=step)
+    expected = torch.cat([naive(q, k, v, 0.3) for q, k, v in data])
+    return out[0, : step.num_tokens], expected
+
+
+SPECS = [(0, 9, [0, 1, 2]), (37, 1, list(range(3, 13))), (5, 6, [13, 14, 15]), (70, 1, list(range(16, 34))), (0, 1, [34])]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kernels_compute_causal_attention_over_each_sequences_blocks(deterministic):
+    out, expected, *_ = run(SPECS, deterministic)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 32, 64])
+def test_tiled_kernel_with_small_decode_tiles_and_any_block_size(block_size):
+    specs = [(0, 9, list(range(0, 5))), (37, 1, list(range(5, 25))), (70, 1, list(range(25, 62)))]
+    if block_size >= 32:
+        specs = [(0, 9, [0]), (37, 1, [1, 2]), (70, 1, [3, 4, 5])]
+    out, expected, *_ = run(specs, True, decode_tile_rows=4, block_size=block_size)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode_tile_rows", [4, 16])
+def test_tiled_kernel_gives_a_query_the_same_bits_in_any_batch(decode_tile_rows):
+    mixed, _ = run(SPECS, True, decode_tile_rows=decode_tile_rows)
+    offsets = [0, 9, 10, 16, 17]
+    for index, spec in enumerate(SPECS):
+        alone, _ = run([spec], True, decode_tile_rows=decode_tile_rows)
+        assert torch.equal(alone, mixed[offsets[index] : offsets[index] + spec[1]]), index
+    reordered, _ = run(SPECS[::-1], True, decode_tile_rows=decode_tile_rows)
+    assert torch.equal(reordered[:1], mixed[17:18])
+
+
+def test_small_tile_probe():
+    assert small_tile_rows(1) == 4 and small_tile_rows(4) == 4 and small_tile_rows(7) == 7 and small_tile_rows(32) == 16
+    assert small_tiles_are_exact(4, 8, 32, torch.float32, torch.device("cpu"))
