@@ -87,8 +87,8 @@ class PrefixAffinityPolicy:
        its cache is saves that prefill for every later turn too, while a
        near-cold match (a few shared blocks) is placed by load. Ties (idle
        replicas for a cold prompt) go to the replica with the least recent
-       work, then to a rendezvous hash of (k, replica) that every router
-       computes alike.
+       work, then in ring order from ``k`` (so a fresh fleet sends a cold
+       prefix to its home), then by a rendezvous hash of (k, replica).
     4. **Bounded load.** A replica whose recent work (routed work decayed over
        ``load_window_s``) exceeds ``load_factor`` × the mean, plus one
        request's work, is not eligible. If no candidate is, the ring walk
@@ -261,14 +261,14 @@ class PrefixAffinityPolicy:
         else:
             key = xxhash.xxh3_64_intdigest(request.prompt.encode("utf-8", "surrogatepass"))
         candidates = [r for r in depths if r in ring]
+        ring_rank: dict[str, int] = {}
         ring_walk = ring.walk(key)
-        num_ring = 0
         for replica_id in ring_walk:
             if replica_id in live:
+                ring_rank[replica_id] = len(ring_rank)
                 if replica_id not in depths:
                     candidates.append(replica_id)
-                num_ring += 1
-                if num_ring >= config.num_ring_candidates:
+                if len(ring_rank) >= config.num_ring_candidates:
                     break
         least = loads.least_loaded_replica()
         if least is not None and least in live and least not in candidates:
@@ -285,8 +285,9 @@ class PrefixAffinityPolicy:
             cost = loads.load(replica_id) + num_prompt - weight * cached
             recent = loads.recent_work(replica_id, now)
             is_over = recent > self._bound(request, mean_recent, cached)
+            rank = ring_rank.get(replica_id, len(ring_rank))
             tiebreak = xxhash.xxh3_64_intdigest(key_bytes + replica_id.encode())
-            scored.append((is_over, cost, recent, tiebreak, replica_id))
+            scored.append((is_over, cost, recent, rank, tiebreak, replica_id))
         scored.sort()
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring

@@ -1,0 +1,314 @@
+"""router.PrefixAffinityPolicy with fake replicas and an injected clock."""
+
+import logging
+
+import pytest
+
+from cache import RadixCache, block_hashes
+from cache.summary import CacheSummary
+from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
+
+BLOCK = 4
+REPLICAS = [f"replica-{i}" for i in range(8)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_policy(clock=None, replicas=REPLICAS, **config):
+    policy = PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK, **config), clock=clock or Clock())
+    policy.set_replicas(replicas)
+    return policy
+
+
+def request(tokens, salt=None, num_output_tokens=0):
+    return RoutingRequest(tuple(block_hashes(tokens, BLOCK, salt)), len(tokens), salt, "", num_output_tokens)
+
+
+def prompt(seed, num_tokens=32):
+    return [seed * 1000 + i for i in range(num_tokens)]
+
+
+def route(policy, req, request_id):
+    """What the adapter does: take the first choice and report it."""
+    chosen = policy.rank(req)[0]
+    policy.on_routed(req, chosen, request_id)
+    policy.check_invariants()
+    return chosen
+
+
+def summary(replica_id, version, tokens_list, load_tokens=0, budget_tokens=10_000):
+    radix = RadixCache(budget_tokens, BLOCK)
+    for tokens in tokens_list:
+        radix.insert(tokens)
+    return CacheSummary.from_radix(radix, BLOCK, replica_id=replica_id, version=version, timestamp_s=0.0,
+                                   num_queued_tokens=load_tokens)
+
+
+def test_cold_prefix_goes_to_its_ring_home():
+    policy = make_policy()
+    for seed in range(20):
+        req = request(prompt(seed))
+        assert policy.rank(req)[0] == policy.ring.lookup(req.block_hashes[0])
+
+
+def test_routers_with_the_same_replicas_agree_on_cold_prefixes():
+    a, b = make_policy(), make_policy(replicas=list(reversed(REPLICAS)))
+    for seed in range(30):
+        req = request(prompt(seed))
+        assert a.rank(req) == b.rank(req)
+
+
+def test_cold_prefixes_spread_over_the_fleet():
+    policy = make_policy()
+    homes = {policy.rank(request(prompt(seed)))[0] for seed in range(64)}
+    assert len(homes) >= 6
+
+
+def test_a_warm_prefix_follows_its_cache():
+    clock = Clock()
+    policy = make_policy(clock)
+    shared = prompt(1, 64)
+    first = route(policy, request(shared + [1, 2, 3, 4]), "q0")
+    policy.on_completed("q0")
+    for i in range(5):
+        clock.now += 1.0
+        assert route(policy, request(shared + [i, 9, 9, 9]), f"q{i + 1}") == first
+        policy.on_completed(f"q{i + 1}")
+
+
+def test_the_key_reaches_past_a_prefix_everyone_shares():
+    """Once the shared system prompt is known, the ring key is the first block
+    past it, so different questions get different homes."""
+    policy = make_policy()
+    system = prompt(7, 64)
+    route(policy, request(system + prompt(99, 8)), "warmup")
+    homes = set()
+    for seed in range(40):
+        req = request(system + prompt(seed, 16))
+        homes.add(policy.ring.lookup(req.block_hashes[len(system) // BLOCK]))
+    assert len(homes) >= 6
+
+
+def test_a_shared_system_prompt_does_not_pin_everything_to_one_replica():
+    clock = Clock()
+    policy = make_policy(clock)
+    system = prompt(7, 16)  # short next to the rest: near-cold
+    chosen = []
+    for seed in range(64):  # nothing completes: queues build up
+        clock.now += 0.01
+        chosen.append(route(policy, request(system + prompt(seed + 100, 48)), f"q{seed}"))
+    counts = {r: chosen.count(r) for r in set(chosen)}
+    assert len(counts) == len(REPLICAS) and max(counts.values()) <= 2 * 64 / len(REPLICAS)
+
+
+def test_between_two_holders_the_less_loaded_wins():
+    clock = Clock()
+    policy = make_policy(clock)
+    shared = prompt(3, 64)
+    req = request(shared + [5, 5, 5, 5])
+    policy.on_summary(summary("replica-1", 1, [shared]))
+    policy.on_summary(summary("replica-2", 1, [shared]))
+    policy.loads.on_routed("busy", "replica-1", 500.0, clock())
+    assert policy.rank(req)[0] == "replica-2"
+
+
+def test_a_hot_prefix_spills_under_bounded_load_and_the_spill_target_gets_affinity():
+    clock = Clock()
+    policy = make_policy(clock, load_window_s=60.0)
+    hot = prompt(5, 64)
+    home = route(policy, request(hot + [0, 0, 0, 0]), "first")
+    policy.on_completed("first")
+    # The home has done far more than its share of the recent work (all of it
+    # completed: its queue is empty, only the bound can refuse it).
+    for i in range(30):
+        policy.loads.on_routed(f"old{i}", home, 2_000.0, clock())
+        policy.on_completed(f"old{i}")
+    clock.now += 1.0
+    spill = route(policy, request(hot + [1, 1, 1, 1]), "spill")
+    assert spill != home
+    policy.on_completed("spill")
+    clock.now += 1.0
+    # The spill target now holds the hot prefix: the next request sticks there.
+    assert route(policy, request(hot + [2, 2, 2, 2]), "next") == spill
+
+
+def test_when_every_candidate_is_over_the_bound_the_ring_walk_finds_one():
+    clock = Clock()
+    policy = make_policy(clock, num_ring_candidates=1, load_window_s=60.0)
+    req = request(prompt(11))
+    walk = list(policy.ring.walk(req.block_hashes[0]))
+    for i, replica in enumerate(walk[:4]):  # home and the next three did everything lately
+        policy.loads.on_routed(f"x{i}", replica, 100_000.0, clock())
+        policy.on_completed(f"x{i}")
+    for i, replica in enumerate(walk[4:]):  # the rest are busy now, so the least loaded is over too
+        policy.loads.on_routed(f"y{i}", replica, 10.0, clock())
+    ranked = policy.rank(req)
+    assert ranked[0] == walk[4]  # the first node past the home that is under the bound
+
+
+def test_stale_summaries_are_corrected_by_fresh_ones():
+    clock = Clock()
+    policy = make_policy(clock, learned_grace_s=5.0)
+    shared = prompt(4, 64)
+    req = request(shared + [8, 8, 8, 8])
+    policy.on_summary(summary("replica-3", 5, [shared]))
+    assert policy.rank(req)[0] == "replica-3"
+    clock.now = 10.0
+    assert not policy.on_summary(summary("replica-3", 4, []))  # older version: ignored
+    assert policy.rank(req)[0] == "replica-3"
+    assert policy.on_summary(summary("replica-3", 6, []))  # evicted since
+    policy.check_invariants()
+    assert policy.rank(req)[0] == policy.ring.lookup(req.block_hashes[0])
+
+
+def test_a_summary_keeps_what_the_router_routed_after_it_was_taken():
+    clock = Clock()
+    policy = make_policy(clock, learned_grace_s=5.0)
+    shared = prompt(6, 64)
+    first = route(policy, request(shared), "q")
+    clock.now = 1.0
+    policy.on_summary(summary(first, 1, []))  # taken before the request ran
+    assert policy.rank(request(shared + [1, 1, 1, 1]))[0] == first
+
+
+def test_a_removed_replica_is_never_chosen():
+    clock = Clock()
+    policy = make_policy(clock)
+    shared = prompt(2, 64)
+    holder = route(policy, request(shared), "q")
+    policy.remove_replica(holder)
+    policy.check_invariants()
+    for seed in range(50):
+        assert holder not in policy.rank(request(shared + prompt(seed, 8)))
+        assert holder not in policy.rank(request(prompt(seed + 500)))
+    assert not policy.on_summary(summary(holder, 9, [shared]))  # late report of the dead
+
+
+def test_a_replica_vanishing_mid_decision_is_skipped():
+    policy = make_policy()
+    req = request(prompt(12))
+    home = policy.rank(req)[0]
+    live = set(REPLICAS) - {home}
+    ranked = policy.rank(req, live)
+    assert ranked and home not in ranked and set(ranked) <= live
+    policy.on_routed(req, "replica-unknown", "q")  # it left while we decided: ignored
+    policy.check_invariants()
+
+
+def test_request_without_tokens_is_routed():
+    policy = make_policy()
+    ranked = policy.rank(RoutingRequest((), 0))
+    assert ranked and set(ranked) <= set(REPLICAS)
+
+
+def test_request_without_routing_attributes_falls_back_to_least_loaded_with_a_log_line(caplog):
+    clock = Clock()
+    policy = make_policy(clock)
+    for i, replica in enumerate(REPLICAS[1:]):
+        policy.loads.on_routed(f"q{i}", replica, 100.0, clock())
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        ranked = policy.rank(object())
+    assert ranked[0] == "replica-0"
+    assert "least loaded fallback" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        assert policy.rank(None)[0] == "replica-0"
+        assert policy.rank(RoutingRequest, REPLICAS[:2])[0] == "replica-0"
+
+
+def test_fallback_ties_rotate_instead_of_piling_on_one_replica():
+    clock = Clock()
+    policy = make_policy(clock)
+    chosen = set()
+    for i in range(8):
+        clock.now += 0.1
+        replica = policy.rank(object())[0]
+        policy.on_routed(object(), replica, f"q{i}")
+        policy.on_completed(f"q{i}")
+        chosen.add(replica)
+    assert len(chosen) == 8
+
+
+def test_candidates_the_router_does_not_know_fall_back_with_a_log_line(caplog):
+    policy = make_policy()
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        assert policy.rank(request(prompt(1)), ["new-replica"]) == ["new-replica"]
+    assert "fallback" in caplog.text
+
+
+def test_empty_candidates_give_no_answer_and_a_log_line(caplog):
+    policy = make_policy()
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        assert policy.rank(request(prompt(1)), []) == []
+    assert "no candidate" in caplog.text
+    assert make_policy(replicas=[]).rank(request(prompt(1))) == []
+
+
+@pytest.mark.parametrize("stats", [None, {}])
+def test_missing_stats_are_ignored(stats):
+    policy = make_policy()
+    assert policy.on_routing_stats("replica-0", stats) is False
+
+
+@pytest.mark.parametrize("stats", [{"format": "nope"}, ["list"], {"format": "kvroute.cache_summary.v1"}])
+def test_malformed_stats_are_ignored_with_a_log_line(stats, caplog):
+    policy = make_policy()
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        assert policy.on_routing_stats("replica-0", stats) is False
+    assert "malformed routing stats" in caplog.text
+    policy.check_invariants()
+
+
+def test_routing_stats_feed_the_index_and_the_load():
+    policy = make_policy()
+    shared = prompt(8, 64)
+    wire = summary("someone-else", 1, [shared], load_tokens=700).to_dict()
+    assert policy.on_routing_stats("replica-5", wire)  # Ray says whose stats these are
+    assert policy.rank(request(shared + [1, 2, 3, 4]))[0] == "replica-5"
+    assert policy.loads.load("replica-5") == 700
+
+
+def test_a_summary_at_another_block_size_is_ignored(caplog):
+    policy = make_policy()
+    radix = RadixCache(1000, 8)
+    radix.insert(prompt(1))
+    other = CacheSummary.from_radix(radix, 8, replica_id="replica-0", version=1, timestamp_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        assert not policy.on_summary(other)
+    assert "block size" in caplog.text
+
+
+def test_set_replicas_joins_and_leaves_at_once():
+    policy = make_policy(replicas=REPLICAS[:4])
+    policy.set_replicas(REPLICAS[2:6])
+    policy.check_invariants()
+    assert policy.replica_ids == frozenset(REPLICAS[2:6])
+
+
+def test_tenants_do_not_share_affinity():
+    clock = Clock()
+    policy = make_policy(clock)
+    shared = prompt(9, 64)
+    holder = route(policy, request(shared, salt="tenant-a"), "q")
+    other = request(shared + [1, 1, 1, 1], salt="tenant-b")
+    assert policy.index.deepest_holders(other.block_hashes, 4)[1] == {}
+    assert holder == policy.rank(request(shared + [1, 1, 1, 1], salt="tenant-a"))[0]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_size", 0), ("load_factor", 0.5), ("affinity_weight", 0.0), ("load_window_s", 0),
+    ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("num_ranked", 1.5), ("load_factor", True),
+])
+def test_bad_config_raises_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        PolicyConfig(**{field: value})
+
+
+def test_the_policy_needs_a_clock():
+    with pytest.raises(ValueError, match="clock"):
+        PrefixAffinityPolicy(PolicyConfig())

@@ -1,0 +1,141 @@
+"""router.PrefixIndex: learned at once, corrected by summaries, bounded, O(prompt blocks)."""
+
+import random
+
+import pytest
+
+from router import PrefixIndex
+
+
+def chain(*ids):
+    return list(ids)
+
+
+def test_learned_blocks_are_found_at_once_with_their_depth():
+    index = PrefixIndex()
+    index.learn("a", [1, 2, 3], now=0.0)
+    index.learn("b", [1, 2, 7], now=0.0)
+    index.check_invariants()
+    assert index.deepest_holders([1, 2, 3, 4], 4) == (3, {"a": 3, "b": 2})
+    assert index.deepest_holders([1, 2, 7], 4) == (3, {"b": 3, "a": 2})
+    assert index.deepest_holders([9, 1], 4) == (0, {})
+    assert index.deepest_holders([1, 2, 3], 1) == (3, {"a": 3})
+
+
+def test_live_filter_skips_replicas_the_caller_cannot_reach():
+    index = PrefixIndex()
+    index.learn("a", [1, 2, 3], now=0.0)
+    index.learn("b", [1], now=0.0)
+    assert index.deepest_holders([1, 2, 3], 4, live={"b"}) == (3, {"b": 1})
+
+
+def test_fresh_summary_replaces_stale_entries():
+    index = PrefixIndex(learned_grace_s=5.0)
+    index.learn("a", [1, 2, 3], now=0.0)
+    index.apply_summary("a", {1, 2}, now=10.0)  # block 3 was evicted
+    index.check_invariants()
+    assert index.deepest_holders([1, 2, 3], 4) == (2, {"a": 2})
+    assert not index.holds("a", 3)
+
+
+def test_summary_keeps_blocks_learned_after_it_may_have_been_taken():
+    index = PrefixIndex(learned_grace_s=5.0)
+    index.learn("a", [1, 2, 3], now=8.0)
+    index.apply_summary("a", {1}, now=10.0)  # taken before the request ran
+    assert index.deepest_holders([1, 2, 3], 4) == (3, {"a": 3})
+    index.apply_summary("a", {1}, now=20.0)  # still not there later: gone
+    assert index.deepest_holders([1, 2, 3], 4) == (1, {"a": 1})
+    index.check_invariants()
+
+
+def test_summary_adds_what_the_router_never_routed():
+    index = PrefixIndex()
+    index.apply_summary("b", {11, 12}, now=0.0)
+    assert index.deepest_holders([11, 12, 13], 4) == (2, {"b": 2})
+
+
+def test_capacity_evicts_least_recent_and_descendants_before_ancestors():
+    index = PrefixIndex(max_blocks_per_replica=4)
+    index.learn("a", [1, 2, 3], now=0.0)
+    index.learn("a", [1, 5], now=1.0)  # touches 1 again; now 1, 5 most recent
+    index.check_invariants()
+    assert index.num_blocks("a") == 4
+    index.learn("a", [8], now=2.0)  # evicts 3 (the oldest), not its ancestor 2
+    index.check_invariants()
+    assert [index.holds("a", h) for h in (1, 2, 3, 5, 8)] == [True, True, False, True, True]
+    index.learn("a", [9], now=3.0)  # then 2
+    assert not index.holds("a", 2) and index.holds("a", 1)
+
+
+def test_summary_budget_lowers_the_capacity():
+    index = PrefixIndex(max_blocks_per_replica=100)
+    index.apply_summary("a", {1, 2, 3}, now=0.0, capacity_blocks=2)
+    index.check_invariants()
+    assert index.capacity_blocks("a") == 2 and index.num_blocks("a") == 2
+
+
+def test_remove_replica_forgets_it_everywhere():
+    index = PrefixIndex()
+    index.learn("a", [1, 2], now=0.0)
+    index.learn("b", [1, 2], now=0.0)
+    index.remove_replica("a")
+    index.check_invariants()
+    assert index.deepest_holders([1, 2], 4) == (2, {"b": 2})
+    index.remove_replica("b")
+    index.check_invariants()
+    assert index.deepest_holders([1, 2], 4) == (0, {})
+
+
+@pytest.mark.parametrize("kwargs", [{"max_blocks_per_replica": 0}, {"max_blocks_per_replica": 1.5},
+                                    {"learned_grace_s": -1}])
+def test_bad_config(kwargs):
+    with pytest.raises(ValueError):
+        PrefixIndex(**kwargs)
+
+
+def test_bad_summary_capacity():
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        PrefixIndex().apply_summary("a", {1}, now=0.0, capacity_blocks=0)
+
+
+def test_randomized_against_a_naive_reference():
+    """Unbounded capacity: the index equals a plain dict of sets after any
+    sequence of learns, summaries and removals."""
+    rng = random.Random(7)
+    index = PrefixIndex(learned_grace_s=2.0)
+    naive: dict[str, dict[int, float | None]] = {}
+    paths = [[rng.randrange(30) for _ in range(rng.randrange(1, 6))] for _ in range(40)]
+    for step in range(400):
+        now = float(step)
+        replica = rng.choice("abcd")
+        action = rng.random()
+        if action < 0.6:
+            path = rng.choice(paths)
+            index.learn(replica, path, now)
+            naive.setdefault(replica, {}).update({h: now for h in path})
+        elif action < 0.9:
+            reported = set(rng.sample(range(30), rng.randrange(0, 10)))
+            index.apply_summary(replica, reported, now)
+            old = naive.get(replica, {})
+            kept = {h: t for h, t in old.items() if h not in reported and t is not None and t > now - 2.0}
+            naive[replica] = {**{h: None for h in reported}, **kept}
+        else:
+            index.remove_replica(replica)
+            naive.pop(replica, None)
+        index.check_invariants()
+        for path in paths[:10]:
+            assert index.deepest_holders(path, 10) == _reference(path, naive)
+
+
+def _reference(path, naive):
+    """What deepest_holders promises: the leading run of blocks someone holds,
+    and per replica the deepest block of that run it holds."""
+    num_known = 0
+    while num_known < len(path) and any(path[num_known] in held for held in naive.values()):
+        num_known += 1
+    found = {}
+    for depth in range(num_known, 0, -1):
+        for r, held in naive.items():
+            if path[depth - 1] in held and r not in found:
+                found[r] = depth
+    return num_known, found

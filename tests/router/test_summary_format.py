@@ -1,0 +1,78 @@
+"""cache.summary.CacheSummary: the record workers send and the router reads."""
+
+import base64
+import json
+
+import pytest
+
+from cache import RadixCache, block_hashes
+from cache.summary import SUMMARY_FORMAT, CacheSummary, cached_block_hashes
+
+
+def summary_of(radix, **load):
+    return CacheSummary.from_radix(radix, 4, replica_id="r1", version=3, timestamp_s=12.5, **load)
+
+
+def test_from_radix_holds_every_cached_block_and_the_load():
+    radix = RadixCache(1000, 4)
+    radix.insert(list(range(10)))
+    radix.insert([1, 2, 3, 4, 9, 9, 9, 9], salt="t")
+    summary = summary_of(radix, num_queued_tokens=30, num_running_tokens=12, num_running=2, num_waiting=1)
+    expected = set(block_hashes(list(range(10)), 4)) | set(block_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4, "t"))
+    assert summary.block_hashes == frozenset(expected) == frozenset(cached_block_hashes(radix, 4))
+    assert (summary.num_cached_tokens, summary.budget_tokens) == (18, 1000)
+    assert summary.load_tokens == 42
+
+
+def test_round_trips_through_json():
+    radix = RadixCache(1000, 4)
+    radix.insert(list(range(40)))
+    summary = summary_of(radix, num_queued_tokens=5)
+    wire = json.loads(json.dumps(summary.to_dict()))
+    assert wire["format"] == SUMMARY_FORMAT and wire["num_blocks"] == 10
+    assert CacheSummary.from_dict(wire) == summary
+
+
+def test_an_empty_cache_round_trips():
+    summary = summary_of(RadixCache(10, 4))
+    assert CacheSummary.from_dict(summary.to_dict()) == summary
+
+
+def good_wire():
+    radix = RadixCache(100, 4)
+    radix.insert(list(range(12)))
+    return summary_of(radix).to_dict()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(format="other"), "format"),
+    (lambda d: d.pop("version"), "version"),
+    (lambda d: d.update(version=-1), "version"),
+    (lambda d: d.update(version=True), "version"),
+    (lambda d: d.update(replica_id=""), "replica_id"),
+    (lambda d: d.update(block_size=0), "block_size"),
+    (lambda d: d.update(timestamp_s="now"), "timestamp_s"),
+    (lambda d: d.update(timestamp_s=float("inf")), "timestamp_s"),
+    (lambda d: d.update(block_hashes="@@not base64@@"), "base64"),
+    (lambda d: d.update(block_hashes=[1, 2]), "base64"),
+    (lambda d: d.update(num_blocks=d["num_blocks"] + 1), "8 x num_blocks"),
+    (lambda d: d.update(block_hashes=base64.b64encode(b"1234567").decode()), "8 x num_blocks"),
+    (lambda d: d.update(num_queued_tokens=-5), "num_queued_tokens"),
+    (lambda d: d.update(num_running=1.5), "num_running"),
+])
+def test_malformed_wire_raises_value_error_naming_the_field(change, message):
+    wire = good_wire()
+    change(wire)
+    with pytest.raises(ValueError, match=message):
+        CacheSummary.from_dict(wire)
+
+
+@pytest.mark.parametrize("bad", [None, [], "summary", 3])
+def test_not_a_dict(bad):
+    with pytest.raises(ValueError, match="must be a dict"):
+        CacheSummary.from_dict(bad)
+
+
+def test_constructor_validates_too():
+    with pytest.raises(ValueError, match="block_hashes"):
+        CacheSummary("r", 1, 0.0, 4, {1, 2})
