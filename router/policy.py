@@ -27,7 +27,7 @@ class PolicyConfig:
     """Knobs of :class:`PrefixAffinityPolicy` (the rule, defaults and reasons
     are in its docstring). Token counts are in tokens, times in seconds."""
 
-    block_size: int = 16  # tokens per routing block; ingress and workers use the same
+    block_size: int = 64  # tokens per routing block; ingress and workers use the same
     load_factor: float = 1.25  # c: recent work of a replica <= c x mean (+ one request)
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
     load_window_s: float = 120.0  # decay time of the recent-work counters
@@ -244,8 +244,8 @@ class PrefixAffinityPolicy:
         except ValueError:  # count it (one token), so fallback ties rotate
             self._loads.on_routed(request_id, replica_id, 1.0, now)
             return
-        _, matched = self._index.deepest_holders(routing.block_hashes, 1, (replica_id,))
-        self._loads.on_routed(request_id, replica_id, self._work(routing, matched.get(replica_id, 0)), now)
+        depth = self._index.depth(replica_id, routing.block_hashes)
+        self._loads.on_routed(request_id, replica_id, self._work(routing, depth), now)
         self._index.learn(replica_id, routing.block_hashes, now)
 
     def on_completed(self, request_id: str) -> None:

@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+import bisect
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+def _last_true(n: int, predicate: Callable[[int], bool]) -> int:
+    """Largest ``d`` in ``1..n`` with ``predicate(d)``, for a predicate that is
+    true up to some point and false after it; 0 if ``predicate(1)`` is false."""
+    if n <= 0 or not predicate(1):
+        return 0
+    low, high = 1, n + 1  # predicate(low) holds; predicate(high) fails or is out of range
+    while high - low > 1:
+        mid = (low + high) // 2
+        if predicate(mid):
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 class PrefixIndex:
@@ -18,22 +33,33 @@ class PrefixIndex:
       could not see disappear), except entries learned within the last
       ``learned_grace_s``, which the summary may predate.
 
-    Memory: each replica keeps at most ``capacity_blocks(r)`` entries in LRU
-    order (``max_blocks_per_replica``, lowered to the replica's own budget in
-    blocks once a summary reports it), so the index mirrors the replica's own
-    LRU instead of growing with the traffic. A path is touched deepest block
-    first, so ancestors are always more recent than descendants and are
-    evicted after them, as in the radix tree.
+    Memory: each replica keeps at most ``capacity_blocks(r)`` entries
+    (``max_blocks_per_replica``, lowered to the replica's own budget in
+    blocks once a summary reports it), least recently used out first, so the
+    index mirrors the replica's own LRU instead of growing with the traffic.
+
+    Layout (chosen so that the hot path runs mostly in C and the garbage
+    collector never walks the index): ``_holders`` maps a hash to a bit mask
+    of replica slots; ``_entries[r]`` maps each hash ``r`` holds to its
+    recency tick (ints only). A learned path gets consecutive ticks deepest
+    block first, so ancestors are always more recent than descendants and
+    are evicted after them, as in the radix tree. ``_fifo[r]`` lists
+    ``(tick, hash)`` in tick order; an item is current iff the entry still
+    has that tick, so eviction pops from its left. Blocks only a summary
+    reported get tick 0 and sit at the FIFO's head (least recent).
 
     Invariants (checked by :meth:`check_invariants`):
 
-    1. ``r in _holders[h]`` iff ``h in _entries[r]``; no empty holder sets.
+    1. ``_holders[h] & bit(r)`` iff ``h in _entries[r]``; no zero masks.
     2. ``len(_entries[r]) <= capacity_blocks(r)``.
+    3. Every entry has its current ``(tick, hash)`` in ``_fifo[r]``; items
+       with a tick > 0 are in ascending tick order.
 
-    Cost: :meth:`deepest_holders` is O(prompt blocks + replicas it returns),
-    independent of how many blocks or replicas the index knows;
-    :meth:`learn` O(blocks learned); :meth:`apply_summary` O(summary + the
-    replica's entries).
+    Cost: :meth:`deepest_holders` and :meth:`depth` are O(log n) lookups per
+    depth returned (binary search: whoever holds block ``j`` of a chain holds
+    ``0..j``), independent of how many blocks or replicas the index knows;
+    :meth:`learn` O(n) mostly in C; :meth:`apply_summary` set operations in
+    C plus O(changed blocks) in Python.
     """
 
     def __init__(self, max_blocks_per_replica: int = 1 << 18, learned_grace_s: float = 5.0) -> None:
@@ -43,12 +69,14 @@ class PrefixIndex:
             raise ValueError(f"learned_grace_s must be >= 0, got {learned_grace_s!r}")
         self.max_blocks_per_replica = max_blocks_per_replica
         self.learned_grace_s = float(learned_grace_s)
-        # hash -> {replica_id: None}; a dict (not a set) so iteration order is
-        # the same in every router process (str hashing is randomised per process).
-        self._holders: dict[int, dict[str, None]] = {}
-        # replica_id -> hash -> learned_at (router clock) or None (from a summary); oldest first.
-        self._entries: dict[str, OrderedDict[int, float | None]] = {}
+        self._holders: dict[int, int] = {}
+        self._entries: dict[str, dict[int, int]] = {}
+        self._fifo: dict[str, deque[tuple[int, int]]] = {}
         self._capacity: dict[str, int] = {}
+        self._slot: dict[str, int] = {}  # replica -> bit position
+        self._replica_at: list[str | None] = []
+        self._tick = 1
+        self._tick_times: list[tuple[float, int]] = []  # (time, first tick of a learn), ascending
 
     # ------------------------------------------------------------------ queries
     @property
@@ -63,8 +91,8 @@ class PrefixIndex:
         return len(entries) if entries is not None else 0
 
     def holds(self, replica_id: str, block_hash: int) -> bool:
-        holders = self._holders.get(block_hash)
-        return holders is not None and replica_id in holders
+        slot = self._slot.get(replica_id)
+        return slot is not None and bool(self._holders.get(block_hash, 0) >> slot & 1)
 
     def deepest_holders(
         self, block_hashes: Sequence[int], max_replicas: int, live: Collection[str] | None = None
@@ -72,42 +100,58 @@ class PrefixIndex:
         """``(num_known_blocks, {replica: num_matched_blocks})``.
 
         ``num_known_blocks``: how many leading blocks some replica holds.
-        The dict names at most ``max_replicas`` replicas (in ``live`` if given),
-        deepest match first; ties in holder order.
+        The dict names at most ``max_replicas`` replicas (in ``live`` if
+        given), deepest match first; equal depths in slot order.
         """
-        holders_index = self._holders
-        num_known = 0
-        for block_hash in block_hashes:
-            if block_hash not in holders_index:
-                break
-            num_known += 1
+        holders = self._holders
+        num_known = _last_true(len(block_hashes), lambda d: block_hashes[d - 1] in holders)
         found: dict[str, int] = {}
-        for depth in range(num_known, 0, -1):
-            for replica_id in holders_index[block_hashes[depth - 1]]:
+        depth = num_known
+        while depth > 0:
+            mask = holders.get(block_hashes[depth - 1], 0)
+            remaining = mask
+            while remaining:
+                low = remaining & -remaining
+                remaining ^= low
+                replica_id = self._replica_at[low.bit_length() - 1]
                 if replica_id not in found and (live is None or replica_id in live):
                     found[replica_id] = depth
                     if len(found) >= max_replicas:
                         return num_known, found
+            # Next: the deepest block that more replicas hold.
+            count = mask.bit_count()
+            depth = _last_true(depth - 1, lambda d: holders.get(block_hashes[d - 1], 0).bit_count() > count)
         return num_known, found
+
+    def depth(self, replica_id: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``block_hashes`` ``replica_id`` holds. O(log n)."""
+        slot = self._slot.get(replica_id)
+        if slot is None:
+            return 0
+        holders = self._holders
+        return _last_true(len(block_hashes), lambda d: holders.get(block_hashes[d - 1], 0) >> slot & 1 == 1)
 
     # ------------------------------------------------------------------ updates
     def learn(self, replica_id: str, block_hashes: Sequence[int], now: float) -> None:
         """``replica_id`` now holds every block of ``block_hashes`` (a prompt's chain)."""
-        entries = self._entries.get(replica_id)
-        if entries is None:
-            entries = self._entries[replica_id] = OrderedDict()
-        holders_index = self._holders
-        for block_hash in reversed(block_hashes):  # deepest first: ancestors end most recent
-            if block_hash in entries:
-                entries.move_to_end(block_hash)
-            else:
-                holders = holders_index.get(block_hash)
-                if holders is None:
-                    holders_index[block_hash] = {replica_id: None}
-                else:
-                    holders[replica_id] = None
-            entries[block_hash] = now
-        self._trim(replica_id)
+        num_blocks = len(block_hashes)
+        if not num_blocks:
+            return
+        bit = 1 << self._slot_of(replica_id)
+        holders = self._holders
+        for block_hash in block_hashes:
+            mask = holders.get(block_hash, 0)
+            if not mask & bit:
+                holders[block_hash] = mask | bit
+        ticks = range(self._tick, self._tick + num_blocks)  # deepest block gets the oldest tick
+        self._tick += num_blocks
+        deepest_first = block_hashes[::-1]
+        self._entries[replica_id].update(zip(deepest_first, ticks))
+        self._fifo[replica_id].extend(zip(ticks, deepest_first))
+        self._tick_times.append((now, ticks.start))
+        if len(self._tick_times) > 4096:
+            self._first_tick_after(now - self.learned_grace_s)  # prunes
+        self._maybe_trim(replica_id)
 
     def apply_summary(
         self, replica_id: str, block_hashes: Iterable[int], now: float, capacity_blocks: int | None = None
@@ -122,56 +166,93 @@ class PrefixIndex:
             if type(capacity_blocks) is not int or capacity_blocks <= 0:
                 raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
             self._capacity[replica_id] = min(capacity_blocks, self.max_blocks_per_replica)
-        reported = block_hashes if isinstance(block_hashes, (set, frozenset)) else set(block_hashes)
-        old = self._entries.get(replica_id, OrderedDict())
-        fresh_after = now - self.learned_grace_s
-        merged: OrderedDict[int, float | None] = OrderedDict()
-        for block_hash in reported:
-            if block_hash not in old:
-                merged[block_hash] = None
-        holders_index = self._holders
-        for block_hash, learned_at in old.items():
-            if block_hash in reported:
-                merged[block_hash] = None
-            elif learned_at is not None and learned_at > fresh_after:
-                merged[block_hash] = learned_at
-            else:
-                self._drop_holder(block_hash, replica_id)
-        for block_hash in merged:
-            if block_hash not in old:
-                holders = holders_index.get(block_hash)
-                if holders is None:
-                    holders_index[block_hash] = {replica_id: None}
-                else:
-                    holders[replica_id] = None
-        self._entries[replica_id] = merged
-        self._trim(replica_id)
+        reported = block_hashes if isinstance(block_hashes, (set, frozenset)) else frozenset(block_hashes)
+        bit = 1 << self._slot_of(replica_id)
+        entries = self._entries[replica_id]
+        fresh_tick = self._first_tick_after(now - self.learned_grace_s)
+        for block_hash in entries.keys() - reported:
+            if entries[block_hash] < fresh_tick:
+                del entries[block_hash]
+                self._clear_bit(block_hash, bit)
+        added = reported - entries.keys()
+        entries.update(dict.fromkeys(added, 0))
+        self._fifo[replica_id].extendleft((0, h) for h in added)
+        holders = self._holders
+        for block_hash in added:
+            holders[block_hash] = holders.get(block_hash, 0) | bit
+        self._maybe_trim(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget everything about ``replica_id`` (it died or left)."""
-        for block_hash in self._entries.pop(replica_id, ()):
-            self._drop_holder(block_hash, replica_id)
+        slot = self._slot.pop(replica_id, None)
+        if slot is None:
+            return
+        bit = 1 << slot
+        for block_hash in self._entries.pop(replica_id):
+            self._clear_bit(block_hash, bit)
+        del self._fifo[replica_id]
         self._capacity.pop(replica_id, None)
+        self._replica_at[slot] = None
 
     # ----------------------------------------------------------------- private
-    def _trim(self, replica_id: str) -> None:
-        entries = self._entries[replica_id]
-        capacity = self.capacity_blocks(replica_id)
-        while len(entries) > capacity:
-            block_hash, _ = entries.popitem(last=False)
-            self._drop_holder(block_hash, replica_id)
+    def _slot_of(self, replica_id: str) -> int:
+        slot = self._slot.get(replica_id)
+        if slot is None:
+            free = [i for i, r in enumerate(self._replica_at) if r is None]
+            slot = free[0] if free else len(self._replica_at)
+            if slot == len(self._replica_at):
+                self._replica_at.append(replica_id)
+            else:
+                self._replica_at[slot] = replica_id
+            self._slot[replica_id] = slot
+            self._entries[replica_id] = {}
+            self._fifo[replica_id] = deque()
+        return slot
 
-    def _drop_holder(self, block_hash: int, replica_id: str) -> None:
-        holders = self._holders.get(block_hash)
-        if holders is not None:
-            holders.pop(replica_id, None)
-            if not holders:
-                del self._holders[block_hash]
+    def _first_tick_after(self, time_s: float) -> int:
+        """The first tick learned after ``time_s``; older learn records are dropped."""
+        times = self._tick_times
+        position = bisect.bisect_right(times, (time_s, float("inf")))
+        if position:
+            del times[:position]
+        return times[0][1] if times else self._tick
+
+    def _clear_bit(self, block_hash: int, bit: int) -> None:
+        mask = self._holders.get(block_hash, 0) & ~bit
+        if mask:
+            self._holders[block_hash] = mask
+        else:
+            self._holders.pop(block_hash, None)
+
+    def _maybe_trim(self, replica_id: str) -> None:
+        """Evict least recent entries down to capacity; rebuild a mostly stale FIFO."""
+        entries, fifo = self._entries[replica_id], self._fifo[replica_id]
+        excess = len(entries) - self.capacity_blocks(replica_id)
+        if excess > 0:
+            bit = 1 << self._slot[replica_id]
+            while excess > 0:
+                tick, block_hash = fifo.popleft()
+                if entries.get(block_hash) == tick:
+                    del entries[block_hash]
+                    self._clear_bit(block_hash, bit)
+                    excess -= 1
+        if len(fifo) > 8 * len(entries) + 4096:
+            self._fifo[replica_id] = deque(sorted((t, h) for h, t in entries.items()))
 
     def check_invariants(self) -> None:
         pairs_from_entries = {(h, r) for r, entries in self._entries.items() for h in entries}
-        pairs_from_holders = {(h, r) for h, holders in self._holders.items() for r in holders}
+        pairs_from_holders = {
+            (h, self._replica_at[slot]) for h, mask in self._holders.items()
+            for slot in range(mask.bit_length()) if mask >> slot & 1
+        }
         assert pairs_from_entries == pairs_from_holders, "holders and entries disagree"
-        assert all(self._holders.values()), "empty holder set"
+        assert all(self._holders.values()), "zero holder mask"
+        assert set(self._slot) == set(self._entries) == set(self._fifo)
         for replica_id, entries in self._entries.items():
+            assert self._replica_at[self._slot[replica_id]] == replica_id
             assert len(entries) <= self.capacity_blocks(replica_id), replica_id
+            fifo = self._fifo[replica_id]
+            queued = set(fifo)
+            assert all((t, h) in queued for h, t in entries.items()), replica_id
+            ticks = [t for t, _ in fifo if t > 0]
+            assert ticks == sorted(ticks), replica_id

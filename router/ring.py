@@ -52,7 +52,7 @@ class HashRing:
         if type(virtual_nodes) is not int or virtual_nodes <= 0:
             raise ValueError(f"virtual_nodes must be a positive int, got {virtual_nodes!r}")
         self.virtual_nodes = virtual_nodes
-        self._nodes: set[str] = set()
+        self._nodes: frozenset[str] = frozenset()
         self._points: list[int] = []
         self._owners: list[str] = []
         for node in nodes:
@@ -60,7 +60,7 @@ class HashRing:
 
     @property
     def nodes(self) -> frozenset[str]:
-        return frozenset(self._nodes)
+        return self._nodes
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -74,7 +74,7 @@ class HashRing:
             raise ValueError(f"ring node must be a non-empty str, got {node!r}")
         if node in self._nodes:
             return False
-        self._nodes.add(node)
+        self._nodes = self._nodes | {node}
         merged = sorted(
             list(zip(self._points, self._owners)) + [(_point(node, i), node) for i in range(self.virtual_nodes)]
         )
@@ -86,7 +86,7 @@ class HashRing:
         """Take ``node`` off the ring; returns False if it was not on it."""
         if node not in self._nodes:
             return False
-        self._nodes.discard(node)
+        self._nodes = self._nodes - {node}
         kept = [(p, n) for p, n in zip(self._points, self._owners) if n != node]
         self._points = [p for p, _ in kept]
         self._owners = [n for _, n in kept]

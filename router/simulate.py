@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-period-s", type=float, default=1.0)
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--limit", type=int, help="replay only the first N trace rows")
-    parser.add_argument("--block-tokens", type=int, default=16, help="router block size for generated workloads")
+    parser.add_argument("--block-tokens", type=int, default=PolicyConfig().block_size,
+                        help="router block size for generated workloads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

@@ -109,7 +109,7 @@ def _token_request(arrival_s: float, prompt: list[int], answer: list[int], block
 
 def shared_prefix(
     num_groups: int = 16, prompts_per_group: int = 16, system_tokens: int = 1024, question_tokens: int = 64,
-    output_tokens: int = 64, block_tokens: int = 16, rate_per_s: float = 10.0, seed: int = 0,
+    output_tokens: int = 64, block_tokens: int = 64, rate_per_s: float = 10.0, seed: int = 0,
 ) -> Workload:
     """G groups × P prompts: a per-group system prompt + a question, shuffled,
     Poisson arrivals (SGLang's generated-shared-prefix bench, scaled down)."""
@@ -128,7 +128,7 @@ def shared_prefix(
 
 def multi_turn(
     num_conversations: int = 64, num_turns: int = 6, system_tokens: int = 512, question_tokens: int = 128,
-    output_tokens: int = 128, block_tokens: int = 16, rate_per_s: float = 4.0, think_s: float = 5.0, seed: int = 0,
+    output_tokens: int = 128, block_tokens: int = 64, rate_per_s: float = 4.0, think_s: float = 5.0, seed: int = 0,
 ) -> Workload:
     """Chats that all share one system prompt (every request shares its first
     blocks); each turn appends the answer and a new question."""

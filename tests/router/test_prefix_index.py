@@ -99,12 +99,17 @@ def test_bad_summary_capacity():
 
 
 def test_randomized_against_a_naive_reference():
-    """Unbounded capacity: the index equals a plain dict of sets after any
-    sequence of learns, summaries and removals."""
+    """Unbounded capacity: after any sequence of learns, summaries and
+    removals the index answers like a plain dict of sets. Paths are chains of
+    a random tree and summaries report prefix-closed sets, as real chained
+    hashes and radix trees do."""
     rng = random.Random(7)
     index = PrefixIndex(learned_grace_s=2.0)
     naive: dict[str, dict[int, float | None]] = {}
-    paths = [[rng.randrange(30) for _ in range(rng.randrange(1, 6))] for _ in range(40)]
+    paths = [[1]]
+    for node in range(2, 60):  # each new block extends a random existing path
+        parent = rng.choice(paths)
+        paths.append(parent[: rng.randrange(1, len(parent) + 1)] + [node])
     for step in range(400):
         now = float(step)
         replica = rng.choice("abcd")
@@ -114,7 +119,9 @@ def test_randomized_against_a_naive_reference():
             index.learn(replica, path, now)
             naive.setdefault(replica, {}).update({h: now for h in path})
         elif action < 0.9:
-            reported = set(rng.sample(range(30), rng.randrange(0, 10)))
+            reported = set()
+            for path in rng.sample(paths, rng.randrange(0, 5)):
+                reported.update(path)
             index.apply_summary(replica, reported, now)
             old = naive.get(replica, {})
             kept = {h: t for h, t in old.items() if h not in reported and t is not None and t > now - 2.0}
@@ -123,8 +130,17 @@ def test_randomized_against_a_naive_reference():
             index.remove_replica(replica)
             naive.pop(replica, None)
         index.check_invariants()
-        for path in paths[:10]:
-            assert index.deepest_holders(path, 10) == _reference(path, naive)
+        for path in paths[::5]:
+            num_known, found = index.deepest_holders(path, 10)
+            expected_known, expected = _reference(path, naive)
+            assert num_known == expected_known
+            assert found == expected
+            for r in "abcd":
+                held = naive.get(r, {})
+                run = 0
+                while run < len(path) and path[run] in held:
+                    run += 1
+                assert index.depth(r, path) == run
 
 
 def _reference(path, naive):

@@ -1,0 +1,129 @@
+"""Router decision cost: ``rank`` + ``on_routed`` per request, for 4k-token prompts.
+
+    python -m router.bench [--replicas 8,16,32,64] [--prompt-tokens 4096] [--json OUT]
+
+Per fleet size: a policy is warmed up with ``--warmup`` requests (prompts of
+``--prompt-tokens`` tokens: a 2k-token prefix shared by one of 64 groups +
+a unique rest, hashed at ``--block-tokens``, default the policy's), each replica sends a summary of the
+blocks routed to it, requests complete in FIFO order with ``4 × N`` in
+flight; then ``--requests`` decisions are timed one by one
+(``time.perf_counter_ns``, Python's GC left on, as in a serving process).
+Also timed: the ingress's ``cache.block_hashes`` of one prompt, and applying
+one replica summary. Pure Python, one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import deque
+
+from cache import block_hashes
+from cache.summary import CacheSummary
+from router.policy import PolicyConfig, PrefixAffinityPolicy
+from router.request import RoutingRequest
+
+NUM_GROUPS = 64
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> list[RoutingRequest]:
+    """Hash once, reuse: group prefixes are hashed once and chains continued."""
+    rng = random.Random(seed)
+    shared_tokens = prompt_tokens // 2
+    prefixes = [[rng.randrange(32000) for _ in range(shared_tokens)] for _ in range(NUM_GROUPS)]
+    out = []
+    for _ in range(num):
+        tokens = rng.choice(prefixes) + [rng.randrange(32000) for _ in range(prompt_tokens - shared_tokens)]
+        out.append(RoutingRequest(tuple(block_hashes(tokens, block_tokens)), len(tokens), num_output_tokens=128))
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int) -> dict:
+    clock = _Clock()
+    policy = PrefixAffinityPolicy(PolicyConfig(block_size=block_tokens), clock=clock)
+    replica_ids = [f"replica-{i}" for i in range(num_replicas)]
+    policy.set_replicas(replica_ids)
+    routed: dict[str, set[int]] = {r: set() for r in replica_ids}
+    in_flight: deque[str] = deque()
+    timings_us: list[float] = []
+    for number, request in enumerate(requests):
+        clock.now += 0.01
+        if number == num_warmup:  # every replica reports what it holds
+            for version, replica_id in enumerate(replica_ids, 1):
+                policy.on_summary(CacheSummary(replica_id, version, clock.now, block_tokens,
+                                               frozenset(routed[replica_id])))
+        started = time.perf_counter_ns()
+        chosen = policy.rank(request)[0]
+        policy.on_routed(request, chosen, str(number))
+        elapsed_us = (time.perf_counter_ns() - started) / 1000
+        if number >= num_warmup:
+            timings_us.append(elapsed_us)
+        else:
+            routed[chosen].update(request.block_hashes)
+        in_flight.append(str(number))
+        if len(in_flight) > 4 * num_replicas:
+            policy.on_completed(in_flight.popleft())
+    biggest = max(routed, key=lambda r: len(routed[r]))
+    summary = CacheSummary(biggest, 10**6, clock.now, block_tokens, frozenset(routed[biggest]))
+    started = time.perf_counter_ns()
+    policy.on_summary(summary)
+    summary_ms = (time.perf_counter_ns() - started) / 1e6
+    return {
+        "num_replicas": num_replicas,
+        "decision_us_p50": _percentile(timings_us, 0.50),
+        "decision_us_p99": _percentile(timings_us, 0.99),
+        "decision_us_max": max(timings_us),
+        "summary_blocks": len(summary.block_hashes),
+        "apply_summary_ms": summary_ms,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", default="8,16,32,64")
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--block-tokens", type=int, default=PolicyConfig().block_size)
+    parser.add_argument("--warmup", type=int, default=3000)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="output JSON path")
+    args = parser.parse_args(argv)
+    fleet_sizes = [int(n) for n in args.replicas.split(",")]
+    requests = _requests(args.warmup + args.requests, args.prompt_tokens, args.block_tokens, args.seed)
+    tokens = list(range(args.prompt_tokens))
+    started = time.perf_counter_ns()
+    for _ in range(200):
+        block_hashes(tokens, args.block_tokens)
+    hash_us = (time.perf_counter_ns() - started) / 1000 / 200
+    results = [bench_fleet(n, requests, args.warmup, args.block_tokens) for n in fleet_sizes]
+    print(f"{args.prompt_tokens}-token prompts, block size {args.block_tokens} "
+          f"({args.prompt_tokens // args.block_tokens} blocks); ingress block_hashes: {hash_us:.0f} us/prompt")
+    print(f"{'replicas':>8} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'summary blocks':>15} {'apply ms':>9}")
+    for r in results:
+        print(f"{r['num_replicas']:>8} {r['decision_us_p50']:8.1f} {r['decision_us_p99']:8.1f} "
+              f"{r['decision_us_max']:8.0f} {r['summary_blocks']:>15} {r['apply_summary_ms']:9.1f}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"prompt_tokens": args.prompt_tokens, "block_tokens": args.block_tokens,
+                       "ingress_block_hashes_us": hash_us, "fleets": results}, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
