@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cache.summary import cached_block_hashes
+from cache.summary import CacheSummary, cached_block_hashes
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.results import GenerationResult, TokenEvent
@@ -223,6 +223,8 @@ class AsyncEngine:
                     return
                 try:
                     events = self.engine.step() if self.engine.has_work() else []
+                    if self.engine.has_work() and not self.engine.last_step_ran:
+                        raise RuntimeError(f"no progress with {self.engine.scheduler.num_waiting} waiting")
                     self._step_failed = False
                 except Exception as error:  # a bug: fail what is in flight, keep serving
                     logger.exception("engine step failed; failing in-flight requests")
@@ -308,6 +310,25 @@ class AsyncEngine:
         """Chained hashes of every full ``block_size`` block the cache holds, taken between steps."""
         with self._lock:
             return cached_block_hashes(self.engine.cache, block_size)
+
+    def cache_summary(self, block_size: int, *, replica_id: str, version: int, timestamp_s: float) -> CacheSummary:
+        """What the router needs from this replica (cache contents + load), taken between
+        steps. Blocks the caller for at most one engine step; cost O(cached tokens)."""
+        with self._sinks_lock:
+            num_live = len(self._sinks)
+        with self._lock:
+            scheduler = self.engine.scheduler
+            return CacheSummary.from_radix(
+                self.engine.cache,
+                block_size,
+                replica_id=replica_id,
+                version=version,
+                timestamp_s=timestamp_s,
+                num_queued_tokens=scheduler.queued_tokens(),
+                num_running_tokens=scheduler.running_tokens(),
+                num_running=scheduler.num_running,
+                num_waiting=max(scheduler.num_waiting, num_live - scheduler.num_running),
+            )
 
     def check_invariants(self) -> None:
         with self._lock:

@@ -74,6 +74,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._request_counter = itertools.count()
         self._live: dict[str, Seq] = {}
+        self.last_step_ran = False  # did the last step() run a forward?
         logger.info(
             "engine: model=%s deterministic=%s pool=%d blocks x %d (%d bytes/token) budget=%d tokens",
             self.model_id, config.deterministic, num_blocks, config.block_size, self.bytes_per_token,
@@ -165,6 +166,7 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Run one forward over the scheduled batch; the tokens it produced."""
         scheduled = self.scheduler.schedule()
+        self.last_step_ran = scheduled is not None
         if scheduled is None:
             return []
         self.pool.copy_blocks(scheduled.copies)
@@ -198,7 +200,10 @@ class Engine:
         while pending:
             if not self.has_work():
                 raise RuntimeError(f"requests {sorted(pending)} are not in the engine")
-            for event in self.step():
+            events = self.step()
+            if not self.last_step_ran:  # work left but nothing schedulable: a bug, not a wait
+                raise RuntimeError(f"the scheduler made no progress with {self.scheduler.num_waiting} waiting")
+            for event in events:
                 if event.result is not None and event.request_id in pending:
                     results[event.request_id] = event.result
                     pending.discard(event.request_id)

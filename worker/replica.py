@@ -7,6 +7,8 @@ A thin adapter: generation, stats and cache summaries all come from
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -21,19 +23,21 @@ from worker.stats_board import get_board
 class Worker:
     def __init__(self, engine_config: EngineConfig, router_block_size: int, stats_period_s: float) -> None:
         context = serve.get_replica_context()
-        self.replica_id = context.replica_id.unique_id
+        self.replica_id = context.replica_id.to_full_id_str()
         self.engine = AsyncEngine(engine_config)
         self._router_block_size = router_block_size
-        self._publisher = asyncio.get_event_loop().create_task(self._publish_stats(context.app_name, stats_period_s))
+        self._summary_versions = itertools.count(1)
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_stats(context.app_name, stats_period_s))
 
     async def generate(self, request: WorkerRequest) -> dict:
         result = await self.engine.generate(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
         return {**result.to_dict(), "replica_id": self.replica_id}
 
     async def generate_stream(self, request: WorkerRequest) -> AsyncIterator[dict]:
+        """Each token as it is produced, then the result (``"done": true``)."""
         stream = self.engine.stream(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
-        async for event in stream:
-            yield {**event.to_dict(), "replica_id": self.replica_id}
+        async for item in stream:
+            yield {**item.to_dict(), "replica_id": self.replica_id}
 
     async def generate_batch(self, batch: WorkerBatch) -> list[dict]:
         """Results in batch order; a failed item becomes ``{"error": message}``."""
@@ -46,8 +50,18 @@ class Worker:
     def stats(self) -> dict:
         return {**self.engine.stats(), "replica_id": self.replica_id}
 
-    def record_routing_stats(self) -> dict:
-        return CacheSummary.of_engine(self.engine, self._router_block_size).to_dict()
+    async def record_routing_stats(self) -> dict:
+        return (await asyncio.to_thread(self._summary)).to_dict()
+
+    def _summary(self) -> CacheSummary:
+        load = self.engine.load()
+        with self.engine.locked() as engine:
+            return CacheSummary.from_radix(
+                engine.cache, self._router_block_size, replica_id=self.replica_id,
+                version=next(self._summary_versions), timestamp_s=time.time(),
+                num_queued_tokens=load["queued_tokens"], num_running_tokens=load["running_tokens"],
+                num_running=load["num_running"], num_waiting=load["num_waiting"],
+            )
 
     def check_health(self) -> None:
         self.engine.check_health()

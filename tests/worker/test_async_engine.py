@@ -192,6 +192,9 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         assert stats["prefill_tokens"] == len(prompt) and stats["misses"] == 1
         hashes = engine.cache_block_hashes(16)
         assert hashes == cached_block_hashes(engine.cache, 16) and len(hashes) == (len(prompt) + 2) // 16
+        summary = engine.cache_summary(16, replica_id="r1", version=3, timestamp_s=1.5)
+        assert summary.block_hashes == frozenset(hashes) and summary.num_cached_tokens == engine.cache.num_tokens
+        assert (summary.replica_id, summary.version, summary.num_running, summary.num_waiting) == ("r1", 3, 0, 0)
         assert engine.vocab_size == 259 and engine.max_model_len == 1024 and engine.model_id == "tiny-llama"
         assert engine.tokenizer.decode(engine.tokenizer.encode("ok")) == "ok"
         await engine.shutdown()
