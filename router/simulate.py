@@ -136,7 +136,7 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     advance = getattr(policy, "advance", None)
     on_served = getattr(policy, "on_served", None)
     cached_total = prompt_total = num_hits = 0
-    ttfts, decision_us = [], []
+    ttfts, waits, decision_us = [], [], []
     requests = workload.requests
     if progress:
         from tqdm import tqdm
@@ -158,7 +158,9 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         prompt_total += request.num_prompt_tokens
         num_hits += served.cached_tokens > 0
         ttfts.append(served.ttft_s)
+        waits.append(served.ttft_s - (request.num_prompt_tokens - served.cached_tokens) / config.cost.prefill_tokens_per_s)
     ttfts.sort()
+    waits.sort()
     decision_us.sort()
     busy = [r.busy_s for r in replicas]
     mean_busy = sum(busy) / len(busy)
@@ -169,24 +171,35 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         "ttft_p50_s": _percentile(ttfts, 0.50),
         "ttft_p99_s": _percentile(ttfts, 0.99),
         "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
+        "wait_p99_s": _percentile(waits, 0.99),
         "decision_us_p50": _percentile(decision_us, 0.50),
         "decision_us_p99": _percentile(decision_us, 0.99),
         "busy_s": busy,
     }
 
 
-def cache_bound_hit_rate(workload: Workload, budget_units: int | None) -> float:
-    """Token hit rate of one LRU radix cache of ``budget_units`` seeing every
-    request (None: unbounded)."""
+def cache_bound(workload: Workload, budget_units: int | None, cost: CostModel) -> tuple[float, float]:
+    """One LRU radix cache of ``budget_units`` (None: unbounded) seeing every
+    request: ``(token hit rate, p99 of the prefill time it leaves)``. With an
+    unbounded cache the second is a floor under any policy's TTFT p99: each
+    request's TTFT is at least its own prefill of what no cache could hold."""
     if budget_units is None:
         budget_units = sum(len(r.cache_units) for r in workload.requests) + 1
     radix = RadixCache(budget_units, block_size=1)
     cached = total = 0
+    prefill_s = []
     for request in workload.requests:
-        cached += request.cached_tokens(radix.match(request.units).num_tokens)
+        hit = request.cached_tokens(radix.match(request.units).num_tokens)
+        cached += hit
         total += request.num_prompt_tokens
+        prefill_s.append((request.num_prompt_tokens - hit) / cost.prefill_tokens_per_s)
         radix.insert(request.cache_units)
-    return cached / max(total, 1)
+    prefill_s.sort()
+    return cached / max(total, 1), _percentile(prefill_s, 0.99)
+
+
+def cache_bound_hit_rate(workload: Workload, budget_units: int | None) -> float:
+    return cache_bound(workload, budget_units, CostModel())[0]
 
 
 def arrival_scale(workload: Workload, config: SimConfig) -> float:
@@ -199,13 +212,21 @@ def arrival_scale(workload: Workload, config: SimConfig) -> float:
     return work_s / (config.num_replicas * config.utilisation * span_s)
 
 
-def simulate(workload: Workload, config: SimConfig, names=POLICY_NAMES, progress: bool = False) -> dict:
+def simulate(
+    workload: Workload, config: SimConfig, names=POLICY_NAMES, progress: bool = False, seeds=None
+) -> dict:
+    """Every policy in ``names`` over ``workload``; with several ``seeds`` the
+    randomised baselines (pow2, dynamo_kv and llm_d tie-breaks) run once per
+    seed and their figures are the means."""
+    seeds = tuple(seeds) if seeds else (config.seed,)
     factor = arrival_scale(workload, config)
     scaled = scale_arrivals(workload, factor)
     budget_units = config.budget_tokens // workload.unit_tokens
+    infinite_hit_rate, ttft_floor_s = cache_bound(scaled, None, config.cost)
     result = {
         "global_lru_hit_rate": cache_bound_hit_rate(scaled, budget_units * config.num_replicas),
-        "infinite_hit_rate": cache_bound_hit_rate(scaled, None),
+        "infinite_hit_rate": infinite_hit_rate,
+        "ttft_p99_floor_s": ttft_floor_s,
         "policies": {},
         "setup": {
             "workload": workload.name,
@@ -222,8 +243,18 @@ def simulate(workload: Workload, config: SimConfig, names=POLICY_NAMES, progress
         },
     }
     for name in names:
-        result["policies"][name] = replay(scaled, config, name, progress)
+        runs = [replay(scaled, replace(config, seed=seed), name, progress) for seed in seeds]
+        result["policies"][name] = runs[0] if len(runs) == 1 else _mean_over_seeds(runs)
+    result["setup"]["seeds"] = list(seeds)
     return result
+
+
+def _mean_over_seeds(runs: list[dict]) -> dict:
+    """Means of the figures; ``per_seed`` keeps each run's headline figures."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    merged = {k: sum(run[k] for run in runs) / len(runs) for k in keys}
+    merged["per_seed"] = {k: [run[k] for run in runs] for k in ("hit_rate", "load_imbalance", "ttft_p99_s")}
+    return merged
 
 
 def plot(result: dict, path: str) -> None:
@@ -283,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=PolicyConfig().block_size,
                         help="router block size for generated workloads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, help="run randomised baselines with seeds 0..N-1, report means")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     kind = args.workload or ("mooncake" if args.trace else None)
@@ -305,16 +337,18 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    result = simulate(workload, config, names, progress=not args.no_progress)
+    seeds = range(args.seed, args.seed + args.seeds)
+    result = simulate(workload, config, names, progress=not args.no_progress, seeds=seeds)
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=2)
     if args.plot:
         plot(result, args.plot)
-    print(f"global LRU hit rate {result['global_lru_hit_rate']:.3f}, infinite {result['infinite_hit_rate']:.3f}")
-    print(f"{'policy':>20} {'hit':>6} {'imbal':>6} {'p50 s':>7} {'p99 s':>7} {'dec p99 us':>10}")
+    print(f"global LRU hit rate {result['global_lru_hit_rate']:.4f}, infinite {result['infinite_hit_rate']:.4f}, "
+          f"TTFT p99 floor {result['ttft_p99_floor_s']:.3f} s")
+    print(f"{'policy':>20} {'hit':>7} {'imbal':>6} {'p50 s':>7} {'p99 s':>7} {'wait p99':>8} {'dec p99 us':>10}")
     for name, f in result["policies"].items():
-        print(f"{name:>20} {f['hit_rate']:6.3f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
-              f" {f['ttft_p99_s']:7.3f} {f['decision_us_p99']:10.1f}")
+        print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
+              f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}")
     return 0
 
 
