@@ -275,6 +275,8 @@ def plot(result: dict, path: str) -> None:
     width = 0.4
     axes[1].bar([p - width / 2 for p in positions], [figures[n]["ttft_p50_s"] for n in names], width, label="p50")
     axes[1].bar([p + width / 2 for p in positions], [figures[n]["ttft_p99_s"] for n in names], width, label="p99")
+    if "ttft_p99_floor_s" in result:
+        axes[1].axhline(result["ttft_p99_floor_s"], color="tab:red", ls="--", label="p99 floor (any policy)")
     axes[1].set_yscale("log")
     axes[1].set_title("TTFT (s)")
     axes[1].legend()
