@@ -10,6 +10,7 @@ the machine are left alone). Used by the load test and the integration tests.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,9 @@ class ServeApp:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env["RAY_ADDRESS"] = self.address
+        # ray 2.60's `ray start` turns on token auth; its clients (the serve CLI)
+        # must opt in too, reading the token from ~/.ray/auth_token.
+        env.setdefault("RAY_AUTH_MODE", "token")
         if self.dashboard_port:
             env["RAY_DASHBOARD_ADDRESS"] = f"http://127.0.0.1:{self.dashboard_port}"
         return env
@@ -119,6 +123,7 @@ class ServeApp:
             if not pids:
                 break
         self._started_ray = False
+        shutil.rmtree(self._temp_dir, ignore_errors=True)
 
     def ray_pids(self) -> list[int]:
         return _pids_mentioning(self._temp_dir) if self._temp_dir else []
@@ -132,8 +137,6 @@ class ServeApp:
         app.setdefault("args", {}).update(self.args_overrides)
         if router is not None:
             app["args"]["router"] = router
-        runtime_env = app.setdefault("runtime_env", {})
-        runtime_env["working_dir"] = str(REPO_ROOT)
         for deployment in app.get("deployments", []):
             deployment.update(self.deployment_overrides.get(deployment["name"], {}))
         handle, path = tempfile.mkstemp(prefix="kvroute-", suffix=".yaml")
@@ -192,17 +195,19 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def _pids_mentioning(text: str) -> list[int]:
+def _pids_mentioning(path: str) -> list[int]:
+    """Processes whose command line names ``path`` or that hold a file under it
+    open (Ray renames its workers' command lines, but their logs stay open)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if path in cmdline or any(os.readlink(fd).startswith(path) for fd in (entry / "fd").iterdir()):
+                pids.append(int(entry.name))
         except OSError:
             continue
-        if text in cmdline:
-            pids.append(int(entry.name))
     return pids
 
 

@@ -67,11 +67,13 @@ class Worker:
         self.engine.check_health()
 
     async def _publish_stats(self, app_name: str, period_s: float) -> None:
+        board = None  # keep the handle: a board nobody references is collected
         while True:
             try:
-                await get_board(app_name, create=True).put.remote(self.replica_id, self.stats())
-            except Exception:  # the board's owner died: the next round recreates it
-                pass
+                board = board or get_board(app_name, create=True)
+                await board.put.remote(self.replica_id, self.stats())
+            except Exception:  # the board's owner died: recreate it next round
+                board = None
             await asyncio.sleep(period_s)
 
     async def __del__(self) -> None:
