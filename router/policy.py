@@ -202,6 +202,9 @@ class PrefixAffinityPolicy:
         """Apply Ray Serve routing stats (a ``CacheSummary.to_dict()``); never raises."""
         if not stats:
             return False  # the replica has not reported yet
+        version = stats.get("version") if isinstance(stats, dict) else None
+        if type(version) is int and version <= self._summary_versions.get(replica_id, -1):
+            return False  # seen already: Ray re-sends every replica's stats when any one changes
         try:
             summary = CacheSummary.from_dict(stats)
         except ValueError as error:

@@ -273,6 +273,16 @@ def test_routing_stats_feed_the_index_and_the_load():
     assert policy.loads.load("replica-5") == 700
 
 
+def test_stats_already_seen_are_skipped_before_parsing(caplog):
+    policy = make_policy()
+    wire = summary("replica-5", 3, [prompt(8, 64)]).to_dict()
+    assert policy.on_routing_stats("replica-5", wire)
+    stale = {**wire, "block_hashes": "not even base64"}  # same version: never decoded
+    with caplog.at_level(logging.WARNING, logger="router.policy"):
+        assert not policy.on_routing_stats("replica-5", stale)
+    assert caplog.text == ""
+
+
 def test_a_summary_at_another_block_size_is_ignored(caplog):
     policy = make_policy()
     radix = RadixCache(1000, 8)
