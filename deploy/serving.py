@@ -61,6 +61,7 @@ class ServeApp:
         self._temp_dir: str | None = None
         self._started_ray = False
         self._config_file: str | None = None
+        self._closed = False
 
     @property
     def url(self) -> str:
@@ -73,6 +74,10 @@ class ServeApp:
         return self
 
     def __exit__(self, *exc) -> None:
+        """Idempotent: shut the app down, then stop the cluster if we started it."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.shutdown_app()
         finally:
