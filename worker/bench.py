@@ -31,7 +31,7 @@ import argparse
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -96,10 +96,10 @@ class Run:
     """One system's timed runs of the whole workload (cold cache each time)."""
 
     name: str
-    wall_s: list[float]
-    cpu_s: list[float]  # process CPU time (all threads), less sensitive to other load
-    generated_tokens: int
-    prefill_tokens: int | None
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # process CPU time, all threads
+    generated_tokens: int = 0
+    prefill_tokens: int | None = None
 
     @property
     def best_wall_s(self) -> float:
@@ -110,38 +110,30 @@ class Run:
         return self.generated_tokens / self.best_wall_s
 
 
-def _timed(fn, repeats: int) -> tuple[list[float], list[float], object]:
-    walls, cpus, result = [], [], None
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
+class EngineSystem:
+    """(a) this engine; ``outputs`` keeps the last run's results."""
+
+    def __init__(self, workload: Workload, *, deterministic: bool, max_batch_tokens: int) -> None:
+        self.engine = Engine(EngineConfig(
+            tiny_llama=BENCH_SPEC, deterministic=deterministic, cache_budget_tokens=65536,
+            max_batch_tokens=max_batch_tokens, max_num_seqs=64, max_model_len=2048,
+        ))
+        self.workload = workload
+        self.params = SamplingParams(max_new_tokens=workload.output_tokens, ignore_eos=True, logprobs=True)
+        self.run = Run("engine (deterministic)" if deterministic else "engine (default)")
+        self.outputs: list = []
         with torch.inference_mode():
-            result = fn()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return walls, cpus, result
+            self.engine.generate([5, 6, 7, 8] * 8, 2)  # warm-up
 
-
-def run_engine(workload: Workload, *, deterministic: bool, max_batch_tokens: int, repeats: int) -> tuple[Run, Engine, list]:
-    engine = Engine(EngineConfig(
-        tiny_llama=BENCH_SPEC, deterministic=deterministic, cache_budget_tokens=65536,
-        max_batch_tokens=max_batch_tokens, max_num_seqs=64, max_model_len=2048,
-    ))
-    _warm_up(lambda: engine.generate([5, 6, 7, 8] * 8, 2))
-    params = SamplingParams(max_new_tokens=workload.output_tokens, ignore_eos=True, logprobs=True)
-    prefill = []
-
-    def once():
+    def once(self) -> None:
+        engine = self.engine
         engine.cache.clear()
         before = engine.stats()["prefill_tokens"]
-        ids = [engine.add_request(prompt, params) for prompt in workload.prompts]
+        ids = [engine.add_request(prompt, self.params) for prompt in self.workload.prompts]
         results = engine.run(ids)
-        prefill.append(engine.stats()["prefill_tokens"] - before)
-        return [results[i] for i in ids]
-
-    walls, cpus, outputs = _timed(once, repeats)
-    generated = sum(len(r.token_ids) for r in outputs)
-    name = "engine (deterministic)" if deterministic else "engine (default)"
-    return Run(name, walls, cpus, generated, prefill[-1]), engine, outputs
+        self.outputs = [results[i] for i in ids]
+        self.run.prefill_tokens = engine.stats()["prefill_tokens"] - before
+        self.run.generated_tokens = sum(len(r.token_ids) for r in self.outputs)
 
 
 def _hf_model():
@@ -150,42 +142,61 @@ def _hf_model():
     return model
 
 
-def run_transformers_cb(workload: Workload, *, max_batch_tokens: int, repeats: int) -> Run:
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+class ContinuousBatchingSystem:
+    """(b) transformers' continuous batching, paged cache with block sharing (page size 16,
+    the fastest of the settings tried; its defaults were about 2x slower here)."""
 
-    model = _hf_model()
-    generation = GenerationConfig(
-        max_new_tokens=workload.output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    cb_config = ContinuousBatchingConfig(
-        page_size=16, num_blocks=4096, max_batch_tokens=max_batch_tokens, max_requests_per_batch=64,
-        allow_block_sharing=True,
-    )
+    def __init__(self, workload: Workload, *, max_batch_tokens: int) -> None:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    def once():
-        return model.generate_batch(workload.prompts, generation_config=generation, continuous_batching_config=cb_config)
+        self.model = _hf_model()
+        self.workload = workload
+        self.generation = GenerationConfig(
+            max_new_tokens=workload.output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        self.cb_config = ContinuousBatchingConfig(
+            page_size=16, num_blocks=4096, max_batch_tokens=max_batch_tokens, max_requests_per_batch=64,
+            allow_block_sharing=True,
+        )
+        self.run = Run("transformers generate_batch")
+        with torch.inference_mode():
+            self._generate([[5, 6, 7, 8] * 8])
 
-    _warm_up(lambda: model.generate_batch([[5, 6, 7, 8] * 8], generation_config=generation, continuous_batching_config=cb_config))
-    walls, cpus, outputs = _timed(once, repeats)
-    generated = sum(len(o.generated_tokens) for o in outputs.values())
-    return Run("transformers generate_batch", walls, cpus, generated, None)
+    def _generate(self, prompts):
+        return self.model.generate_batch(prompts, generation_config=self.generation, continuous_batching_config=self.cb_config)
 
-
-def run_transformers_generate(workload: Workload, *, repeats: int) -> Run:
-    model = _hf_model()
-    kwargs = dict(max_new_tokens=workload.output_tokens, min_new_tokens=workload.output_tokens, do_sample=False, pad_token_id=0)
-
-    def once():
-        return sum(model.generate(torch.tensor([p]), **kwargs).shape[1] - len(p) for p in workload.prompts)
-
-    _warm_up(lambda: model.generate(torch.tensor([[5, 6, 7, 8] * 8]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}))
-    walls, cpus, generated = _timed(once, repeats)
-    return Run("transformers generate (one by one)", walls, cpus, generated, sum(len(p) for p in workload.prompts))
+    def once(self) -> None:
+        outputs = self._generate(self.workload.prompts)
+        self.run.generated_tokens = sum(len(o.generated_tokens) for o in outputs.values())
 
 
-def _warm_up(fn) -> None:
-    with torch.inference_mode():
-        fn()
+class PlainGenerateSystem:
+    """(c) plain ``model.generate``, one request at a time."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.model = _hf_model()
+        self.workload = workload
+        self.kwargs = dict(max_new_tokens=workload.output_tokens, min_new_tokens=workload.output_tokens,
+                           do_sample=False, pad_token_id=0)
+        self.run = Run("transformers generate (one by one)", prefill_tokens=sum(len(p) for p in workload.prompts))
+        with torch.inference_mode():
+            self.model.generate(torch.tensor([[5, 6, 7, 8] * 8]), **{**self.kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+
+    def once(self) -> None:
+        self.run.generated_tokens = sum(
+            self.model.generate(torch.tensor([p]), **self.kwargs).shape[1] - len(p) for p in self.workload.prompts
+        )
+
+
+def time_interleaved(systems: list, repeats: int) -> None:
+    """Each round runs every system once, so slow periods on a shared machine hit all of them."""
+    for _ in range(repeats):
+        for system in systems:
+            wall, cpu = time.perf_counter(), time.process_time()
+            with torch.inference_mode():
+                system.once()
+            system.run.wall_s.append(time.perf_counter() - wall)
+            system.run.cpu_s.append(time.process_time() - cpu)
 
 
 def equality_with_reference(engine: Engine, prompts: list[list[int]], outputs: list, num_samples: int) -> dict:
@@ -233,21 +244,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"workload: {args.groups} groups x {args.prompts_per_group} prompts, S={args.system_tokens} "
           f"Q={args.question_tokens} O={args.output_tokens}; {sum(map(len, workload.prompts))} prompt tokens, "
           f"lower bound {bound} prefill tokens; torch threads {torch.get_num_threads()}")
-    default, default_engine, default_out = run_engine(
-        workload, deterministic=False, max_batch_tokens=args.max_batch_tokens, repeats=args.repeats
-    )
-    _report(default, bound)
-    det, det_engine, det_out = run_engine(
-        workload, deterministic=True, max_batch_tokens=args.max_batch_tokens, repeats=args.repeats
-    )
-    _report(det, bound)
-    runs = [default, det]
+    default = EngineSystem(workload, deterministic=False, max_batch_tokens=args.max_batch_tokens)
+    det = EngineSystem(workload, deterministic=True, max_batch_tokens=args.max_batch_tokens)
+    systems = [default, det]
     if not args.skip_baselines:
-        cb = run_transformers_cb(workload, max_batch_tokens=args.max_batch_tokens, repeats=args.repeats)
-        _report(cb, bound)
-        plain = run_transformers_generate(workload, repeats=args.repeats)
-        _report(plain, bound)
-        runs += [cb, plain]
+        systems += [ContinuousBatchingSystem(workload, max_batch_tokens=args.max_batch_tokens), PlainGenerateSystem(workload)]
+    time_interleaved(systems, args.repeats)
+    runs = [system.run for system in systems]
+    for run in runs:
+        _report(run, bound)
+    default_engine, default_out, det_engine, det_out = default.engine, default.outputs, det.engine, det.outputs
+    default, det = default.run, det.run
     equality = {
         "default": equality_with_reference(default_engine, workload.prompts, default_out, args.equality_samples),
         "deterministic": equality_with_reference(det_engine, workload.prompts, det_out, args.equality_samples),

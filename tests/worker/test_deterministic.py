@@ -24,14 +24,14 @@ def random_workload(rng: random.Random, num_requests: int):
 
 
 @pytest.mark.parametrize(
-    ("seed", "block_size", "max_batch_tokens", "max_num_seqs"),
-    [(0, 16, 64, 8), (1, 4, 16, 3), (2, 32, 37, 5), (3, 8, 128, 16)],
+    ("seed", "block_size", "max_batch_tokens", "max_num_seqs", "kv_pool_tokens"),
+    [(0, 16, 64, 8, 1600), (1, 4, 16, 3, 1600), (2, 32, 37, 5, 1600), (3, 8, 128, 16, 1600), (4, 16, 96, 12, 320)],
 )
-def test_random_workloads_equal_the_reference(make_engine, seed, block_size, max_batch_tokens, max_num_seqs):
+def test_random_workloads_equal_the_reference(make_engine, seed, block_size, max_batch_tokens, max_num_seqs, kv_pool_tokens):
     rng = random.Random(seed)
     engine = make_engine(
         block_size=block_size, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-        cache_budget_tokens=600, kv_pool_tokens=1600,
+        cache_budget_tokens=min(600, kv_pool_tokens // 4), kv_pool_tokens=kv_pool_tokens,
     )
     pending = random_workload(rng, 24)
     expected = {}
@@ -58,6 +58,8 @@ def test_random_workloads_equal_the_reference(make_engine, seed, block_size, max
         assert (list(result.token_ids), list(result.logprobs)) == memo[key], request_id
     stats = engine.stats()
     assert stats["hits"] > 0 and stats["num_finished"] == len(ids)
+    if kv_pool_tokens < 1000:
+        assert stats["preemptions"] > 0  # the tiny pool forced recomputation, outputs unchanged
 
 
 def test_multi_turn_chats_equal_the_reference(make_engine, rng):
