@@ -143,6 +143,7 @@ class PrefixAffinityPolicy:
         self._index = PrefixIndex(self.config.max_blocks_per_replica, self.config.learned_grace_s)
         self._loads = LoadTracker(self.config.in_flight_timeout_s, self.config.load_window_s)
         self._summary_versions: dict[str, int] = {}
+        self._typical_work = float(self.config.block_size)  # work of a request, moving average
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -249,11 +250,13 @@ class PrefixAffinityPolicy:
         now = self._clock()
         try:
             routing = RoutingRequest.from_object(request)
-        except ValueError:  # count it (one token), so fallback ties rotate
-            self._loads.on_routed(request_id, replica_id, 1.0, now)
+        except ValueError:  # unknown size: count it as a typical request
+            self._loads.on_routed(request_id, replica_id, self._typical_work, now)
             return
         depth = self._index.depth(replica_id, routing.block_hashes)
-        self._loads.on_routed(request_id, replica_id, self._work(routing, depth), now)
+        work = self._work(routing, depth)
+        self._typical_work += (work - self._typical_work) / 64  # moving average
+        self._loads.on_routed(request_id, replica_id, work, now)
         self._index.learn(replica_id, routing.block_hashes, now)
 
     def on_completed(self, request_id: str) -> None:

@@ -49,7 +49,7 @@ def _cache_worker():
             self.cache.insert(self.preloaded)
             self.version = 0
 
-        def info(self):
+        def info(self, request=None):
             return self.replica_id, self.preloaded
 
         def __call__(self, request, tokens):
@@ -119,21 +119,30 @@ def test_cold_prefixes_spread_over_replicas(handle):
     assert len(seen) >= 2
 
 
-def test_requests_without_routing_attributes_still_get_served(handle):
-    replicas = set()
-    for _ in range(12):
-        replica_id, preloaded = handle.info.remote().result(timeout_s=30)
-        assert len(preloaded) == 64
-        replicas.add(replica_id)
-    assert len(replicas) >= 2  # the least-loaded fallback rotates
+def _all_replicas(handle, expected, seed=0):
+    """``{replica_id: preloaded tokens}``, reached with cold routed requests
+    (each adds real work, so the choice rotates over the replicas)."""
+    found = {}
+    deadline = time.monotonic() + 60
+    while len(found) < expected and time.monotonic() < deadline:
+        seed += 1
+        request, _ = _request([70_000 + 64 * seed + j for j in range(64)])
+        replica_id, tokens = handle.info.remote(request).result(timeout_s=30)
+        found[replica_id] = tokens
+    return found
+
+
+def test_requests_without_routing_attributes_still_get_served(handle, caplog):
+    replicas = set(_all_replicas(handle, 3))
+    with caplog.at_level("WARNING", logger="router.policy"):
+        for _ in range(6):
+            replica_id, preloaded = handle.info.remote().result(timeout_s=30)
+            assert len(preloaded) == 64 and replica_id in replicas
+    assert "least loaded fallback" in caplog.text
 
 
 def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
-    preloaded = {}
-    deadline = time.monotonic() + 60
-    while len(preloaded) < 3 and time.monotonic() < deadline:
-        replica_id, tokens = handle.info.remote().result(timeout_s=30)
-        preloaded[replica_id] = tokens
+    preloaded = _all_replicas(handle, 3, seed=1000)
     assert len(preloaded) == 3
     time.sleep(2.0)  # a few routing-stats periods
     for replica_id, tokens in preloaded.items():
@@ -152,10 +161,7 @@ def test_scaled_down_replica_is_never_chosen(handle):
         ),
     ).bind(64)
     small = serve.run(app, name=APP, route_prefix=None)
-    live = set()
-    deadline = time.monotonic() + 60
-    while len(live) < 2 and time.monotonic() < deadline:
-        live.add(small.info.remote().result(timeout_s=30)[0])
+    live = set(_all_replicas(small, 2, seed=2000))
     time.sleep(1.0)
     for i in range(20):
         replica_id, _ = _call(small, [9000 + 50 * i + j for j in range(16)])
