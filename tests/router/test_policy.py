@@ -322,3 +322,22 @@ def test_bad_config_raises_value_error_naming_the_field(field, value):
 def test_the_policy_needs_a_clock():
     with pytest.raises(ValueError, match="clock"):
         PrefixAffinityPolicy(PolicyConfig())
+
+
+def test_fallback_requests_weigh_like_typical_requests():
+    """After real traffic, a request of unknown size counts as a typical one,
+    so a stream of them spreads instead of filling the idlest replica."""
+    clock = Clock()
+    policy = make_policy(clock)
+    for i in range(64):
+        clock.now += 0.1
+        route(policy, request(prompt(i, 256)), f"real{i}")
+        policy.on_completed(f"real{i}")
+    chosen = []
+    for i in range(16):
+        clock.now += 0.1
+        replica = policy.rank(None)[0]
+        policy.on_routed(None, replica, f"bad{i}")
+        policy.on_completed(f"bad{i}")
+        chosen.append(replica)
+    assert max(chosen.count(r) for r in set(chosen)) <= 4
