@@ -52,7 +52,7 @@ class AppConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)
     router: str = "kvroute"
     router_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    router_block_size: int = 16
+    router_block_size: int = 64
     routing_stats_period_s: float = 1.0
     stats_period_s: float = 1.0
     limits: Limits = field(default_factory=Limits)

@@ -36,6 +36,11 @@ class WorkerRequest:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        """Decode work the router adds to a replica's load (at most this many)."""
+        return self.params.max_new_tokens
+
+    @property
     def prompt(self) -> str:
         return tokens_as_text(self.prompt_token_ids)
 
@@ -54,6 +59,10 @@ class WorkerBatch:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(r.num_prompt_tokens for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.requests)
 
     @property
     def prompt(self) -> str:
