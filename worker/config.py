@@ -76,9 +76,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
-        if self.deterministic and 32 % self.block_size and self.block_size % 32:
+        if self.deterministic and 64 % self.block_size and self.block_size % 64:
             raise ValueError(
-                f"deterministic mode needs a block_size that divides 32 or is a multiple of 32, got {self.block_size}"
+                f"deterministic mode needs a block_size that divides 64 or is a multiple of 64, got {self.block_size}"
             )
 
 

@@ -18,7 +18,7 @@ from worker.kv import KVPool
 from worker.model import LoadedModel, TinyLlamaSpec, load_model
 from worker.numerics import install_rope_table, make_batch_invariant
 from worker.step import SeqChunk, build_step
-from worker.tiled_attention import KEY_BLOCK, TILE_ROWS, small_tile_rows, small_tiles_are_exact
+from worker.tiled_attention import TILE_ROWS, choose_tile_rows
 
 
 class ModelRunner:
@@ -48,10 +48,10 @@ class ModelRunner:
         max_rows = max(max_batch_tokens, self.max_positions)
         self.swapped = make_batch_invariant(self.loaded.model, max_rows) if deterministic else {}
         geometry = self.loaded.geometry
-        self.decode_tile_rows = TILE_ROWS
-        rows = small_tile_rows(geometry.num_heads // geometry.num_kv_heads)
-        if deterministic and small_tiles_are_exact(rows, geometry.head_dim, KEY_BLOCK, self.dtype, self.device):
-            self.decode_tile_rows = rows
+        self.tile_rows = (TILE_ROWS, TILE_ROWS)  # (decode, prefill) tiles of the batch-invariant kernel
+        if deterministic:
+            group = geometry.num_heads // geometry.num_kv_heads
+            self.tile_rows = choose_tile_rows(group, geometry.head_dim, self.dtype, self.device)
 
     @property
     def geometry(self):
@@ -67,7 +67,7 @@ class ModelRunner:
         step = build_step(
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
-            decode_tile_rows=self.decode_tile_rows,
+            tile_rows=self.tile_rows,
         )
         output = self.loaded.model(
             input_ids=step.input_ids[None],

@@ -79,8 +79,9 @@ def build_step(
     deterministic: bool,
     pad_token_id: int,
     num_heads: int,
-    decode_tile_rows: int = 16,
+    tile_rows: tuple[int, int] = (16, 16),
 ) -> StepBatch:
+    """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -118,7 +119,8 @@ def build_step(
 
     if deterministic:
         plan = build_tiled_plan(
-            arrays, num_rows, num_heads // num_kv_heads, device, decode_tile_rows=decode_tile_rows
+            arrays, num_rows, num_heads // num_kv_heads, device,
+            decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1],
         )
     else:
         plan = build_default_plan(arrays, device)

@@ -4,10 +4,9 @@ keys, never on the batch, the chunking, or where its tile sits.
 Layout. Query rows are (token, query head) pairs; a *tile* holds rows of one
 sequence that share one KV head (head-major: row ``(h * T + t) * group + r``
 of the step's query matrix is token ``t``, query head ``h * group + r``).
-Keys come in blocks of ``key_block`` positions aligned to absolute positions
-(block ``j`` holds positions ``[j * key_block, (j + 1) * key_block)``). A
-*pair* is (tile, key block) for every key block up to the tile's last
-position.
+Keys come in blocks of ``KEY_BLOCK`` (64) positions aligned to absolute
+positions (block ``j`` holds positions ``[j * 64, (j + 1) * 64)``). A *pair*
+is (tile, key block) for every key block up to the tile's last position.
 
 Numerics. Per pair, the scores ``q·kᵀ`` and ``P·V`` are batched matmuls of a
 fixed shape, so each row gets the same bits wherever it is computed; masked
@@ -18,12 +17,17 @@ pairs' results are added into the row in key-block order, one add per
 element per block. Nothing depends on how many pairs, tiles or sequences
 share the step.
 
-Tile shapes. Prefill rows come in 16-row tiles; a decode token (one token,
-``group`` rows) gets a small tile of ``max(group, 4)`` rows instead of
-wasting most of a 16-row tile, but only where :func:`small_tiles_are_exact`
-confirms, at start-up, that this BLAS gives a row the same bits in a
-small-tile matmul as in a 16-row one (it does from 4 rows up on the CPUs we
-measured; 1-3 rows take another kernel).
+Tile shapes. The recipe in DESIGN.md (16-row tiles, 32-key blocks) is the
+fallback. Where :func:`tile_rows_are_exact` confirms at start-up that this
+BLAS gives a row the same bits in a 4-, 16- or 128-row matmul (it does from
+4 rows up on the CPUs we measured; 1-3 rows take another kernel), prefill
+rows come in 128-row tiles and a decode token (``group`` rows) in a tile of
+``max(group, 4)`` rows: fewer pairs for long prompts, no padding waste for
+decodes. Measured on the bench model (2-core CPU, 512 new tokens over a
+512-token cached context): 16-row tiles and 32-key blocks cost 2.3x the
+default kernel's forward, 128-row tiles and 64-key blocks 1.2x. The key
+block size changes which float sums are formed, so engine and reference
+always share this module's constants.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import torch
 if TYPE_CHECKING:
     from worker.step import ChunkArrays
 
-TILE_ROWS = 16  # rows per prefill tile
-KEY_BLOCK = 32  # keys per pair
+TILE_ROWS = 16  # rows per tile when tile sizes may not be mixed (DESIGN.md's recipe)
+PREFILL_TILE_ROWS = 128  # rows per prefill tile where mixing is exact
+KEY_BLOCK = 64  # keys per pair
 MIN_EXACT_ROWS = 4  # below this, matmuls switch kernels (measured)
 
 
@@ -71,35 +76,53 @@ def small_tile_rows(group: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def small_tiles_are_exact(rows: int, head_dim: int, key_block: int, dtype, device) -> bool:
+def tile_rows_are_exact(row_counts: tuple[int, ...], head_dim: int, key_block: int, dtype, device) -> bool:
     """Do ``[rows, D] x [D, key_block]`` and ``[rows, key_block] x [key_block, D]``
-    batched matmuls give each row the bits of the 16-row ones, for any batch count?"""
+    batched matmuls give each row the same bits for every row count in
+    ``row_counts`` and any batch count?"""
     generator = torch.Generator(device="cpu").manual_seed(4321)
+    most = max(row_counts)
 
     def rand(*shape):
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    q, k, p, v = rand(33, TILE_ROWS, head_dim), rand(33, head_dim, key_block), rand(33, TILE_ROWS, key_block), rand(33, key_block, head_dim)
+    q, k = rand(33, most, head_dim), rand(33, head_dim, key_block)
+    p, v = rand(33, most, key_block), rand(33, key_block, head_dim)
     for lhs, rhs in ((q, k), (p, v)):
         full = torch.bmm(lhs, rhs)
-        for batch in (1, 5, 33):
-            small = torch.bmm(lhs[:batch, :rows].contiguous(), rhs[:batch])
-            if not torch.equal(small, full[:batch, :rows]):
-                return False
+        for rows in row_counts:
+            for batch in (1, 5, 33):
+                part = torch.bmm(lhs[:batch, :rows].contiguous(), rhs[:batch])
+                if not torch.equal(part, full[:batch, :rows]):
+                    return False
     return True
 
 
+def choose_tile_rows(group: int, head_dim: int, dtype, device) -> tuple[int, int]:
+    """(decode tile rows, prefill tile rows): mixed sizes where exact, else 16 and 16."""
+    decode = small_tile_rows(group)
+    if tile_rows_are_exact((decode, TILE_ROWS, PREFILL_TILE_ROWS), head_dim, KEY_BLOCK, dtype, device):
+        return decode, PREFILL_TILE_ROWS
+    return TILE_ROWS, TILE_ROWS
+
+
 def build_tiled_plan(
-    chunks: ChunkArrays, num_rows: int, group: int, device: torch.device, *, decode_tile_rows: int = TILE_ROWS
+    chunks: ChunkArrays,
+    num_rows: int,
+    group: int,
+    device: torch.device,
+    *,
+    decode_tile_rows: int = TILE_ROWS,
+    prefill_tile_rows: int = TILE_ROWS,
 ) -> TiledPlan:
     """``num_rows``: tokens in the (padded) flattened batch; ``group``: query heads per
-    KV head; ``decode_tile_rows``: tile rows for one-token chunks."""
+    KV head; tile rows for one-token chunks and for longer ones (see :func:`choose_tile_rows`)."""
     rows_per_slab = min(chunks.block_size, KEY_BLOCK)
     pad_row = chunks.num_kv_heads * num_rows * group
     is_decode = chunks.lengths == 1
-    classes = [(np.flatnonzero(is_decode), decode_tile_rows), (np.flatnonzero(~is_decode), TILE_ROWS)]
-    if decode_tile_rows == TILE_ROWS:
-        classes = [(np.arange(len(chunks.lengths)), TILE_ROWS)]
+    classes = [(np.flatnonzero(is_decode), decode_tile_rows), (np.flatnonzero(~is_decode), prefill_tile_rows)]
+    if decode_tile_rows == prefill_tile_rows:
+        classes = [(np.arange(len(chunks.lengths)), prefill_tile_rows)]
     groups = [
         _build_group(chunks, members, rows, num_rows, group, rows_per_slab, pad_row, device)
         for members, rows in classes

@@ -7,7 +7,7 @@ from worker.attention import paged_attention
 from worker.kv import KVPool
 from worker.model import KVGeometry
 from worker.step import SeqChunk, build_step
-from worker.tiled_attention import small_tile_rows, small_tiles_are_exact
+from worker.tiled_attention import choose_tile_rows, small_tile_rows, tile_rows_are_exact
 
 GEOMETRY = KVGeometry(num_layers=1, num_kv_heads=2, head_dim=8, num_heads=4)
 
@@ -28,7 +28,7 @@ def naive(q_all, k_all, v_all, scale):
     return (torch.softmax(scores, -1) @ v.double()).transpose(0, 1).float()
 
 
-def run(chunk_specs, deterministic, decode_tile_rows=16, block_size=4):
+def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4):
     """chunk_specs: (start, n, table) per sequence. A sequence's q, k, v depend only on
     its own spec (seeded by it), so the same sequence in two batches sees equal inputs.
     Keys of positions before ``start`` are written into the pool first."""
@@ -46,7 +46,7 @@ def run(chunk_specs, deterministic, decode_tile_rows=16, block_size=4):
             pool.data[0, 1, block, :, offset] = v[:, pos]
     chunks = [SeqChunk([5] * n, s, t, True) for s, n, t in chunk_specs]
     step = build_step(
-        chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, decode_tile_rows=decode_tile_rows
+        chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows
     )
     rows = step.input_ids.shape[0]
     query, key, value = torch.zeros(1, 4, rows, 8), torch.zeros(1, 2, rows, 8), torch.zeros(1, 2, rows, 8)
@@ -66,7 +66,7 @@ SPECS = [(0, 9, [0, 1, 2]), (37, 1, list(range(3, 13))), (5, 6, [13, 14, 15]), (
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_kernels_compute_causal_attention_over_each_sequences_blocks(deterministic):
-    out, expected, *_ = run(SPECS, deterministic)
+    out, expected = run(SPECS, deterministic)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -75,21 +75,28 @@ def test_tiled_kernel_with_small_decode_tiles_and_any_block_size(block_size):
     specs = [(0, 9, list(range(0, 5))), (37, 1, list(range(5, 25))), (70, 1, list(range(25, 62)))]
     if block_size >= 32:
         specs = [(0, 9, [0]), (37, 1, [1, 2]), (70, 1, [3, 4, 5])]
-    out, expected, *_ = run(specs, True, decode_tile_rows=4, block_size=block_size)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    for tile_rows in ((4, 128), (4, 16), (16, 16)):
+        out, expected = run(specs, True, tile_rows=tile_rows, block_size=block_size)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("decode_tile_rows", [4, 16])
-def test_tiled_kernel_gives_a_query_the_same_bits_in_any_batch(decode_tile_rows):
-    mixed, _ = run(SPECS, True, decode_tile_rows=decode_tile_rows)
+@pytest.mark.parametrize("tile_rows", [(4, 128), (4, 16), (16, 16)])
+def test_tiled_kernel_gives_a_query_the_same_bits_in_any_batch(tile_rows):
+    mixed, _ = run(SPECS, True, tile_rows=tile_rows)
     offsets = [0, 9, 10, 16, 17]
     for index, spec in enumerate(SPECS):
-        alone, _ = run([spec], True, decode_tile_rows=decode_tile_rows)
+        alone, _ = run([spec], True, tile_rows=tile_rows)
         assert torch.equal(alone, mixed[offsets[index] : offsets[index] + spec[1]]), index
-    reordered, _ = run(SPECS[::-1], True, decode_tile_rows=decode_tile_rows)
+    reordered, _ = run(SPECS[::-1], True, tile_rows=tile_rows)
     assert torch.equal(reordered[:1], mixed[17:18])
+
+
+def test_tile_sizes_do_not_change_a_single_bit_where_the_probe_passes():
+    assert tile_rows_are_exact((4, 16, 128), 8, 64, torch.float32, torch.device("cpu"))
+    results = [run(SPECS, True, tile_rows=rows)[0] for rows in ((4, 128), (4, 16), (16, 16), (16, 128))]
+    assert all(torch.equal(r, results[0]) for r in results)
 
 
 def test_small_tile_probe():
     assert small_tile_rows(1) == 4 and small_tile_rows(4) == 4 and small_tile_rows(7) == 7 and small_tile_rows(32) == 16
-    assert small_tiles_are_exact(4, 8, 32, torch.float32, torch.device("cpu"))
+    assert choose_tile_rows(2, 8, torch.float32, torch.device("cpu")) == (4, 128)

@@ -32,12 +32,12 @@ def test_bad_values_raise_value_error_naming_the_field(field, value, message):
         EngineConfig(**kwargs)
 
 
-def test_deterministic_mode_needs_a_block_size_compatible_with_32_key_blocks():
+def test_deterministic_mode_needs_a_block_size_compatible_with_64_key_blocks():
     EngineConfig(deterministic=True, block_size=8)
-    EngineConfig(deterministic=True, block_size=64)
+    EngineConfig(deterministic=True, block_size=128)
     EngineConfig(deterministic=False, block_size=24)
     with pytest.raises(ValueError, match="block_size"):
-        EngineConfig(deterministic=True, block_size=24)
+        EngineConfig(deterministic=True, block_size=48)
 
 
 def test_tiny_llama_spec_from_a_mapping_and_its_checks():
