@@ -6,8 +6,8 @@
 G groups × P prompts, each a group's system prompt (S tokens) + its own
 question (Q tokens), shuffled, all submitted at once, O generated tokens each
 (EOS ignored so every system generates the same count); each system runs
-the workload ``--repeats`` times from a cold cache and the best wall time
-counts (process CPU time is reported too: the machine may be shared). The
+the workload ``--repeats`` times from a cold cache (in interleaved rounds,
+after an untimed one) and the best wall time counts (process CPU time is reported too: the machine may be shared). The
 same random
 Llama (``BENCH_SPEC``, bigger than the test model so compute dominates) runs
 through:
@@ -188,8 +188,13 @@ class PlainGenerateSystem:
         )
 
 
-def time_interleaved(systems: list, repeats: int) -> None:
-    """Each round runs every system once, so slow periods on a shared machine hit all of them."""
+def time_interleaved(systems: list, repeats: int, warmup_rounds: int) -> None:
+    """Each round runs every system once, so slow periods on a shared machine hit all
+    of them; the first ``warmup_rounds`` rounds are not timed (first-touch memory)."""
+    for _ in range(warmup_rounds):
+        for system in systems:
+            with torch.inference_mode():
+                system.once()
     for _ in range(repeats):
         for system in systems:
             wall, cpu = time.perf_counter(), time.process_time()
@@ -228,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--equality-samples", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system; the best wall time counts")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every system (default: torch's)")
     parser.add_argument("--skip-baselines", action="store_true", help="engine only (quick check)")
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     systems = [default, det]
     if not args.skip_baselines:
         systems += [ContinuousBatchingSystem(workload, max_batch_tokens=args.max_batch_tokens), PlainGenerateSystem(workload)]
-    time_interleaved(systems, args.repeats)
+    time_interleaved(systems, args.repeats, args.warmup_rounds)
     runs = [system.run for system in systems]
     for run in runs:
         _report(run, bound)

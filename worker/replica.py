@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -15,8 +17,12 @@ from ray import serve
 
 from cache.summary import CacheSummary
 from worker import AsyncEngine, EngineConfig
+from worker.audit import audit
 from worker.messages import WorkerBatch, WorkerRequest
 from worker.stats_board import get_board
+
+logger = logging.getLogger("kvroute.worker")
+DRAIN_TIMEOUT_S = 20.0  # __del__ waits this long for work Serve's drain left behind
 
 
 @serve.deployment(name="Worker")
@@ -27,6 +33,7 @@ class Worker:
         self.engine = AsyncEngine(engine_config)
         self._router_block_size = router_block_size
         self._summary_versions = itertools.count(1)
+        self._board = None
         self._publisher = asyncio.get_running_loop().create_task(self._publish_stats(context.app_name, stats_period_s))
 
     async def generate(self, request: WorkerRequest) -> dict:
@@ -48,7 +55,7 @@ class Worker:
         return self.engine.model_info()
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "replica_id": self.replica_id}
+        return {**self.engine.stats(), "replica_id": self.replica_id, "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict:
         return (await asyncio.to_thread(self._summary)).to_dict()
@@ -67,15 +74,27 @@ class Worker:
         self.engine.check_health()
 
     async def _publish_stats(self, app_name: str, period_s: float) -> None:
-        board = None  # keep the handle: a board nobody references is collected
+        """Stats every ``period_s``; when idle, with an audit (invariants, no leaked blocks)."""
+        self._board = None  # keep the handle: a board nobody references is collected
         while True:
             try:
-                board = board or get_board(app_name, create=True)
-                await board.put.remote(self.replica_id, self.stats())
+                stats = self.stats()
+                if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                    stats["audit"] = (await asyncio.to_thread(audit, self.engine)).to_dict()
+                self._board = self._board or get_board(app_name, create=True)
+                await self._board.put.remote(self.replica_id, stats)
             except Exception:  # the board's owner died: recreate it next round
-                board = None
+                self._board = None
             await asyncio.sleep(period_s)
 
     async def __del__(self) -> None:
+        """Serve calls this after draining its ongoing requests (scale-down,
+        redeploy, shutdown): finish what the engine still holds, then stop."""
         self._publisher.cancel()
+        try:
+            await self.engine.wait_idle(DRAIN_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("%s: engine still busy after %.0f s; shutting down anyway", self.replica_id, DRAIN_TIMEOUT_S)
+        if self._board is not None:
+            self._board.remove.remote(self.replica_id)
         await self.engine.shutdown()
