@@ -19,7 +19,7 @@ def test_shared_prefix_workload_shape():
 def test_tiny_run_reaches_the_lower_bound_and_matches_the_reference():
     figures = bench.main([
         "--groups", "2", "--prompts-per-group", "3", "--system-tokens", "40", "--question-tokens", "6",
-        "--output-tokens", "3", "--equality-samples", "2", "--skip-baselines", "--threads", "1",
+        "--output-tokens", "3", "--equality-samples", "2", "--skip-baselines",
         "--repeats", "2", "--warmup-rounds", "0",
     ])
     assert figures["prefill_over_lower_bound"] == 1.0
