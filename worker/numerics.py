@@ -24,7 +24,7 @@ call here therefore has a fixed shape per 16-row tile:
 :func:`make_batch_invariant` swaps these into a loaded Hugging Face model in
 place (weights are shared, not copied). The engine pads each step's flattened
 batch to a multiple of :data:`TILE_ROWS` tokens so tiles never straddle the
-end. Attention has its own tiled kernel (worker/attention.py).
+end. Attention has its own tiled kernel (worker/tiled_attention.py).
 """
 
 from __future__ import annotations
