@@ -17,13 +17,14 @@ pairs' results are added into the row in key-block order, one add per
 element per block. Nothing depends on how many pairs, tiles or sequences
 share the step.
 
-Tile shapes. The recipe in DESIGN.md (16-row tiles, 32-key blocks) is the
-fallback. Where :func:`tile_rows_are_exact` confirms at start-up that this
-BLAS gives a row the same bits in a 4-, 16- or 128-row matmul (it does from
-4 rows up on the CPUs we measured; 1-3 rows take another kernel), prefill
-rows come in 128-row tiles and a decode token (``group`` rows) in a tile of
+Tile shapes. DESIGN.md's recipe uses 16-row tiles and 32-key blocks; here
+key blocks are 64 positions (fewer pairs, same argument), and where
+:func:`tile_rows_are_exact` confirms at start-up that this BLAS gives a row
+the same bits in a 4-, 16- or 128-row matmul (it does from 4 rows up on the
+CPUs we measured; 1-3 rows take another kernel), prefill rows come in
+128-row tiles and a decode token (``group`` rows) in a tile of
 ``max(group, 4)`` rows: fewer pairs for long prompts, no padding waste for
-decodes. Measured on the bench model (2-core CPU, 512 new tokens over a
+decodes. Where the probe fails, every tile has 16 rows. Measured on the bench model (2-core CPU, 512 new tokens over a
 512-token cached context): 16-row tiles and 32-key blocks cost 2.3x the
 default kernel's forward, 128-row tiles and 64-key blocks 1.2x. The key
 block size changes which float sums are formed, so engine and reference
