@@ -18,6 +18,7 @@ _STATUS_TO_TYPE = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",

@@ -13,6 +13,7 @@ import uuid
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from deploy.errors import APIError, error_body, install_error_handlers
 from deploy.frontend import Frontend
@@ -22,44 +23,80 @@ from deploy.protocol import ChatCompletionRequest, CompletionRequest, GenerateBa
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``max_bytes`` (declared or streamed)."""
+class BodyGuard:
+    """ASGI middleware bounding what one request's body may cost the ingress.
 
-    def __init__(self, app, max_bytes: int) -> None:
+    - 413 for a body over ``max_bytes``, declared (``Content-Length``) or
+      streamed (chunked);
+    - 408 when the whole body has not arrived ``timeout_s`` after the handler
+      first asked for it (a stalled or trickling client would otherwise hold
+      an ingress slot until the proxy's much longer request timeout).
+
+    Only the body is timed: once it is complete, ``receive`` is used to hear a
+    client disconnect and waits as long as the response does. The errors are
+    ``HTTPException`` s, so FastAPI's body reader passes them on unchanged.
+    """
+
+    def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._reject(send)
-        received = 0
+            return await _send_error(send, _TooLarge(self.max_bytes))
+        loop = asyncio.get_running_loop()
+        received, deadline, body_done = 0, None, False
 
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _TooLarge()
+        async def guarded_receive():
+            nonlocal received, deadline, body_done
+            if body_done:
+                return await receive()
+            if deadline is None:
+                deadline = loop.time() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise _BodyTimeout(self.timeout_s, received) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send) -> None:
-        response = JSONResponse(
-            error_body(413, f"request body is larger than {self.max_bytes} bytes"), status_code=413
-        )
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-        await send({"type": "http.response.body", "body": response.body})
+            await self.app(scope, guarded_receive, tracked_send)
+        except (_TooLarge, _BodyTimeout) as error:  # raised outside FastAPI's body reader
+            if not started:
+                await _send_error(send, error)
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body is larger than {max_bytes} bytes")
+
+
+class _BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float, num_received: int) -> None:
+        super().__init__(408, f"request body not received within {timeout_s:g} s ({num_received} bytes arrived)")
+
+
+async def _send_error(send, error: HTTPException) -> None:
+    response = JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code,
+                            headers={"Connection": "close"})
+    await send({"type": "http.response.start", "status": error.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
@@ -68,7 +105,7 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
     openai = OpenAIRoutes(frontend)
     app = FastAPI(title="kvroute", version="0.1.0")
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=config.limits.max_body_bytes, timeout_s=config.body_timeout_s)
 
     def authorize(authorization: str | None = Header(default=None)) -> None:
         if not config.api_keys:

@@ -159,14 +159,24 @@ class ServeApp:
         )
         self.wait_ready()
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` for the deployed config's first API key ({} when none)."""
+        if not self._config_file:
+            return {}
+        keys = yaml.safe_load(Path(self._config_file).read_text())["applications"][0].get("args", {}).get("api_keys")
+        keys = [keys] if isinstance(keys, str) else list(keys or [])
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
     def wait_ready(self) -> None:
         deadline = time.time() + self.ready_timeout_s
         num_workers = self._expected_workers()
+        headers = self.auth_headers
         last = None
         while time.time() < deadline:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5, trust_env=False).status_code == 200:
-                    stats = httpx.get(f"{self.url}/stats", timeout=10, trust_env=False).json()
+                    stats = httpx.get(f"{self.url}/stats", headers=headers, timeout=10, trust_env=False).json()
                     last = stats
                     if len(stats.get("replicas", {})) >= num_workers:
                         return

@@ -58,13 +58,14 @@ class AppConfig:
     limits: Limits = field(default_factory=Limits)
     api_keys: tuple[str, ...] = ()
     retry_after_s: int = 1
+    body_timeout_s: float = 15.0  # a request body must arrive within this (else 408)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if type(self.router_block_size) is not int or self.router_block_size <= 0:
             raise ValueError(f"router_block_size must be a positive int, got {self.router_block_size!r}")
-        for name in ("routing_stats_period_s", "stats_period_s"):
+        for name in ("routing_stats_period_s", "stats_period_s", "body_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")

@@ -1,0 +1,230 @@
+"""Reliability scenarios against a live app, each ending in figures.
+
+    python -m deploy.chaos replica-failure --replicas 3 --requests 300 --json results/chaos-failure.json
+    python -m deploy.chaos overload --factor 8 --json results/chaos-overload.json
+    python -m deploy.chaos slow-clients --json results/chaos-slow.json
+    python -m deploy.chaos disconnects --json results/chaos-disconnects.json
+
+Each command starts a private Ray cluster and the app (``deploy/serving.py``),
+runs one scenario on 127.0.0.1 (bounded in requests and time), prints the
+figures as JSON, and stops everything it started. The tests in
+tests/reliability call the same functions with smaller sizes and assert on
+their figures; RELIABILITY.md records the figures of these commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+
+import httpx
+
+from deploy import faults
+from deploy.retry_client import Outcome, send
+from deploy.workloads import shared_prefix
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in [0, 100])."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def group_bodies(num_requests: int, *, num_groups: int, prefix_tokens: int, question_tokens: int,
+                 max_new_tokens: int, stream_every: int = 0, seed: int = 0) -> list[tuple[int, dict]]:
+    """``(group, /generate body)`` pairs: groups sharing a prefix, shuffled;
+    every ``stream_every``-th request is streamed (0: none)."""
+    rng = random.Random(seed)
+    per_group = -(-num_requests // num_groups)
+    sessions = shared_prefix(rng, num_groups, per_group, prefix_tokens, question_tokens, max_new_tokens)
+    prefix_to_group: dict[tuple, int] = {}
+    pairs = []
+    for index, session in enumerate(sessions[:num_requests]):
+        group = prefix_to_group.setdefault(session.prefix, len(prefix_to_group))
+        body = {"prompt_token_ids": list(session.prefix + session.turns[0].question),
+                "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        if stream_every and index % stream_every == 0:
+            body["stream"] = True
+        pairs.append((group, body))
+    return pairs
+
+
+async def open_loop(url: str, bodies: list[dict], rate_rps: float, *, headers: dict | None = None,
+                    max_attempts: int = 4, timeout_s: float = 60.0, max_connections: int = 256,
+                    finished: list[Outcome] | None = None) -> list[Outcome]:
+    """Send ``bodies`` at a fixed rate (open loop: arrivals never wait for
+    answers); ``finished`` collects outcomes as they end."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+    finished = finished if finished is not None else []
+
+    async def one(client, index, body) -> Outcome:
+        outcome = await send(client, url, body, index=index, headers=headers, max_attempts=max_attempts,
+                             timeout_s=timeout_s)
+        finished.append(outcome)
+        return outcome
+
+    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+        start = time.monotonic()
+        tasks = []
+        for index, body in enumerate(bodies):
+            delay = start + index / rate_rps - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, index, body)))
+        return list(await asyncio.gather(*tasks))
+
+
+def _retries_total(url: str, headers: dict | None) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10, trust_env=False).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvroute_replica_retries_total"))
+
+
+# ------------------------------------------------------------ replica failure
+async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.0, kill_at_s: float = 3.0,
+                          num_groups: int = 12, max_new_tokens: int = 32, recovery_timeout_s: float = 60.0, headers: dict | None = None,
+                          seed: int = 0) -> dict:
+    """Kill one Worker replica's process mid-load; every request must complete
+    (the ingress retries in-flight calls elsewhere; a stream cut after its first
+    token gets a retriable error event the client retries). Then wait for Serve's
+    replacement and check it rejoins the ring (fresh prefixes reach it)."""
+    pairs = group_bodies(num_requests, num_groups=num_groups, prefix_tokens=96, question_tokens=8,
+                         max_new_tokens=max_new_tokens, stream_every=2, seed=seed)
+    before = faults.replica_pids(app.url, headers)
+    timeline: dict[str, float | None] = {"replacement_registered_s": None, "last_ingress_retry_s": None}
+    kill_t = time.monotonic() + kill_at_s
+    done = asyncio.Event()
+    finished: list[Outcome] = []
+    victim = ""
+
+    async def kill() -> None:
+        nonlocal victim  # the busiest replica so far: home to the most prefixes
+        await asyncio.sleep(max(0.0, kill_t - time.monotonic()))
+        served = Counter(o.final.replica_id for o in finished if o.ok)
+        victim = max(sorted(before), key=lambda replica: served[replica])
+        await asyncio.to_thread(faults.kill_replica, app, victim, headers)
+
+    async def watch() -> None:
+        retries = 0.0
+        while not done.is_set() or timeline["replacement_registered_s"] is None:
+            if time.monotonic() - kill_t > recovery_timeout_s:
+                return
+            now = time.monotonic()
+            try:
+                current = await asyncio.to_thread(faults.replica_pids, app.url, headers)
+                total = await asyncio.to_thread(_retries_total, app.url, headers)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.25)
+                continue
+            if total > retries:
+                retries, timeline["last_ingress_retry_s"] = total, now - kill_t
+            if timeline["replacement_registered_s"] is None and set(current) - set(before):
+                timeline["replacement_registered_s"] = now - kill_t
+            await asyncio.sleep(0.25)
+        timeline["ingress_retries"] = retries
+
+    async def load() -> list[Outcome]:
+        try:
+            return await open_loop(app.url, [body for _, body in pairs], rate_rps, headers=headers, finished=finished)
+        finally:
+            done.set()
+
+    outcomes, _, _ = await asyncio.gather(load(), kill(), watch())
+    replacement = sorted(set(faults.replica_pids(app.url, headers)) - set(before))
+    registered_s = timeline["replacement_registered_s"]
+    rejoin_t = kill_t + (registered_s if registered_s is not None else recovery_timeout_s)
+    figures = _failure_figures(outcomes, pairs, victim, kill_t, rejoin_t)
+    figures.update(timeline, victim=victim, replacement=replacement[0] if replacement else None,
+                   kill_at_s=kill_at_s, rate_rps=rate_rps)
+    figures["replacement_share"] = await _rejoin_probe(app.url, replacement, headers, seed) if replacement else None
+    return figures
+
+
+def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float, rejoin_t: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    failed_attempts = [a for o in outcomes for a in o.attempts if not a.ok]
+    # Prefixes the victim was home to at the kill (it served their last request
+    # before it): where did their requests go until the replacement arrived
+    # (when the ring changes again)?
+    group_to_home: dict[int, tuple[float, str]] = {}
+    group_to_after: dict[int, list] = {}
+    for outcome in ok:
+        group, start = pairs[outcome.index][0], outcome.attempts[0].start_s
+        if start < kill_t:
+            if start > group_to_home.get(group, (0.0, ""))[0]:
+                group_to_home[group] = (start, outcome.final.replica_id)
+        elif start < rejoin_t:
+            group_to_after.setdefault(group, []).append((start, outcome.final.replica_id))
+    orphaned = [g for g, (_, home) in group_to_home.items() if home == victim]
+    rehomed = []
+    for group in orphaned:
+        homes = [replica for _, replica in sorted(group_to_after.get(group, []))]
+        rehomed.append(bool(homes) and len(set(homes[1:])) <= 1 and victim not in homes)
+    return {
+        "num_requests": len(outcomes),
+        "num_ok": len(ok),
+        "num_ok_first_try": sum(len(o.attempts) == 1 for o in ok),
+        "num_ok_after_retry": sum(len(o.attempts) > 1 for o in ok),
+        "num_lost": sum(o.is_lost for o in outcomes),
+        "lost": [(o.index, o.final.kind, o.final.error) for o in outcomes if o.is_lost][:10],
+        "failed_attempts_by_kind": dict(Counter(a.kind for a in failed_attempts)),
+        "served_by_victim_after_kill": sum(o.final.replica_id == victim and o.final.end_s > kill_t + 0.5 for o in ok),
+        "orphaned_groups": len(orphaned),
+        "orphaned_groups_rehomed_to_one_replica": sum(rehomed),
+        "latency_p50_s": percentile([o.latency_s for o in ok], 50),
+        "latency_p99_s": percentile([o.latency_s for o in ok], 99),
+        "retried_latency_max_s": max((o.latency_s for o in ok if len(o.attempts) > 1), default=None),
+    }
+
+
+async def _rejoin_probe(url: str, replacement: list[str], headers: dict | None, seed: int, num_probes: int = 24) -> float:
+    """Share of fresh cold prefixes the replacement gets (its ring arcs): > 0 once it rejoined."""
+    bodies = [body for _, body in group_bodies(num_probes, num_groups=num_probes, prefix_tokens=96,
+                                               question_tokens=4, max_new_tokens=2, seed=seed + 10_000)]
+    outcomes = await open_loop(url, bodies, rate_rps=20.0, headers=headers)
+    served = [o.final.replica_id for o in outcomes if o.ok]
+    return sum(r in replacement for r in served) / max(1, len(served))
+
+
+# ------------------------------------------------------------------- CLI
+def _app(args, **overrides):
+    from deploy.serving import ServeApp
+
+    return ServeApp(args.config, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenario", choices=["replica-failure"])
+    parser.add_argument("--config", default="deploy/config.yaml")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--kill-at-s", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    figures: dict
+    if args.scenario == "replica-failure":
+        with _app(args, num_cpus=args.replicas, deployment_overrides={"Worker": {"num_replicas": args.replicas}},
+                  args_overrides={"stats_period_s": 0.5}) as app:
+            app.deploy()
+            figures = asyncio.run(replica_failure(app, num_requests=args.requests, rate_rps=args.rate,
+                                                  kill_at_s=args.kill_at_s, seed=args.seed))
+    text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as file:
+            file.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
