@@ -22,7 +22,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import httpx
 
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--compare-routers", default=None, help="comma list, e.g. pow2,prefix_affinity,kvroute")
     parser.add_argument("--config", default="deploy/config.yaml")
+    parser.add_argument("--kvroute-kwargs", default=None, help="JSON request_router_kwargs for our router")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="shared-prefix")
     parser.add_argument("--trace", default=None, help="Mooncake-format JSONL for --workload mooncake")
     parser.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="workload size preset")
@@ -197,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     if args.compare_routers:
         with ServeApp(args.config) as app:
+            options = replace(options, url=app.url)
             for router in args.compare_routers.split(","):
-                app.deploy(router=router)
+                kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs and router == "kvroute" else None
+                app.deploy(router=router, router_kwargs=kwargs)
                 results[router] = run_one(options, sessions, router, slo)
                 app.shutdown_app()
     else:
