@@ -134,7 +134,7 @@ class ServeApp:
         return _pids_mentioning(self._temp_dir) if self._temp_dir else []
 
     # -------------------------------------------------------------------- app
-    def write_config(self, router: str | None = None) -> str:
+    def write_config(self, router: str | None = None, router_kwargs: dict | None = None) -> str:
         config = yaml.safe_load(self.config_path.read_text())
         config.setdefault("http_options", {})
         config["http_options"].update({"host": "127.0.0.1", "port": self.http_port})
@@ -142,6 +142,8 @@ class ServeApp:
         app.setdefault("args", {}).update(self.args_overrides)
         if router is not None:
             app["args"]["router"] = router
+        if router_kwargs is not None:
+            app["args"]["router_kwargs"] = router_kwargs
         for deployment in app.get("deployments", []):
             deployment.update(self.deployment_overrides.get(deployment["name"], {}))
         handle, path = tempfile.mkstemp(prefix="kvroute-", suffix=".yaml")
@@ -150,9 +152,9 @@ class ServeApp:
         self._config_file = path
         return path
 
-    def deploy(self, router: str | None = None) -> None:
+    def deploy(self, router: str | None = None, router_kwargs: dict | None = None) -> None:
         """``serve run --non-blocking`` the (patched) config; wait until ready."""
-        path = self.write_config(router)
+        path = self.write_config(router, router_kwargs)
         subprocess.run(
             [_bin("serve"), "run", "--non-blocking", "--address", self.address, path],
             check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
