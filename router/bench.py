@@ -71,7 +71,7 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
                 policy.on_summary(CacheSummary(replica_id, version, clock.now, block_tokens,
                                                frozenset(routed[replica_id])))
         started_cpu, started = time.thread_time_ns(), time.perf_counter_ns()
-        chosen = policy.rank(request)[0]
+        chosen = policy.rank(request, request_id=str(number))[0]  # reserves, as the Ray adapter does
         policy.on_routed(request, chosen, str(number))
         elapsed_us = (time.perf_counter_ns() - started) / 1000
         elapsed_cpu_us = (time.thread_time_ns() - started_cpu) / 1000

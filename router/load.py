@@ -31,16 +31,31 @@ class LoadTracker:
     **Recent work** ``recent_work(r, now)``: the work this router sent to
     ``r``, each request decayed by ``exp(-age / window_s)``. It measures the
     long-run share of work, which the instantaneous queue (often 0–2
-    requests) cannot.
+    requests) cannot. :meth:`chance_sd` is the standard deviation of one
+    replica's recent work if the same requests had been spread uniformly at
+    random, ``sqrt(sum(d_i² w_i²) (N - 1)) / N`` (``d_i`` the decay of request
+    ``i``): how far from the mean a replica lands by chance alone.
 
     In-flight entries that never hear a completion are dropped after
     ``in_flight_timeout_s``: a lost callback must not leak load forever.
 
+    **Reservations** (:meth:`reserve`): a decision counted the moment it is
+    made, before the caller says the request was sent (Ray Serve reports a
+    request routed only once the replica accepted it, so a burst of
+    decisions would otherwise all see the same loads). :meth:`confirm`
+    turns it into an ordinary in-flight entry; :meth:`on_routed` with the
+    same id replaces it (the request went elsewhere); one not confirmed
+    within ``reservation_timeout_s`` never happened (the request was
+    cancelled before it was sent) and is forgotten, queued and recent work
+    alike.
+
     Invariants (checked by :meth:`check_invariants`):
 
-    1. ``_local[r] == sum of in-flight work on r`` and ``_total == sum(load)``.
+    1. ``_local[r] == sum of in-flight work on r`` and ``_total == sum(load)``;
+       every reservation is an in-flight entry.
     2. Recent counters are stored multiplied by ``exp((t - _base_s) / window_s)``
-       so that decay needs no updates; ``_recent_total == sum(_recent)``.
+       (squares by its square) so that decay needs no updates;
+       ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
     3. The heap holds, for each tracked replica, exactly one entry with its
        current version: ``(load, scaled recent work, version, replica)``;
        others are stale and skipped. The least loaded replica is on top, the
@@ -50,19 +65,26 @@ class LoadTracker:
     amortised; the rest O(1) (a rebase every ``50 × window_s`` is O(N)).
     """
 
-    def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0) -> None:
+    def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
+                 reservation_timeout_s: float = 5.0) -> None:
         if not in_flight_timeout_s > 0:
             raise ValueError(f"in_flight_timeout_s must be > 0, got {in_flight_timeout_s!r}")
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        if not reservation_timeout_s > 0:
+            raise ValueError(f"reservation_timeout_s must be > 0, got {reservation_timeout_s!r}")
         self.in_flight_timeout_s = float(in_flight_timeout_s)
         self.window_s = float(window_s)
+        self.reservation_timeout_s = float(reservation_timeout_s)
         self._local: dict[str, float] = {}
         self._foreign: dict[str, float] = {}
         self._total = 0.0
         self._in_flight: OrderedDict[str, _InFlight] = OrderedDict()  # oldest first
+        self._reserved: OrderedDict[str, float] = OrderedDict()  # unconfirmed ids -> reserved at, oldest first
         self._recent: dict[str, float] = {}
         self._recent_total = 0.0
+        self._recent_sq: dict[str, float] = {}  # sum of squared works, decayed twice as fast
+        self._recent_sq_total = 0.0
         self._base_s: float | None = None
         self._versions: dict[str, int] = {}
         self._heap: list[tuple[float, float, int, str]] = []
@@ -95,8 +117,20 @@ class LoadTracker:
             return 0.0
         return self._recent_total * math.exp((self._base_s - now) / self.window_s)
 
+    def chance_sd(self, now: float) -> float:
+        """Standard deviation of a replica's recent work under a uniformly
+        random spread of the same requests (0 for fewer than 2 replicas)."""
+        num_replicas = len(self._local)
+        if self._base_s is None or num_replicas < 2:
+            return 0.0
+        sq_total = self._recent_sq_total * math.exp(2 * (self._base_s - now) / self.window_s)
+        return math.sqrt(max(sq_total, 0.0) * (num_replicas - 1)) / num_replicas
+
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    def num_reserved(self) -> int:
+        return len(self._reserved)
 
     def least_loaded_replica(self) -> str | None:
         """The least loaded replica (least recent work among equals); None if none."""
@@ -114,6 +148,7 @@ class LoadTracker:
             self._local[replica_id] = 0.0
             self._foreign[replica_id] = 0.0
             self._recent[replica_id] = 0.0
+            self._recent_sq[replica_id] = 0.0
             self._changed(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -122,15 +157,45 @@ class LoadTracker:
         self._total -= self.load(replica_id)
         del self._local[replica_id], self._foreign[replica_id], self._versions[replica_id]
         self._recent_total = max(0.0, self._recent_total - self._recent.pop(replica_id))
+        self._recent_sq_total = max(0.0, self._recent_sq_total - self._recent_sq.pop(replica_id))
         for request_id in [k for k, v in self._in_flight.items() if v.replica_id == replica_id]:
             del self._in_flight[request_id]
+            self._reserved.pop(request_id, None)
 
     def on_routed(self, request_id: str, replica_id: str, num_tokens: float, now: float) -> None:
-        """This router sent ``num_tokens`` of work to ``replica_id``."""
+        """This router sent ``num_tokens`` of work to ``replica_id``. A reused
+        id replaces its old entry (queued and recent work)."""
+        self._add(request_id, replica_id, num_tokens, now)
+
+    def reserve(self, request_id: str, replica_id: str, num_tokens: float, now: float) -> None:
+        """This router chose ``replica_id`` for the request and has not sent it yet."""
+        self._add(request_id, replica_id, num_tokens, now)
+        self._reserved[request_id] = now
+
+    def refresh(self, request_id: str, replica_id: str, now: float) -> bool:
+        """Restart the timeout of the request's reservation on ``replica_id``;
+        False (and nothing changes) unless it is reserved there."""
+        entry = self._in_flight.get(request_id)
+        if request_id not in self._reserved or entry is None or entry.replica_id != replica_id:
+            return False
+        self._reserved[request_id] = now
+        self._reserved.move_to_end(request_id)
+        return True
+
+    def confirm(self, request_id: str, replica_id: str) -> bool:
+        """The reserved request was sent to ``replica_id``; False (and nothing
+        changes) unless it was reserved there and not yet confirmed."""
+        entry = self._in_flight.get(request_id)
+        if request_id not in self._reserved or entry is None or entry.replica_id != replica_id:
+            return False
+        del self._reserved[request_id]
+        return True
+
+    def _add(self, request_id: str, replica_id: str, num_tokens: float, now: float) -> None:
         if not num_tokens >= 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         self.expire(now)
-        self.on_completed(request_id)  # a reused id replaces its old entry
+        self._forget(request_id)
         self.add_replica(replica_id)
         self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now)
         self._local[replica_id] += num_tokens
@@ -142,10 +207,13 @@ class LoadTracker:
         scaled = num_tokens * math.exp((now - self._base_s) / self.window_s)
         self._recent[replica_id] += scaled
         self._recent_total += scaled
+        self._recent_sq[replica_id] += scaled * scaled
+        self._recent_sq_total += scaled * scaled
         self._changed(replica_id)
 
     def on_completed(self, request_id: str) -> bool:
         """The request finished (or failed); returns False if it was unknown."""
+        self._reserved.pop(request_id, None)
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return False
@@ -167,6 +235,12 @@ class LoadTracker:
 
     def expire(self, now: float) -> None:
         """Drop in-flight entries older than ``in_flight_timeout_s``."""
+        deadline = now - self.reservation_timeout_s
+        while self._reserved:
+            request_id, reserved_at = next(iter(self._reserved.items()))
+            if reserved_at > deadline:
+                break
+            self._forget(request_id)
         deadline = now - self.in_flight_timeout_s
         while self._in_flight:
             request_id, entry = next(iter(self._in_flight.items()))
@@ -175,6 +249,22 @@ class LoadTracker:
             self.on_completed(request_id)
 
     # ----------------------------------------------------------------- private
+    def _forget(self, request_id: str) -> None:
+        """Undo a request as if never routed: its queued and its recent work."""
+        entry = self._in_flight.get(request_id)
+        self.on_completed(request_id)
+        if entry is None or entry.replica_id not in self._recent or self._base_s is None:
+            return
+        replica_id = entry.replica_id
+        scaled = entry.num_tokens * math.exp((entry.routed_at - self._base_s) / self.window_s)
+        kept = max(0.0, self._recent[replica_id] - scaled)
+        self._recent_total = max(0.0, self._recent_total - (self._recent[replica_id] - kept))
+        self._recent[replica_id] = kept
+        kept_sq = max(0.0, self._recent_sq[replica_id] - scaled * scaled)
+        self._recent_sq_total = max(0.0, self._recent_sq_total - (self._recent_sq[replica_id] - kept_sq))
+        self._recent_sq[replica_id] = kept_sq
+        self._changed(replica_id)
+
     def _changed(self, replica_id: str) -> None:
         version = self._versions.get(replica_id, 0) + 1
         self._versions[replica_id] = version
@@ -187,12 +277,15 @@ class LoadTracker:
         scale = math.exp((self._base_s - now) / self.window_s)
         self._recent = {r: v * scale for r, v in self._recent.items()}
         self._recent_total *= scale
+        self._recent_sq = {r: v * scale * scale for r, v in self._recent_sq.items()}
+        self._recent_sq_total *= scale * scale
         self._base_s = now
         self._heap = []
         for replica_id in self._local:
             self._changed(replica_id)
 
     def check_invariants(self) -> None:
+        assert all(request_id in self._in_flight for request_id in self._reserved), "reservation not in flight"
         local = {r: 0.0 for r in self._local}
         for entry in self._in_flight.values():
             local[entry.replica_id] += entry.num_tokens
@@ -200,8 +293,9 @@ class LoadTracker:
             assert value >= 0 and self._foreign[replica_id] >= 0, replica_id
             assert math.isclose(value, local[replica_id], rel_tol=1e-6, abs_tol=1e-6), (replica_id, value)
         assert math.isclose(sum(self.load(r) for r in self._local), self._total, rel_tol=1e-6, abs_tol=1e-3)
-        assert set(self._recent) == set(self._local) == set(self._versions)
+        assert set(self._recent) == set(self._recent_sq) == set(self._local) == set(self._versions)
         assert math.isclose(sum(self._recent.values()), self._recent_total, rel_tol=1e-6, abs_tol=1e-3)
+        assert math.isclose(sum(self._recent_sq.values()), self._recent_sq_total, rel_tol=1e-6, abs_tol=1e-3)
         current = {(e[3], e[2]) for e in self._heap if self._versions.get(e[3]) == e[2]}
         assert current == set(self._versions.items()), "a replica without a current heap entry"
         for load, recent, version, replica_id in self._heap:

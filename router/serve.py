@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from ray.serve.request_router import FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 
@@ -23,9 +23,13 @@ def _request(pending_request):
     return pending_request.args[0] if pending_request is not None and pending_request.args else None
 
 
-class KVRouteRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
+class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
     """Ranks replicas with the pure policy; Ray tries them in order (a full
-    replica falls back to the next rank; the last rank is everyone else)."""
+    replica falls back to the next rank; the last rank is everyone else).
+    No ``FIFOMixin``: a replica chosen for one request's prefix must go to
+    that request, not to whichever is oldest. Each ranking reserves its
+    first choice under Ray's internal request id; ``on_request_routed``
+    confirms or moves it."""
 
     def initialize_state(self, **kwargs) -> None:
         self._policy = PrefixAffinityPolicy(PolicyConfig(**kwargs), clock=time.monotonic)
@@ -42,7 +46,8 @@ class KVRouteRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         by_key = {_key(r.replica_id): r for r in candidate_replicas}
-        ranked = [by_key[k] for k in self._policy.rank(_request(pending_request), by_key) if k in by_key]
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        ranked = [by_key[k] for k in self._policy.rank(_request(pending_request), by_key, request_id) if k in by_key]
         rest = [r for r in candidate_replicas if r not in ranked]
         return [[r] for r in ranked] + ([rest] if rest else [])
 

@@ -82,7 +82,67 @@ def test_remove_replica_drops_its_work():
     assert not loads.on_completed("q1")
 
 
-@pytest.mark.parametrize("kwargs", [{"in_flight_timeout_s": 0}, {"window_s": -1.0}])
+def test_a_reservation_counts_at_once_and_confirming_it_counts_nothing_more():
+    loads = LoadTracker(window_s=10.0)
+    loads.add_replica("b")
+    loads.reserve("q1", "a", 100.0, now=0.0)
+    assert (loads.load("a"), loads.recent_work("a", 0.0), loads.num_reserved()) == (100.0, pytest.approx(100.0), 1)
+    assert loads.least_loaded_replica() == "b"
+    assert not loads.confirm("q1", "b") and not loads.confirm("q2", "a")  # elsewhere / unknown: no change
+    assert loads.confirm("q1", "a") and not loads.confirm("q1", "a")
+    loads.check_invariants()
+    assert (loads.load("a"), loads.num_reserved(), loads.num_in_flight()) == (100.0, 0, 1)
+    assert loads.recent_work("a", 0.0) == pytest.approx(100.0)
+    assert loads.on_completed("q1") and loads.load("a") == 0.0
+
+
+def test_routed_elsewhere_replaces_the_reservation_queued_and_recent_work():
+    loads = LoadTracker(window_s=10.0)
+    loads.reserve("q1", "a", 100.0, now=0.0)
+    loads.on_routed("q1", "b", 60.0, now=1.0)
+    loads.check_invariants()
+    assert (loads.load("a"), loads.load("b"), loads.num_reserved()) == (0.0, 60.0, 0)
+    assert loads.recent_work("a", 1.0) == pytest.approx(0.0, abs=1e-9)
+    assert loads.recent_work("b", 1.0) == pytest.approx(60.0)
+    assert loads.recent_total(1.0) == pytest.approx(60.0)
+
+
+def test_an_unconfirmed_reservation_is_forgotten_after_its_timeout():
+    loads = LoadTracker(window_s=10.0, reservation_timeout_s=5.0)
+    loads.reserve("cancelled", "a", 100.0, now=0.0)
+    loads.reserve("sent", "a", 30.0, now=0.0)
+    assert loads.confirm("sent", "a")
+    loads.reserve("waiting", "b", 20.0, now=0.0)
+    assert loads.refresh("waiting", "b", now=4.0)  # asked again: its timeout restarts
+    assert not loads.refresh("sent", "a", now=4.0)  # confirmed: nothing to refresh
+    loads.on_routed("q", "c", 1.0, now=6.0)  # any update expires what is due
+    loads.check_invariants()
+    assert loads.load("a") == 30.0 and loads.recent_work("a", 6.0) == pytest.approx(30.0 * math.exp(-0.6))
+    assert loads.load("b") == 20.0 and loads.num_reserved() == 1
+    loads.on_routed("q2", "c", 1.0, now=9.5)
+    assert loads.load("b") == 0.0 and loads.recent_work("b", 9.5) == pytest.approx(0.0, abs=1e-9)
+    assert not loads.on_completed("waiting")
+    loads.check_invariants()
+
+
+def test_chance_sd_is_the_spread_of_a_uniformly_random_assignment():
+    loads = LoadTracker(window_s=10.0)
+    assert loads.chance_sd(0.0) == 0.0
+    loads.on_routed("q1", "a", 300.0, now=0.0)
+    assert loads.chance_sd(0.0) == 0.0  # one replica: nothing to compare
+    loads.add_replica("b")
+    loads.on_routed("q2", "b", 400.0, now=0.0)
+    # Var = sum(w^2) * (1/N) * (1 - 1/N) with N = 2: (9e4 + 16e4) / 4
+    assert loads.chance_sd(0.0) == pytest.approx(250.0)
+    assert loads.chance_sd(10.0) == pytest.approx(250.0 / math.e)  # weights decay: d^2 w^2
+    loads.add_replica("c")
+    assert loads.chance_sd(0.0) == pytest.approx(math.sqrt(25e4 * 2) / 3)
+    loads.remove_replica("b")
+    loads.check_invariants()
+    assert loads.chance_sd(0.0) == pytest.approx(300.0 / 2)
+
+
+@pytest.mark.parametrize("kwargs", [{"in_flight_timeout_s": 0}, {"window_s": -1.0}, {"reservation_timeout_s": 0}])
 def test_bad_config(kwargs):
     with pytest.raises(ValueError):
         LoadTracker(**kwargs)
@@ -93,6 +153,59 @@ def test_negative_work_is_rejected():
         LoadTracker().on_routed("q", "a", -1.0, now=0.0)
     with pytest.raises(ValueError, match="load_tokens"):
         LoadTracker().on_report("a", float("nan"))
+
+
+def test_randomized_reservations_against_a_naive_reference():
+    """Reserve, confirm, move, complete and let reservations expire at random;
+    queued work, recent work and the chance spread match a direct computation."""
+    rng = random.Random(5)
+    window_s, timeout_s = 5.0, 3.0
+    loads = LoadTracker(window_s=window_s, reservation_timeout_s=timeout_s)
+    for replica in "abcd":
+        loads.add_replica(replica)
+    live: dict[str, tuple[str, float, float, float | None]] = {}  # id -> replica, work, at, reserved at
+    counted: dict[str, tuple[str, float, float]] = {}  # everything routed and not forgotten
+    now = 0.0
+    for step in range(600):
+        now += rng.random() * 0.5
+        action = rng.random()
+        request_id = f"q{step}"
+        if action < 0.55 or not live:  # route or reserve (both expire due reservations first)
+            for old_id, (_, _, _, reserved_at) in list(live.items()):
+                if reserved_at is not None and reserved_at <= now - timeout_s:
+                    del live[old_id], counted[old_id]
+            replica, work = rng.choice("abcd"), float(rng.randrange(1, 1000))
+            if action < 0.3:
+                loads.reserve(request_id, replica, work, now)
+            else:
+                loads.on_routed(request_id, replica, work, now)
+            live[request_id] = (replica, work, now, now if action < 0.3 else None)
+            counted[request_id] = (replica, work, now)
+        else:
+            request_id = rng.choice(sorted(live))
+            replica, work, at, reserved_at = live[request_id]
+            if action < 0.7 and reserved_at is not None:
+                assert loads.confirm(request_id, replica)
+                live[request_id] = (replica, work, at, None)
+            elif action < 0.8 and reserved_at is not None:  # it went elsewhere
+                for old_id, (_, _, _, old_reserved) in list(live.items()):
+                    if old_id != request_id and old_reserved is not None and old_reserved <= now - timeout_s:
+                        del live[old_id], counted[old_id]
+                other = rng.choice([r for r in "abcd" if r != replica])
+                loads.on_routed(request_id, other, work / 2, now)
+                live[request_id] = (other, work / 2, now, None)
+                counted[request_id] = (other, work / 2, now)
+            else:
+                loads.on_completed(request_id)
+                del live[request_id]
+        loads.check_invariants()
+        queued = {r: sum(w for (rr, w, _, _) in live.values() if rr == r) for r in "abcd"}
+        assert {r: loads.load(r) for r in "abcd"} == pytest.approx(queued, abs=1e-6)
+        recent = {r: sum(w * math.exp((t - now) / window_s) for (rr, w, t) in counted.values() if rr == r)
+                  for r in "abcd"}
+        assert {r: loads.recent_work(r, now) for r in "abcd"} == pytest.approx(recent, rel=1e-6, abs=1e-6)
+        squares = sum((w * math.exp((t - now) / window_s)) ** 2 for (_, w, t) in counted.values())
+        assert loads.chance_sd(now) == pytest.approx(math.sqrt(squares * 3) / 4, rel=1e-6, abs=1e-6)
 
 
 def test_randomized_against_a_naive_reference():

@@ -138,6 +138,90 @@ def test_a_hot_prefix_spills_under_bounded_load_and_the_spill_target_gets_affini
     assert route(policy, request(hot + [2, 2, 2, 2]), "next") == spill
 
 
+def _hot_home_with_a_mild_lead(load_slack_sd):
+    """Two replicas; a hot prefix lives on its home, which did somewhat more
+    than c × the mean lately: over the plain bound, within the chance slack
+    (48 requests of 100 tokens: chance sd = sqrt(48e4 + 68^2) / 2 = 348)."""
+    clock = Clock()
+    policy = make_policy(clock, replicas=REPLICAS[:2], load_window_s=60.0, load_slack_sd=load_slack_sd)
+    hot = prompt(5, 64)
+    home = route(policy, request(hot + [0, 0, 0, 0]), "first")  # 68 tokens of work
+    policy.on_completed("first")
+    other = next(r for r in REPLICAS[:2] if r != home)
+    for i in range(48):  # home 3,400 + 68, other 1,400: mean 2,434, c x (mean + 2) + 68 = 3,113
+        policy.loads.on_routed(f"old{i}", home if i < 34 else other, 100.0, clock())
+        policy.on_completed(f"old{i}")
+    return policy, hot, home, other
+
+
+def test_a_holder_within_chance_of_the_bound_keeps_its_prefix():
+    """The chance slack (2 sd x 64/68 cached = 655 tokens) covers the lead:
+    the prefix stays; with no slack the same state replicates it."""
+    policy, hot, home, other = _hot_home_with_a_mild_lead(2.0)
+    assert policy.rank(request(hot + [1, 1, 1, 1]))[0] == home
+    policy, hot, home, other = _hot_home_with_a_mild_lead(0.0)
+    assert policy.rank(request(hot + [1, 1, 1, 1]))[0] == other
+
+
+def test_a_cold_prompt_gets_no_chance_slack():
+    """Same state: a cold prompt whose ring home is that replica, and which
+    its empty queue would win, goes to the other (placing it there costs
+    nothing, so the plain bound applies)."""
+    policy, hot, home, other = _hot_home_with_a_mild_lead(2.0)
+    policy.loads.on_routed("busy", other, 10.0, policy._clock())  # other's queue is longer
+    cold = next(request(prompt(seed)) for seed in range(100, 200)
+                if policy.ring.lookup(request(prompt(seed)).block_hashes[0]) == home)
+    assert policy.rank(cold)[0] == other
+    assert policy.rank(request(hot + [2, 2, 2, 2]))[0] == home
+
+
+def test_a_burst_decided_before_any_is_reported_sees_its_own_decisions():
+    """Ray reports a request routed only after the replica accepted it: with
+    request ids, decisions reserve at once, so a burst of cold prefixes splits
+    evenly and a burst of one prefix stays together."""
+    policy = make_policy(replicas=REPLICAS[:2])
+    chosen = [policy.rank(request(prompt(seed)), request_id=f"cold{seed}")[0] for seed in range(8)]
+    assert sorted(chosen.count(r) for r in REPLICAS[:2]) == [4, 4]
+    shared = prompt(50, 64)
+    together = {policy.rank(request(shared + [i, i, i, i]), request_id=f"warm{i}")[0] for i in range(5)}
+    assert len(together) == 1
+    assert policy.loads.num_reserved() == 13
+    policy.check_invariants()
+
+
+def test_on_routed_confirms_a_reservation_or_moves_it():
+    policy = make_policy(replicas=REPLICAS[:2])
+    req = request(prompt(1, 64), num_output_tokens=2)  # 64 uncached + 2 x 40 decode = 144 tokens of work
+    chosen = policy.rank(req, request_id="q")[0]
+    assert policy.rank(req, request_id="q")[0] == chosen  # asked again: still counted as cold
+    assert policy.loads.load(chosen) == 144.0
+    policy.on_routed(req, chosen, "q")  # confirmed: not counted twice
+    assert policy.loads.load(chosen) == 144.0 and policy.loads.num_reserved() == 0
+    other = next(r for r in REPLICAS[:2] if r != chosen)
+    req2 = request(prompt(2, 64))
+    first = policy.rank(req2, request_id="q2")[0]
+    elsewhere = chosen if first == other else other
+    policy.on_routed(req2, elsewhere, "q2")  # the first choice was full: moved
+    policy.check_invariants()
+    assert policy.loads.load(first) == (144.0 if first == chosen else 0.0)
+    assert policy.loads.load(elsewhere) == 64.0 + (144.0 if elsewhere == chosen else 0.0)
+    policy.on_completed("q2")
+    assert policy.loads.load(elsewhere) == (144.0 if elsewhere == chosen else 0.0)
+
+
+def test_a_reservation_never_confirmed_is_forgotten():
+    clock = Clock()
+    policy = make_policy(clock, replicas=REPLICAS[:2], reservation_timeout_s=5.0)
+    chosen = policy.rank(request(prompt(3)), request_id="cancelled")[0]
+    assert policy.loads.load(chosen) == 32.0
+    clock.now = 6.0
+    after = route(policy, request(prompt(4)), "next")
+    assert policy.loads.num_reserved() == 0 and policy.loads.num_in_flight() == 1
+    # Neither its queued nor its recent work is left: only "next" counts.
+    assert policy.loads.load(chosen) == (32.0 if after == chosen else 0.0)
+    assert policy.loads.recent_work(chosen, clock.now) == pytest.approx(32.0 if after == chosen else 0.0, abs=1e-9)
+
+
 def test_when_every_candidate_is_over_the_bound_the_ring_walk_finds_one():
     clock = Clock()
     policy = make_policy(clock, num_ring_candidates=1, load_window_s=60.0)
@@ -313,6 +397,7 @@ def test_tenants_do_not_share_affinity():
 @pytest.mark.parametrize("field, value", [
     ("block_size", 0), ("load_factor", 0.5), ("affinity_weight", 0.0), ("load_window_s", 0),
     ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("num_ranked", 1.5), ("load_factor", True),
+    ("load_slack_sd", -1.0), ("reservation_timeout_s", 0),
 ])
 def test_bad_config_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -114,6 +114,23 @@ def test_a_shared_prefix_sticks_to_one_replica_and_hits(handle):
         assert hit >= len(prefix)
 
 
+def test_a_concurrent_burst_keeps_each_prefix_on_one_replica(handle):
+    """Requests sent at once are all decided before Ray reports any of them
+    routed: each decision must reach its own request (no FIFO hand-over) and
+    count at once, so each prefix's requests meet on one replica."""
+    prefixes = [[40_000 + 1000 * p + j for j in range(64)] for p in range(3)]
+    responses = []
+    for question in range(4):
+        for number, prefix in enumerate(prefixes):
+            request, tokens = _request(prefix + [question, number, 9, 9])
+            responses.append((number, handle.remote(request, tokens)))
+    landed: dict[int, set[str]] = {}
+    for number, response in responses:
+        replica_id, _ = response.result(timeout_s=30)
+        landed.setdefault(number, set()).add(replica_id)
+    assert all(len(replicas) == 1 for replicas in landed.values()), landed
+
+
 def test_cold_prefixes_spread_over_replicas(handle):
     seen = {_call(handle, [5000 + 100 * i + j for j in range(32)])[0] for i in range(24)}
     assert len(seen) >= 2
