@@ -25,7 +25,7 @@ from collections import Counter
 import httpx
 
 from deploy import faults
-from deploy.retry_client import Outcome, send
+from deploy.retry_client import Outcome, client_session, send
 from deploy.workloads import shared_prefix
 
 
@@ -61,7 +61,6 @@ async def open_loop(url: str, bodies: list[dict], rate_rps: float, *, headers: d
                     finished: list[Outcome] | None = None) -> list[Outcome]:
     """Send ``bodies`` at a fixed rate (open loop: arrivals never wait for
     answers); ``finished`` collects outcomes as they end."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
     finished = finished if finished is not None else []
 
     async def one(client, index, body) -> Outcome:
@@ -70,7 +69,7 @@ async def open_loop(url: str, bodies: list[dict], rate_rps: float, *, headers: d
         finished.append(outcome)
         return outcome
 
-    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+    async with client_session(max_connections) as client:
         start = time.monotonic()
         tasks = []
         for index, body in enumerate(bodies):
@@ -149,23 +148,32 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
 def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float, rejoin_t: float) -> dict:
     ok = [o for o in outcomes if o.ok]
     failed_attempts = [a for o in outcomes for a in o.attempts if not a.ok]
-    # Prefixes the victim was home to at the kill (it served their last request
-    # before it): where did their requests go until the replacement arrived
-    # (when the ring changes again)?
+    # Prefixes the victim was home to at the kill (it answered their last
+    # request before it): until the replacement arrives (the ring changes
+    # again) their requests must go to survivors and hit there again after at
+    # most one miss per survivor (the prefix is re-homed, not re-computed).
     group_to_home: dict[int, tuple[float, str]] = {}
     group_to_after: dict[int, list] = {}
     for outcome in ok:
-        group, start = pairs[outcome.index][0], outcome.attempts[0].start_s
-        if start < kill_t:
-            if start > group_to_home.get(group, (0.0, ""))[0]:
-                group_to_home[group] = (start, outcome.final.replica_id)
-        elif start < rejoin_t:
-            group_to_after.setdefault(group, []).append((start, outcome.final.replica_id))
+        group, start, end = pairs[outcome.index][0], outcome.attempts[0].start_s, outcome.final.end_s
+        if end < kill_t:
+            if end > group_to_home.get(group, (0.0, ""))[0]:
+                group_to_home[group] = (end, outcome.final.replica_id)
+        elif kill_t <= start < rejoin_t:
+            group_to_after.setdefault(group, []).append((start, outcome.final.replica_id, outcome.final.cached_tokens))
     orphaned = [g for g, (_, home) in group_to_home.items() if home == victim]
-    rehomed = []
+    rehomed, on_one_replica, hits, lookups = 0, 0, 0, 0
     for group in orphaned:
-        homes = [replica for _, replica in sorted(group_to_after.get(group, []))]
-        rehomed.append(bool(homes) and len(set(homes[1:])) <= 1 and victim not in homes)
+        after = sorted(group_to_after.get(group, []))
+        replicas = [replica for _, replica, _ in after]
+        misses = sum(not cached for _, _, cached in after)
+        rehomed += bool(after) and victim not in replicas and misses <= len(set(replicas))
+        on_one_replica += len(set(replicas)) == 1
+        seen: set = set()
+        for _, replica, cached in after:
+            if replica in seen:
+                lookups, hits = lookups + 1, hits + bool(cached)
+            seen.add(replica)
     return {
         "num_requests": len(outcomes),
         "num_ok": len(ok),
@@ -176,7 +184,9 @@ def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float,
         "failed_attempts_by_kind": dict(Counter(a.kind for a in failed_attempts)),
         "served_by_victim_after_kill": sum(o.final.replica_id == victim and o.final.end_s > kill_t + 0.5 for o in ok),
         "orphaned_groups": len(orphaned),
-        "orphaned_groups_rehomed_to_one_replica": sum(rehomed),
+        "orphaned_groups_rehomed": rehomed,
+        "orphaned_groups_on_one_replica": on_one_replica,
+        "orphaned_repeat_hit_rate": hits / lookups if lookups else None,
         "latency_p50_s": percentile([o.latency_s for o in ok], 50),
         "latency_p99_s": percentile([o.latency_s for o in ok], 99),
         "retried_latency_max_s": max((o.latency_s for o in ok if len(o.attempts) > 1), default=None),
@@ -192,7 +202,82 @@ async def _rejoin_probe(url: str, replacement: list[str], headers: dict | None, 
     return sum(r in replacement for r in served) / max(1, len(served))
 
 
+# ------------------------------------------------------------------ overload
+async def closed_loop(url: str, bodies: list[dict], concurrency: int, *, headers: dict | None = None) -> tuple[list[Outcome], float]:
+    """Send ``bodies`` with ``concurrency`` requests in flight; returns outcomes and wall time."""
+    queue = list(enumerate(bodies))[::-1]
+    outcomes: list[Outcome] = []
+    async with client_session(concurrency * 2) as client:
+        async def worker():
+            while queue:
+                index, body = queue.pop()
+                outcomes.append(await send(client, url, body, index=index, headers=headers, max_attempts=1))
+
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return outcomes, time.monotonic() - start
+
+
+def _memory(app, headers: dict | None) -> dict:
+    workers = {replica: faults.rss_bytes(pid) for replica, pid in faults.replica_pids(app.url, headers).items()}
+    return {"workers_mib": {r: round((v or 0) / 2**20, 1) for r, v in sorted(workers.items())},
+            "cluster_mib": round(sum(faults.rss_bytes(pid) or 0 for pid in app.ray_pids()) / 2**20, 1)}
+
+
+async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds: int = 2, concurrency: int = 12,
+                   max_new_tokens: int = 128, headers: dict | None = None, seed: int = 0) -> dict:
+    """Measure capacity (closed loop, ``concurrency`` in flight), then offer
+    ``factor`` × capacity open-loop for ``duration_s``, ``rounds`` times, no
+    retries. Admitted requests must stay fast, the excess must get 429/503
+    with ``Retry-After``, nothing else; memory is sampled after the warm-up
+    and after each round."""
+    def bodies(count: int, offset: int) -> list[dict]:
+        return [body for _, body in group_bodies(count, num_groups=8, prefix_tokens=64, question_tokens=192,
+                                                 max_new_tokens=max_new_tokens, seed=seed + offset)]
+
+    warm, warm_s = await closed_loop(app.url, bodies(4 * concurrency, 0), concurrency, headers=headers)
+    capacity_rps = sum(o.ok for o in warm) / warm_s
+    baseline = [o.latency_s for o in warm if o.ok]
+    memory = [_memory(app, headers)]
+    figures: dict = {"capacity_rps": round(capacity_rps, 1), "offered_rps": round(factor * capacity_rps, 1),
+                     "baseline_latency_p50_s": percentile(baseline, 50), "baseline_latency_p99_s": percentile(baseline, 99),
+                     "warmup_errors": dict(Counter(o.final.kind for o in warm if not o.ok)), "rounds": []}
+    for round_index in range(rounds):
+        offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
+        start = time.monotonic()
+        outcomes = await open_loop(app.url, offered, factor * capacity_rps, headers=headers, max_attempts=1,
+                                   max_connections=1024)
+        wall_s = time.monotonic() - start
+        admitted = [o.latency_s for o in outcomes if o.ok]
+        rejected = [o for o in outcomes if not o.ok]
+        memory.append(_memory(app, headers))
+        figures["rounds"].append({
+            "num_sent": len(outcomes), "num_ok": len(admitted), "wall_s": round(wall_s, 2),
+            "goodput_rps": round(len(admitted) / wall_s, 1),
+            "statuses": dict(Counter(o.final.kind for o in outcomes)),
+            "rejected_without_retry_after": sum(o.final.retry_after_s is None for o in rejected),
+            "unexpected": [(o.final.kind, o.final.error) for o in rejected if o.final.status not in (429, 503)][:5],
+            "admitted_latency_p50_s": percentile(admitted, 50), "admitted_latency_p99_s": percentile(admitted, 99),
+            "admitted_latency_max_s": max(admitted, default=None),
+            "rejection_latency_p99_s": percentile([o.latency_s for o in rejected], 99),
+        })
+    figures["memory"] = memory
+    return figures
+
+
 # ------------------------------------------------------------------- CLI
+# Small queues, so that overload shows in seconds on a CPU: each Worker runs 8
+# requests and queues 8 more (then 429); Serve keeps at most 24 calls on a
+# replica and 16 waiting for one (then 503); the Ingress holds 96 requests and
+# Serve's proxy queues 32 more for it (then 503 from the proxy).
+OVERLOAD_APP = dict(
+    args_overrides={"stats_period_s": 0.5, "engine": {"max_num_seqs": 8, "max_queued_requests": 8,
+                                                      "max_batch_tokens": 512, "num_threads": 1}},
+    deployment_overrides={"Worker": {"max_ongoing_requests": 24, "max_queued_requests": 16},
+                          "Ingress": {"max_ongoing_requests": 96, "max_queued_requests": 32,
+                                      "backpressure_config": {"retry_after_s": 1}}},
+)
+
 def _app(args, **overrides):
     from deploy.serving import ServeApp
 
@@ -201,7 +286,9 @@ def _app(args, **overrides):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", choices=["replica-failure"])
+    parser.add_argument("scenario", choices=["replica-failure", "overload"])
+    parser.add_argument("--factor", type=float, default=8.0, help="overload: offered load / capacity")
+    parser.add_argument("--duration-s", type=float, default=6.0, help="overload: seconds per round")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--requests", type=int, default=300)
@@ -218,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             app.deploy()
             figures = asyncio.run(replica_failure(app, num_requests=args.requests, rate_rps=args.rate,
                                                   kill_at_s=args.kill_at_s, seed=args.seed))
+    elif args.scenario == "overload":
+        with _app(args, num_cpus=2, **OVERLOAD_APP) as app:
+            app.deploy()
+            figures = asyncio.run(overload(app, factor=args.factor, duration_s=args.duration_s, seed=args.seed))
     text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)
     print(text)
     if args.json:

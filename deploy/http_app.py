@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -138,7 +139,8 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
         params = _token_params(frontend, body)
         request = frontend.make_request(token_ids, params, body.cache_salt or x_cache_salt)
         if body.stream:
-            return StreamingResponse(_token_events(frontend, request), media_type="text/event-stream", headers=_SSE_HEADERS)
+            events = await _primed(frontend.stream(request))  # overload before any token: a real 429/503
+            return StreamingResponse(_token_events(events), media_type="text/event-stream", headers=_SSE_HEADERS)
         return _generate_output(await frontend.run(request), body.logprobs)
 
     @app.post("/generate_batch", dependencies=auth)
@@ -162,7 +164,8 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
         with_logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(openai.sse(pairs, False, include_usage, with_logprobs), media_type="text/event-stream", headers=_SSE_HEADERS)
+            deltas = await _primed(openai.deltas(pairs))
+            return StreamingResponse(openai.sse(pairs, deltas, False, include_usage, with_logprobs), media_type="text/event-stream", headers=_SSE_HEADERS)
         states = await openai.collect(pairs)
         return openai.completion_body(states, pairs, int(time.time()), f"cmpl-{uuid.uuid4().hex}", with_logprobs)
 
@@ -171,7 +174,8 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
         pairs = openai.chat_requests(body, x_cache_salt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(openai.sse(pairs, True, include_usage, body.logprobs), media_type="text/event-stream", headers=_SSE_HEADERS)
+            deltas = await _primed(openai.deltas(pairs))
+            return StreamingResponse(openai.sse(pairs, deltas, True, include_usage, body.logprobs), media_type="text/event-stream", headers=_SSE_HEADERS)
         states = await openai.collect(pairs)
         return openai.chat_body(states, pairs, int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", body.logprobs)
 
@@ -220,12 +224,33 @@ def _generate_output(result: dict, with_logprobs: bool) -> dict:
     return output
 
 
-async def _token_events(frontend: Frontend, request):
+async def _primed(items: AsyncIterator) -> AsyncIterator:
+    """``items`` with its first element already awaited, so that a failure
+    before any output (a full queue, no replica) raises here and becomes an
+    HTTP status with ``Retry-After`` instead of an error event after a 200."""
+    try:
+        first = await anext(items)
+    except BaseException:
+        await items.aclose()
+        raise
+
+    async def replay():
+        try:
+            yield first
+            async for item in items:
+                yield item
+        finally:
+            await items.aclose()
+
+    return replay()
+
+
+async def _token_events(events: AsyncIterator[dict]):
     """SSE for ``/generate`` with ``stream: true``: one event per token, then the summary."""
     import json
 
     try:
-        async for event in frontend.stream(request):
+        async for event in events:
             yield f"data: {json.dumps(event)}\n\n"
     except APIError as error:
         yield error.sse_event()

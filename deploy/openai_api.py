@@ -251,8 +251,14 @@ class OpenAIRoutes:
             "model": self.frontend.config.model_name, "choices": choices, "usage": self.usage(states, pairs),
         }
 
-    async def sse(self, pairs, chat: bool, include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
-        """Server-sent events for a streamed completion, ending with ``[DONE]``."""
+    def deltas(self, pairs) -> AsyncIterator[Delta]:
+        """Every choice's deltas as they are produced (what :meth:`sse` formats)."""
+        return self._merged(pairs, incremental=True)
+
+    async def sse(self, pairs, deltas: AsyncIterator[Delta], chat: bool, include_usage: bool,
+                  with_logprobs: bool) -> AsyncIterator[str]:
+        """Server-sent events for a streamed completion of ``deltas``
+        (from :meth:`deltas`), ending with ``[DONE]``."""
         created, completion_id = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         base = {"id": completion_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": self.frontend.config.model_name}
@@ -262,7 +268,7 @@ class OpenAIRoutes:
                     yield _event({**base, "choices": [
                         {"index": state.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                     ]})
-            async for delta in self._merged(pairs, incremental=True):
+            async for delta in deltas:
                 if chat:
                     choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
                               "logprobs": None, "finish_reason": delta.finish_reason}

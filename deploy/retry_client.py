@@ -16,11 +16,19 @@ import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 RETRIABLE_STATUSES = (429, 503)
 RETRIABLE_CODES = ("replica_failed", "overloaded", "engine_overloaded")
 DEFAULT_RETRY_S = 0.5  # for a mid-stream error event (no header to read)
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+def client_session(max_connections: int = 256, headers: dict | None = None) -> aiohttp.ClientSession:
+    """A session for :func:`send` (aiohttp: its connection pool stays cheap with
+    thousands of requests pending, which an open-loop overload needs)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections, force_close=False),
+                                 headers=headers, trust_env=False)
 
 
 @dataclass(slots=True)
@@ -31,8 +39,11 @@ class Attempt:
     code: str | None = None  # the error body's code
     retry_after_s: float | None = None
     replica_id: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server reused from its prefix cache
     num_tokens: int = 0
     error: str | None = None
+    first_token_s: float | None = None  # time.monotonic() of the first streamed token
+    server_ttft_s: float | None = None  # the engine's own TTFT (submission to first token)
 
     @property
     def ok(self) -> bool:
@@ -79,7 +90,7 @@ class Outcome:
         return self.attempts[-1].end_s - self.attempts[0].start_s
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, *, index: int = 0, path: str = "/generate",
+async def send(client: aiohttp.ClientSession, url: str, body: dict, *, index: int = 0, path: str = "/generate",
                headers: dict | None = None, max_attempts: int = 4, max_wait_s: float = 2.0,
                timeout_s: float = 60.0) -> Outcome:
     """POST ``body`` to ``url + path`` (streamed if ``body["stream"]``), retrying
@@ -93,7 +104,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, *, index: int = 
                 await _streamed(client, url + path, body, headers, timeout_s, attempt, outcome)
             else:
                 await _whole(client, url + path, body, headers, timeout_s, attempt, outcome)
-        except (httpx.HTTPError, asyncio.TimeoutError) as error:
+        except TRANSPORT_ERRORS as error:
             attempt.status, attempt.error = 599, f"{type(error).__name__}: {error}"[:200]
         attempt.end_s = time.monotonic()
         if attempt.ok or not attempt.is_retriable:
@@ -109,7 +120,7 @@ def _error_fields(attempt: Attempt, payload: dict) -> None:
     attempt.error = str(error.get("message") or payload)[:200]
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: aiohttp.ClientResponse) -> float | None:
     value = response.headers.get("retry-after")
     try:
         return float(value) if value is not None else None
@@ -118,18 +129,21 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 async def _whole(client, url, body, headers, timeout_s, attempt: Attempt, outcome: Outcome) -> None:
-    response = await client.post(url, json=body, headers=headers, timeout=timeout_s)
-    attempt.status = response.status_code
-    attempt.retry_after_s = _retry_after(response)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with client.post(url, json=body, headers=headers, timeout=timeout) as response:
+        attempt.status = response.status
+        attempt.retry_after_s = _retry_after(response)
+        text = await response.text()
     try:
-        payload = response.json()
+        payload = json.loads(text)
     except ValueError:
-        attempt.error = f"not JSON: {response.text[:100]!r}"
+        attempt.error = f"not JSON: {text[:100]!r}"
         return
-    if response.status_code != 200:
+    if attempt.status != 200:
         _error_fields(attempt, payload)
         return
     attempt.replica_id = payload.get("replica_id")
+    attempt.cached_tokens = payload.get("cached_tokens")
     outcome.token_ids = payload.get("token_ids")
     outcome.logprobs = payload.get("logprobs")
     attempt.num_tokens = len(outcome.token_ids or ())
@@ -139,17 +153,19 @@ async def _streamed(client, url, body, headers, timeout_s, attempt: Attempt, out
     tokens: list[int] = []
     logprobs: list[float] = []
     summary, finished = None, False
-    async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as response:
-        attempt.status = response.status_code
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with client.post(url, json=body, headers=headers, timeout=timeout) as response:
+        attempt.status = response.status
         attempt.retry_after_s = _retry_after(response)
-        if response.status_code != 200:
-            await response.aread()
+        if response.status != 200:
+            text = await response.text()
             try:
-                _error_fields(attempt, response.json())
+                _error_fields(attempt, json.loads(text))
             except ValueError:
-                attempt.error = response.text[:200]
+                attempt.error = text[:200]
             return
-        async for line in response.aiter_lines():
+        async for raw in response.content:
+            line = raw.decode().rstrip("\r\n")
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
@@ -161,6 +177,8 @@ async def _streamed(client, url, body, headers, timeout_s, attempt: Attempt, out
             elif event.get("done"):
                 summary = event
             elif "token_id" in event:
+                if not tokens:
+                    attempt.first_token_s = time.monotonic()
                 tokens.append(event["token_id"])
                 logprobs.append(event.get("logprob"))
     attempt.num_tokens = len(tokens)
@@ -170,5 +188,7 @@ async def _streamed(client, url, body, headers, timeout_s, attempt: Attempt, out
         attempt.error = "the stream ended without its summary"
         return
     attempt.replica_id = summary.get("replica_id")
+    attempt.cached_tokens = summary.get("cached_tokens")
+    attempt.server_ttft_s = summary.get("ttft_s")
     outcome.token_ids = tokens
     outcome.logprobs = logprobs

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -194,9 +195,25 @@ class ServeApp:
                 return int(deployment.get("num_replicas", 1))
         return 1
 
-    def shutdown_app(self) -> None:
+    def drain_app(self, timeout_s: float = 120.0) -> None:
+        """Delete the application while Serve's HTTP proxies stay up, so requests
+        in flight finish (each replica waits for its ongoing requests, up to its
+        ``graceful_shutdown_timeout_s``) and new ones get 404. ``serve
+        shutdown`` alone kills the proxies at once, cutting open connections."""
+        if self.address is None or not self._config_file:
+            return
+        name = yaml.safe_load(Path(self._config_file).read_text())["applications"][0]["name"]
+        script = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+                  "serve.delete(sys.argv[2])")
+        subprocess.run([sys.executable, "-c", script, self.address, name], capture_output=True, text=True,
+                       env=self._env(), cwd=REPO_ROOT, timeout=timeout_s)
+
+    def shutdown_app(self, drain: bool = True) -> None:
+        """``serve shutdown -y``, after draining the app unless ``drain`` is False."""
         if self.address is None:
             return
+        if drain:
+            self.drain_app()
         subprocess.run([_bin("serve"), "shutdown", "-y"], capture_output=True, text=True, env=self._env(),
                        cwd=REPO_ROOT, timeout=120)
         if self._config_file and os.path.exists(self._config_file):
@@ -206,7 +223,6 @@ class ServeApp:
 
 def _bin(name: str) -> str:
     """The CLI next to this interpreter (the venv's), else from PATH."""
-    import sys
 
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
