@@ -126,18 +126,22 @@ class PrefixAffinityPolicy:
     instantaneous queue: at moderate load queues hold 0–2 requests and a
     bound on them flips on noise (it cost 7 points of hit rate). The work
     ties keep long-run work within ~1% of the mean. ``load_slack_sd=2``
-    (~2.3% one-sided): without it the bound fires on chance in the first
-    hundreds of requests — 2 replicas × 8 equally hot prefix groups split
-    4/4 still replicated groups (hit 0.875 vs 0.882 optimum in the
-    simulator's shared-prefix run, the same in the live load test), while
-    on the Mooncake trace the bound never binds and nothing changes; over
-    12 multi-turn seeds 0, 1, 2, 3 give TTFT p99 1.41, 1.41, 1.39, 1.39 s
-    and hit 0.864, 0.864, 0.868, 0.865. ``reservation_timeout_s=5``: Ray
+    (a one-sided ~2.3% chance): without it the bound fires on chance while
+    counts are small — the simulator's shared-prefix run (16 equally hot
+    groups, 8 replicas) replicated groups (hit 0.875 vs the 0.882 optimum,
+    imbalance 1.10; with it 0.882 and 1.00), and the live 2-replica load
+    test replicated groups of a 5/3 split; on the Mooncake trace the bound
+    never binds and nothing changes; over 12 multi-turn seeds 0, 1, 2, 3
+    give TTFT p99 1.41, 1.41, 1.39, 1.39 s, hit 0.864, 0.864, 0.868, 0.865,
+    imbalance 1.12, 1.13, 1.14, 1.13. ``reservation_timeout_s=5``: Ray
     re-asks for a waiting request at least every backoff period (< 1 s),
     which refreshes its reservation. ``num_ring_candidates=2``
     + the least loaded: two choices and a free slot, O(1) of the fleet.
     ``decode_token_cost=40``: 2 ms per output token against 20k prefill
-    tokens/s. ``learned_grace_s=5``: longer than a routing-stats period.
+    tokens/s; the CPU engine (tiny-llama, one thread) is alike: a decode
+    step ~0.9 ms at batch 1 against ~10 ms per 512-token prefill chunk
+    (~45 prefill tokens per output token, ~11 per row at batch 8), and
+    served over HTTP each output token costs more still. ``learned_grace_s=5``: longer than a routing-stats period.
     ``block_size=64``: a decision for a 4k-token prompt costs ~55 µs at 64
     tokens a block and ~180 µs at 16 (``python -m router.bench``), and a
     summary is 4× smaller; routing needs no finer grain than that.
@@ -149,7 +153,8 @@ class PrefixAffinityPolicy:
     others); O(fleet) work per request (a handful of candidates; the walk
     past them runs only when all are over the bound); several routers
     herding (homes and ring ties are pure functions of the replica set and
-    the key; each router counts its own pending work at once; the recent-work
+    the key; each router counts its own decisions the moment it makes them
+    (reservations), before they are reported sent; the recent-work
     tie-break balances each router's own stream, so their sum is balanced).
 
     Bad input never raises: a request without usable routing attributes, an
