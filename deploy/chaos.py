@@ -225,23 +225,28 @@ def _memory(app, headers: dict | None) -> dict:
 
 
 async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds: int = 2, concurrency: int = 12,
-                   max_new_tokens: int = 128, headers: dict | None = None, seed: int = 0) -> dict:
-    """Measure capacity (closed loop, ``concurrency`` in flight), then offer
-    ``factor`` × capacity open-loop for ``duration_s``, ``rounds`` times, no
-    retries. Admitted requests must stay fast, the excess must get 429/503
-    with ``Retry-After``, nothing else; memory is sampled after the warm-up
-    and after each round."""
+                   max_new_tokens: int = 128, stream: bool = False, headers: dict | None = None,
+                   seed: int = 0) -> dict:
+    """Measure capacity (closed loop, ``concurrency`` in flight, after a
+    warm-up), then offer ``factor`` × capacity open-loop for ``duration_s``,
+    ``rounds`` times, no retries. Admitted requests must stay fast, the excess
+    must get 429/503 with ``Retry-After``, nothing else; memory is sampled
+    after the warm-up and after each round."""
     def bodies(count: int, offset: int) -> list[dict]:
-        return [body for _, body in group_bodies(count, num_groups=8, prefix_tokens=64, question_tokens=192,
-                                                 max_new_tokens=max_new_tokens, seed=seed + offset)]
+        pairs = group_bodies(count, num_groups=8, prefix_tokens=64, question_tokens=192,
+                             max_new_tokens=max_new_tokens, stream_every=1 if stream else 0, seed=seed + offset)
+        return [body for _, body in pairs]
 
-    warm, warm_s = await closed_loop(app.url, bodies(4 * concurrency, 0), concurrency, headers=headers)
-    capacity_rps = sum(o.ok for o in warm) / warm_s
-    baseline = [o.latency_s for o in warm if o.ok]
+    await closed_loop(app.url, bodies(2 * concurrency, 0), concurrency, headers=headers)  # warm-up
+    probe, probe_s = await closed_loop(app.url, bodies(4 * concurrency, 1), concurrency, headers=headers)
+    capacity_rps = sum(o.ok for o in probe) / probe_s
+    baseline = [o.latency_s for o in probe if o.ok]
+    pids_before = faults.replica_pids(app.url, headers)
     memory = [_memory(app, headers)]
     figures: dict = {"capacity_rps": round(capacity_rps, 1), "offered_rps": round(factor * capacity_rps, 1),
-                     "baseline_latency_p50_s": percentile(baseline, 50), "baseline_latency_p99_s": percentile(baseline, 99),
-                     "warmup_errors": dict(Counter(o.final.kind for o in warm if not o.ok)), "rounds": []}
+                     "stream": stream, "baseline_latency_p50_s": percentile(baseline, 50),
+                     "baseline_latency_p99_s": percentile(baseline, 99),
+                     "probe_errors": dict(Counter(o.final.kind for o in probe if not o.ok)), "rounds": []}
     for round_index in range(rounds):
         offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
         start = time.monotonic()
@@ -262,6 +267,7 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
             "rejection_latency_p99_s": percentile([o.latency_s for o in rejected], 99),
         })
     figures["memory"] = memory
+    figures["replicas_restarted"] = sorted(set(pids_before.items()) ^ set(faults.replica_pids(app.url, headers).items()))
     return figures
 
 
@@ -289,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenario", choices=["replica-failure", "overload"])
     parser.add_argument("--factor", type=float, default=8.0, help="overload: offered load / capacity")
     parser.add_argument("--duration-s", type=float, default=6.0, help="overload: seconds per round")
+    parser.add_argument("--stream", action="store_true", help="overload: streamed requests")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--requests", type=int, default=300)
@@ -308,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.scenario == "overload":
         with _app(args, num_cpus=2, **OVERLOAD_APP) as app:
             app.deploy()
-            figures = asyncio.run(overload(app, factor=args.factor, duration_s=args.duration_s, seed=args.seed))
+            figures = asyncio.run(overload(app, factor=args.factor, duration_s=args.duration_s, stream=args.stream,
+                                           seed=args.seed))
     text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)
     print(text)
     if args.json:

@@ -10,11 +10,16 @@ is full, or no replica could take the request), both with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import itertools
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
+
+from ray.serve import context as serve_context
 
 from cache import block_hashes
 from deploy.errors import APIError
@@ -32,6 +37,26 @@ _REPLICA_FAILURES = ("ActorDiedError", "RayActorError", "ActorUnavailableError",
 
 def _is_replica_failure(error: BaseException) -> bool:
     return any(cls.__name__ in _REPLICA_FAILURES for cls in type(error).__mro__)
+
+
+def _call(method, *args):
+    """``method.remote(*args)`` as a request of its own.
+
+    Serve stamps every handle call made while serving an HTTP request with
+    that request's internal id, so the calls one request fans out (batch
+    groups, OpenAI choices and prompts) would all share one id. A request
+    router that hands each replica to the request it chose it for (ours:
+    no ``FIFOMixin``) matches by that id and would fulfil only one of them;
+    the rest would wait forever. Each call here gets a fresh id, in a copy of
+    the context, so nothing else sees the change."""
+
+    def remote():
+        current = serve_context._get_serve_request_context()  # noqa: SLF001 - see above
+        own = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+        serve_context._serve_request_context.set(own)  # noqa: SLF001
+        return method.remote(*args)
+
+    return contextvars.copy_context().run(remote)
 
 
 class Frontend:
@@ -100,7 +125,7 @@ class Frontend:
         ``MAX_REPLICA_RETRIES`` times; then 503 with ``Retry-After``."""
         start = time.monotonic()
         for attempt in range(MAX_REPLICA_RETRIES + 1):
-            response = self.worker.generate.remote(request)
+            response = _call(self.worker.generate, request)
             try:
                 result = await response
                 break
@@ -122,7 +147,7 @@ class Frontend:
         start = last = time.monotonic()
         num_events, finished = 0, False
         for attempt in range(MAX_REPLICA_RETRIES + 1):
-            generator = self.worker.options(stream=True).generate_stream.remote(request)
+            generator = _call(self.worker.options(stream=True).generate_stream, request)
             try:
                 async for event in generator:
                     now = time.monotonic()
@@ -175,7 +200,7 @@ class Frontend:
         batch = WorkerBatch(tuple(requests), requests[0].block_hashes[:num_shared_blocks], shared, requests[0].salt)
         start = time.monotonic()
         try:
-            results = await self.worker.generate_batch.remote(batch)
+            results = await _call(self.worker.generate_batch, batch)
         except Exception as error:  # noqa: BLE001
             raise self._as_api_error(error) from None
         for result in results:

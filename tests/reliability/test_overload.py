@@ -1,0 +1,40 @@
+"""Overload, live: open-loop traffic at several times the measured capacity
+against an app with small queues (``chaos.OVERLOAD_APP``). Every answer is a
+success or a 429/503 with ``Retry-After``; admitted requests stay fast; no
+replica crashes or restarts; memory stays flat between rounds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy import chaos
+from deploy.faults import wait_for_clean_audits
+from tests.reliability.conftest import start_app
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def app(exclusive):
+    app = start_app(num_cpus=2, **chaos.OVERLOAD_APP)
+    yield app
+    app.__exit__(None, None, None)
+
+
+def test_overload_sheds_the_excess_with_retry_after_and_keeps_admitted_requests_fast(app):
+    figures = asyncio.run(chaos.overload(app, factor=6.0, duration_s=4.0, rounds=2, max_new_tokens=96))
+    for round_figures in figures["rounds"]:
+        statuses = round_figures["statuses"]
+        assert set(statuses) <= {"ok", "429:engine_overloaded", "503:overloaded", "503"}, statuses
+        assert round_figures["unexpected"] == [] and round_figures["rejected_without_retry_after"] == 0
+        assert statuses.get("ok", 0) >= 1 and round_figures["num_ok"] < round_figures["num_sent"]  # shed, not stalled
+        # Bounded queues: an admitted request waits behind at most a few queue-fulls of work.
+        assert round_figures["admitted_latency_p99_s"] < max(15.0, 10 * figures["baseline_latency_p99_s"]), figures
+    assert figures["replicas_restarted"] == []  # no crash
+    workers_before, workers_after = figures["memory"][1]["workers_mib"], figures["memory"][-1]["workers_mib"]
+    for replica, mib in workers_after.items():
+        assert mib - workers_before[replica] < 64, figures["memory"]  # flat after the first round's growth
+    for audit in wait_for_clean_audits(app.url, 2, after_s=0.0):
+        assert audit.is_clean, audit
