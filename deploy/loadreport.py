@@ -30,10 +30,12 @@ def print_table(report: dict) -> None:
         ("load imbalance", lambda r: _fmt(r["load_imbalance"])),
         ("requests/replica", lambda r: " ".join(str(v["requests"]) for v in r["per_replica"].values())),
         ("hit rate/replica", lambda r: " ".join(_fmt(v["hit_rate"], 2) for v in r["per_replica"].values())),
+        ("hit rate/round", lambda r: " ".join(_fmt(x["cluster_hit_rate"], 3) for x in r.get("rounds", [])) or "-"),
+        ("TTFT p99 s/round", lambda r: " ".join(_fmt(x["ttft_s"]["p99"], 2) for x in r.get("rounds", [])) or "-"),
         ("errors", lambda r: str(r["errors"] or "-")),
     ]
     names = list(results)
-    width = max(18, *(len(n) + 2 for n in names))
+    width = max(20, *(len(n) + 2 for n in names))
     print(f"{'':20}" + "".join(f"{n:>{width}}" for n in names))
     for label, cell in rows:
         print(f"{label:20}" + "".join(f"{cell(results[n]):>{width}}" for n in names))

@@ -3,13 +3,15 @@ routers side by side.
 
     python -m deploy.loadtest --url http://127.0.0.1:8000 --workload shared-prefix
     python -m deploy.loadtest --compare-routers pow2,prefix_affinity,kvroute \\
-        --workload shared-prefix --json results/loadtest.json --plot results/loadtest.png
+        --workload shared-prefix --rounds 3 --json results/loadtest.json --plot results/loadtest.png
 
 Every request is a streamed ``POST /generate`` so the client measures TTFT and
 inter-token latency itself. ``--compare-routers`` deploys ``deploy/config.yaml``
-once per router (``serve run --non-blocking`` with ``args.router`` replaced,
-fresh replicas and caches each time), runs the identical workload, and shuts
-the app down again. It needs a running Ray cluster (``ray start --head``) or
+once per router and round (``serve run --non-blocking`` with ``args.router``
+replaced, fresh replicas and caches each time), warms it up with a few
+unrelated requests, runs the identical workload, and shuts the app down
+again; the router order rotates from round to round (whoever runs first on a
+fresh cluster has an edge) and each router's requests pool over its rounds. It needs a running Ray cluster (``ray start --head``) or
 starts one itself and stops it at the end. Targets 127.0.0.1 by default; every
 loop is bounded in request count and wall time.
 """
@@ -18,16 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 import httpx
 
 from deploy.loadstats import RequestRecord, summarize
-from deploy.workloads import WORKLOADS, Session, build_workload
+from deploy.workloads import WORKLOADS, Session, build_workload, shared_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,27 +154,77 @@ def _progress_bar(total: int, label: str):
     return bar.update, bar.close
 
 
-def run_one(options: RunOptions, sessions: list[Session], label: str, slo: dict) -> dict:
+def run_one(options: RunOptions, sessions: list[Session], label: str) -> tuple[list[RequestRecord], float, dict]:
+    """One measured run: records, wall time, and the server's /stats after it."""
     total = sum(len(s.turns) for s in sessions)
     update, close = _progress_bar(total, label)
     records, wall_s = asyncio.run(run_workload(options, sessions, update))
     close()
-    summary = summarize(records, wall_s, slo)
     try:
-        summary["server_stats"] = asyncio.run(fetch_stats(options.url))
+        server_stats = asyncio.run(fetch_stats(options.url))
     except Exception as error:  # noqa: BLE001 - stats are a bonus, the run already happened
-        summary["server_stats"] = {"error": str(error)}
-    return summary
+        server_stats = {"error": str(error)}
+    return records, wall_s, server_stats
+
+
+def warm_up(options: RunOptions, num_requests: int, seed: int) -> None:
+    """Untimed requests on unrelated prompts (so no measured prefix is cached):
+    every replica has run a step and the ingress's router knows every replica
+    before the clock starts. Then one routing-stats period of quiet."""
+    if num_requests <= 0:
+        return
+    sessions = shared_prefix(random.Random(seed + 7919), num_requests, 1, 64, 16, 4)
+    asyncio.run(run_workload(replace(options, mode="closed", concurrency=num_requests), sessions))
+    time.sleep(2.0)
+
+
+def _rank_replicas(records: list[RequestRecord]) -> list[RequestRecord]:
+    """Replica ids → "busiest", "2nd", ... so rounds on fresh replicas pool."""
+    counts = Counter(r.replica_id for r in records if r.ok)
+    rank = {replica: f"rank-{i + 1}" for i, (replica, _) in enumerate(counts.most_common())}
+    return [dataclasses.replace(r, replica_id=rank.get(r.replica_id, r.replica_id)) for r in records]
+
+
+def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dict) -> dict[str, dict]:
+    """Each round deploys every router in turn (fresh replicas and caches),
+    rotating the order so none always goes first; records pool per router."""
+    from deploy.serving import ServeApp
+
+    routers = args.compare_routers.split(",")
+    pooled: dict[str, list] = {router: [] for router in routers}
+    per_round: dict[str, list] = {router: [] for router in routers}
+    with ServeApp(args.config) as app:
+        options = replace(options, url=app.url)
+        for round_index in range(args.rounds):
+            shift = round_index % len(routers)
+            for router in routers[shift:] + routers[:shift]:
+                kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs and router == "kvroute" else None
+                app.deploy(router=router, router_kwargs=kwargs)
+                warm_up(options, args.warmup_requests, args.seed)
+                records, wall_s, stats = run_one(options, sessions, f"{router} (round {round_index + 1})")
+                app.shutdown_app()
+                pooled[router].append((records, wall_s))
+                round_summary = summarize(records, wall_s, slo)
+                round_summary["server_stats"] = stats
+                per_round[router].append(round_summary)
+    results = {}
+    for router in routers:
+        records = [r for round_records, _ in pooled[router] for r in _rank_replicas(round_records)]
+        summary = summarize(records, sum(wall for _, wall in pooled[router]), slo)
+        summary["rounds"] = per_round[router]
+        results[router] = summary
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     from deploy.loadreport import print_table, write_plot
-    from deploy.serving import ServeApp
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--compare-routers", default=None, help="comma list, e.g. pow2,prefix_affinity,kvroute")
     parser.add_argument("--config", default="deploy/config.yaml")
+    parser.add_argument("--rounds", type=int, default=3, help="--compare-routers: rounds, router order rotated")
+    parser.add_argument("--warmup-requests", type=int, default=8, help="untimed requests before each run")
     parser.add_argument("--kvroute-kwargs", default=None, help="JSON request_router_kwargs for our router")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="shared-prefix")
     parser.add_argument("--trace", default=None, help="Mooncake-format JSONL for --workload mooncake")
@@ -195,17 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"workload": args.workload, "scale": args.scale, "mode": args.mode, "concurrency": args.concurrency,
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
-    results: dict[str, dict] = {}
     if args.compare_routers:
-        with ServeApp(args.config) as app:
-            options = replace(options, url=app.url)
-            for router in args.compare_routers.split(","):
-                kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs and router == "kvroute" else None
-                app.deploy(router=router, router_kwargs=kwargs)
-                results[router] = run_one(options, sessions, router, slo)
-                app.shutdown_app()
+        meta["rounds"] = args.rounds
+        results = compare_routers(args, options, sessions, slo)
     else:
-        results["server"] = run_one(options, sessions, "server", slo)
+        warm_up(options, args.warmup_requests, args.seed)
+        records, wall_s, stats = run_one(options, sessions, "server")
+        results = {"server": summarize(records, wall_s, slo) | {"server_stats": stats}}
     report = {"meta": meta, "results": results}
     print_table(report)
     if args.json:
