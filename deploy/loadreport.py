@@ -64,9 +64,12 @@ def write_plot(report: dict, path: str) -> None:
     for offset, name in enumerate(names):
         counts = [v["requests"] for v in results[name]["per_replica"].values()]
         axis.bar([i + offset * 0.25 for i in range(len(counts))], counts, width=0.25, label=name)
-    axis.set_title("requests per replica")
+    num_replicas = max(len(results[n]["per_replica"]) for n in names)
+    axis.set_xticks([i + 0.25 for i in range(num_replicas)], [f"#{i + 1}" for i in range(num_replicas)])
+    axis.set_title("requests per replica (busiest first)")
     axis.legend(fontsize=7)
     meta = report["meta"]
-    fig.suptitle(f"{meta['workload']} ({meta['num_requests']} requests, {meta['mode']} loop)")
+    rounds = f" x {meta['rounds']} rounds" if meta.get("rounds") else ""
+    fig.suptitle(f"{meta['workload']} ({meta['num_requests']} requests{rounds}, {meta['mode']} loop)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
