@@ -139,8 +139,11 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
     registered_s = timeline["replacement_registered_s"]
     rejoin_t = kill_t + (registered_s if registered_s is not None else recovery_timeout_s)
     figures = _failure_figures(outcomes, pairs, victim, kill_t, rejoin_t)
+    served_by_new = [o.final.end_s - kill_t for o in outcomes if o.ok and o.final.replica_id in replacement]
     figures.update(timeline, victim=victim, replacement=replacement[0] if replacement else None,
-                   kill_at_s=kill_at_s, rate_rps=rate_rps)
+                   kill_at_s=kill_at_s, rate_rps=rate_rps,
+                   replacement_first_served_s=min(served_by_new, default=None),
+                   served_by_replacement=len(served_by_new))
     figures["replacement_share"] = await _rejoin_probe(app.url, replacement, headers, seed) if replacement else None
     return figures
 
@@ -224,6 +227,20 @@ def _memory(app, headers: dict | None) -> dict:
             "cluster_mib": round(sum(faults.rss_bytes(pid) or 0 for pid in app.ray_pids()) / 2**20, 1)}
 
 
+async def _max_engine_depths(url: str, headers: dict | None, done: asyncio.Event) -> dict:
+    """The deepest engine queue and most running requests any replica reported
+    while ``done`` is unset (stats are sampled every 0.25 s)."""
+    waiting = running = 0
+    while not done.is_set():
+        try:
+            for stats in (await asyncio.to_thread(faults.replica_stats, url, headers)).values():
+                waiting, running = max(waiting, stats["num_waiting"]), max(running, stats["num_running"])
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.25)
+    return {"max_engine_waiting": waiting, "max_engine_running": running}
+
+
 async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds: int = 2, concurrency: int = 12,
                    max_new_tokens: int = 128, stream: bool = False, headers: dict | None = None,
                    seed: int = 0) -> dict:
@@ -250,8 +267,13 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
     for round_index in range(rounds):
         offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
         start = time.monotonic()
-        outcomes = await open_loop(app.url, offered, factor * capacity_rps, headers=headers, max_attempts=1,
-                                   max_connections=1024)
+        done = asyncio.Event()
+        depths = asyncio.ensure_future(_max_engine_depths(app.url, headers, done))
+        try:
+            outcomes = await open_loop(app.url, offered, factor * capacity_rps, headers=headers, max_attempts=1,
+                                       max_connections=1024)
+        finally:
+            done.set()
         wall_s = time.monotonic() - start
         admitted = [o.latency_s for o in outcomes if o.ok]
         rejected = [o for o in outcomes if not o.ok]
@@ -265,6 +287,7 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
             "admitted_latency_p50_s": percentile(admitted, 50), "admitted_latency_p99_s": percentile(admitted, 99),
             "admitted_latency_max_s": max(admitted, default=None),
             "rejection_latency_p99_s": percentile([o.latency_s for o in rejected], 99),
+            **await depths,
         })
     figures["memory"] = memory
     figures["replicas_restarted"] = sorted(set(pids_before.items()) ^ set(faults.replica_pids(app.url, headers).items()))

@@ -63,6 +63,7 @@ def test_schema_fuzzing_finds_no_5xx(core_app, mode):
             assert mode == "negative" and operation.method.upper() == "GET", operation.label
             continue
         exercised.append(operation.label)
+    print(f"FIGURES fuzz[{mode}]: {sum(counts.values())} requests, statuses {dict(sorted(counts.items()))}")
     assert not failures, failures[:5]
     assert {"POST /generate", "POST /generate_batch", "POST /v1/completions", "POST /v1/chat/completions"} <= set(exercised)
     assert sum(counts.values()) >= 40, counts
@@ -165,6 +166,9 @@ def test_stalled_and_trickling_bodies_time_out_while_others_are_served(core_app)
         return await asyncio.gather(*slow_tasks), latencies
 
     slow_results, latencies = asyncio.run(scenario())
+    print(f"FIGURES slow clients: {len(slow_results)} slow, answered {sorted({s for s, _ in slow_results})} after "
+          f"{min(e for _, e in slow_results):.2f}-{max(e for _, e in slow_results):.2f} s; 20 normal requests meanwhile: "
+          f"max latency {max(latencies):.3f} s")
     assert max(latencies) < 2.0, latencies  # nobody waited behind the slow clients
     statuses = [status for status, _ in slow_results]
     assert statuses == [408] * len(slow_results), statuses

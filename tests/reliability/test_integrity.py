@@ -89,6 +89,11 @@ def test_concurrent_shared_prefixes_with_disconnects_leave_no_leak_and_match_the
     assert grew("preemptions") > 0  # the small pools really ran out
 
     completed = [(b, r) for b, r in zip(bodies, results) if r is not None]
+    print(f"FIGURES integrity: {NUM_REQUESTS} streams, {NUM_REQUESTS - len(completed)} clients left mid-stream, "
+          f"{grew('num_aborted')} aborted and {grew('preemptions')} preemptions on the servers; audits: "
+          + "; ".join(f"{a.details['invariants']}, free {a.details['kv_blocks_free']} + cached-only "
+                      f"{a.details['kv_blocks_cached_only']} = {a.details['kv_blocks_total']}, unaccounted "
+                      f"{a.details['kv_blocks_unaccounted']}" for a in audits))
     assert len(completed) >= NUM_REQUESTS // 2
     for body, (token_ids, logprobs) in completed:
         assert len(token_ids) == MAX_NEW_TOKENS

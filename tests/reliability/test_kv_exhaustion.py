@@ -66,7 +66,9 @@ def test_requests_beyond_the_pool_are_preempted_recomputed_and_equal_the_referen
         return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
     results = asyncio.run(run())
-    assert engine.stats()["preemptions"] - before >= 4  # the pool really ran out, often
+    num_preempted = engine.stats()["preemptions"] - before
+    print(f"FIGURES kv exhaustion: 8 requests growing to 10-13 blocks each on a 24-block pool: {num_preempted} preemptions")
+    assert num_preempted >= 4  # the pool really ran out, often
     with engine.locked() as inner:
         for prompt, result in zip(prompts, results):
             assert len(result.token_ids) == 100

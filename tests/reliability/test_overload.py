@@ -14,6 +14,7 @@ from deploy.faults import wait_for_clean_audits
 from tests.reliability.conftest import start_app
 
 pytestmark = pytest.mark.ray
+ENGINE = chaos.OVERLOAD_APP["args_overrides"]["engine"]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +26,19 @@ def app(exclusive):
 
 def test_overload_sheds_the_excess_with_retry_after_and_keeps_admitted_requests_fast(app):
     figures = asyncio.run(chaos.overload(app, factor=6.0, duration_s=4.0, rounds=2, max_new_tokens=96))
+    print("FIGURES overload:", figures)
     for round_figures in figures["rounds"]:
         statuses = round_figures["statuses"]
         assert set(statuses) <= {"ok", "429:engine_overloaded", "503:overloaded", "503"}, statuses
         assert round_figures["unexpected"] == [] and round_figures["rejected_without_retry_after"] == 0
         assert statuses.get("ok", 0) >= 1 and round_figures["num_ok"] < round_figures["num_sent"]  # shed, not stalled
-        # Bounded queues: an admitted request waits behind at most a few queue-fulls of work.
-        assert round_figures["admitted_latency_p99_s"] < max(15.0, 10 * figures["baseline_latency_p99_s"]), figures
+        # Bounded queues: no engine ever held more than its configured running + queued requests ...
+        assert round_figures["max_engine_running"] <= ENGINE["max_num_seqs"], round_figures
+        assert round_figures["max_engine_waiting"] <= ENGINE["max_queued_requests"], round_figures
+        # ... so an admitted request's wait is bounded too. The measured latencies are figures
+        # (RELIABILITY.md); on 2 CPUs shared with the load generator they swing with the
+        # machine's load, so this only rules out unbounded queueing (minutes), not slowness.
+        assert round_figures["admitted_latency_p99_s"] < 60, figures
     assert figures["replicas_restarted"] == []  # no crash
     workers_before, workers_after = figures["memory"][1]["workers_mib"], figures["memory"][-1]["workers_mib"]
     for replica, mib in workers_after.items():

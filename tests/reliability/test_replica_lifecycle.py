@@ -31,6 +31,7 @@ def app(exclusive):
 def test_killed_replica_loses_no_request_and_is_replaced(app):
     figures = asyncio.run(chaos.replica_failure(app, num_requests=240, rate_rps=20.0, kill_at_s=2.0,
                                                 recovery_timeout_s=60.0))
+    print("FIGURES replica failure:", figures)
     assert figures["num_lost"] == 0, figures["lost"]
     assert figures["num_ok"] == figures["num_requests"] == 240
     for kind in figures["failed_attempts_by_kind"]:  # what clients saw: only explicit retriable errors
@@ -66,6 +67,8 @@ def test_scaling_down_lets_in_flight_requests_finish(app):
     redeploy.start()
     outcomes = asyncio.run(chaos.open_loop(app.url, bodies, rate_rps=50.0, max_attempts=1, timeout_s=120))
     redeploy.join()
+    print(f"FIGURES scale-down 3 -> 2 during {len(bodies)} 400-token streams: "
+          f"{[o.final.kind for o in outcomes].count('ok')} ok, tokens {sorted({len(o.token_ids or ()) for o in outcomes})}")
     assert [o.final.kind for o in outcomes] == ["ok"] * len(bodies)
     assert all(len(o.token_ids) == 400 for o in outcomes)  # nobody was cut short
     served = {o.final.replica_id for o in outcomes}
@@ -83,5 +86,7 @@ def test_zz_shutdown_lets_in_flight_requests_finish(app):
     shutdown.start()
     outcomes = asyncio.run(chaos.open_loop(app.url, bodies, rate_rps=50.0, max_attempts=1, timeout_s=120))
     shutdown.join()
+    print(f"FIGURES drain + shutdown during {len(bodies)} 400-token streams: "
+          f"{[o.final.kind for o in outcomes].count('ok')} ok, tokens {sorted({len(o.token_ids or ()) for o in outcomes})}")
     assert [o.final.kind for o in outcomes] == ["ok"] * len(bodies)
     assert all(len(o.token_ids) == 400 for o in outcomes)
