@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factor", type=float, default=8.0, help="overload: offered load / capacity")
     parser.add_argument("--duration-s", type=float, default=6.0, help="overload: seconds per round")
     parser.add_argument("--stream", action="store_true", help="overload: streamed requests")
+    parser.add_argument("--rounds", type=int, default=2, help="overload: rounds (memory is sampled after each)")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--requests", type=int, default=300)
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         with _app(args, num_cpus=2, **OVERLOAD_APP) as app:
             app.deploy()
             figures = asyncio.run(overload(app, factor=args.factor, duration_s=args.duration_s, stream=args.stream,
-                                           seed=args.seed))
+                                           rounds=args.rounds, seed=args.seed))
     text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)
     print(text)
     if args.json:
