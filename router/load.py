@@ -144,12 +144,20 @@ class LoadTracker:
 
     # ------------------------------------------------------------------ updates
     def add_replica(self, replica_id: str) -> None:
+        """Track a joining replica. Its recent work starts at the others' mean:
+        at 0 it would look like the least-used replica for a whole window and
+        draw every cold prefix, instead of its share, while it catches up."""
         if replica_id not in self._local:
-            self._local[replica_id] = 0.0
-            self._foreign[replica_id] = 0.0
-            self._recent[replica_id] = 0.0
-            self._recent_sq[replica_id] = 0.0
-            self._changed(replica_id)
+            num_others = len(self._local)
+            self._track(replica_id, self._recent_total / num_others if num_others else 0.0)
+
+    def _track(self, replica_id: str, scaled_recent: float) -> None:
+        self._local[replica_id] = 0.0
+        self._foreign[replica_id] = 0.0
+        self._recent[replica_id] = scaled_recent
+        self._recent_sq[replica_id] = 0.0  # the chance spread counts real requests only
+        self._recent_total += scaled_recent
+        self._changed(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
         if replica_id not in self._local:
@@ -196,7 +204,8 @@ class LoadTracker:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         self.expire(now)
         self._forget(request_id)
-        self.add_replica(replica_id)
+        if replica_id not in self._local:  # routed to before set_replicas named it
+            self._track(replica_id, 0.0)
         self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now)
         self._local[replica_id] += num_tokens
         self._total += num_tokens

@@ -15,11 +15,10 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from cache.summary import CacheSummary
 from worker import AsyncEngine, EngineConfig
 from worker.audit import audit
 from worker.messages import WorkerBatch, WorkerRequest
-from worker.stats_board import get_board
+from worker.stats_board import StatsPublisher
 
 logger = logging.getLogger("kvroute.worker")
 DRAIN_TIMEOUT_S = 20.0  # __del__ waits this long for work Serve's drain left behind
@@ -33,8 +32,8 @@ class Worker:
         self.engine = AsyncEngine(engine_config)
         self._router_block_size = router_block_size
         self._summary_versions = itertools.count(1)
-        self._board = None
-        self._publisher = asyncio.get_running_loop().create_task(self._publish_stats(context.app_name, stats_period_s))
+        self._publisher = StatsPublisher(context.app_name, self.replica_id, stats_period_s, self._stats_with_audit)
+        self._publisher.start()
 
     async def generate(self, request: WorkerRequest) -> dict:
         result = await self.engine.generate(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
@@ -58,43 +57,28 @@ class Worker:
         return {**self.engine.stats(), "replica_id": self.replica_id, "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict:
-        return (await asyncio.to_thread(self._summary)).to_dict()
-
-    def _summary(self) -> CacheSummary:
-        load = self.engine.load()
-        with self.engine.locked() as engine:
-            return CacheSummary.from_radix(
-                engine.cache, self._router_block_size, replica_id=self.replica_id,
-                version=next(self._summary_versions), timestamp_s=time.time(),
-                num_queued_tokens=load["queued_tokens"], num_running_tokens=load["running_tokens"],
-                num_running=load["num_running"], num_waiting=load["num_waiting"],
-            )
+        summary = await asyncio.to_thread(
+            self.engine.cache_summary, self._router_block_size, replica_id=self.replica_id,
+            version=next(self._summary_versions), timestamp_s=time.time(),
+        )
+        return summary.to_dict()
 
     def check_health(self) -> None:
         self.engine.check_health()
 
-    async def _publish_stats(self, app_name: str, period_s: float) -> None:
-        """Stats every ``period_s``; when idle, with an audit (invariants, no leaked blocks)."""
-        self._board = None  # keep the handle: a board nobody references is collected
-        while True:
-            try:
-                stats = self.stats()
-                if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-                    stats["audit"] = (await asyncio.to_thread(audit, self.engine)).to_dict()
-                self._board = self._board or get_board(app_name, create=True)
-                await self._board.put.remote(self.replica_id, stats)
-            except Exception:  # the board's owner died: recreate it next round
-                self._board = None
-            await asyncio.sleep(period_s)
+    async def _stats_with_audit(self) -> dict:
+        """Stats, plus an audit (invariants, no leaked blocks) when idle."""
+        stats = self.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            stats["audit"] = (await asyncio.to_thread(audit, self.engine)).to_dict()
+        return stats
 
     async def __del__(self) -> None:
         """Serve calls this after draining its ongoing requests (scale-down,
         redeploy, shutdown): finish what the engine still holds, then stop."""
-        self._publisher.cancel()
+        self._publisher.stop()
         try:
             await self.engine.wait_idle(DRAIN_TIMEOUT_S)
         except TimeoutError:
             logger.warning("%s: engine still busy after %.0f s; shutting down anyway", self.replica_id, DRAIN_TIMEOUT_S)
-        if self._board is not None:
-            self._board.remove.remote(self.replica_id)
         await self.engine.shutdown()

@@ -48,3 +48,44 @@ def get_board(app_name: str, create: bool) -> ray.actor.ActorHandle | None:
         return ray.get_actor(board_name(app_name), namespace=NAMESPACE)
     except ValueError:
         return None
+
+
+class StatsPublisher:
+    """Posts one replica's stats to its app's board every ``period_s``.
+
+    ``collect`` is an async callable returning the stats dict. The board
+    handle is kept (a board nobody references is collected) and re-fetched
+    after a failure (the board's owner died; ``get_if_exists`` recreates it).
+    """
+
+    def __init__(self, app_name: str, replica_id: str, period_s: float, collect) -> None:
+        self._app_name = app_name
+        self._replica_id = replica_id
+        self._period_s = period_s
+        self._collect = collect
+        self._board = None
+        self._task = None
+
+    def start(self) -> None:
+        import asyncio
+
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        import asyncio
+
+        while True:
+            try:
+                stats = await self._collect()
+                self._board = self._board or get_board(self._app_name, create=True)
+                await self._board.put.remote(self._replica_id, stats)
+            except Exception:  # noqa: BLE001 - the next round retries with a fresh board
+                self._board = None
+            await asyncio.sleep(self._period_s)
+
+    def stop(self) -> None:
+        """Stop posting and take this replica off the board."""
+        if self._task is not None:
+            self._task.cancel()
+        if self._board is not None:
+            self._board.remove.remote(self._replica_id)

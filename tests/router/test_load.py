@@ -231,3 +231,19 @@ def test_randomized_against_a_naive_reference():
         assert {r: loads.load(r) for r in expected} == pytest.approx(expected)
         lowest = min(expected.values())
         assert expected[loads.least_loaded_replica()] == pytest.approx(lowest)
+
+
+def test_a_joining_replica_starts_at_the_mean_recent_work():
+    loads = LoadTracker(window_s=10.0)
+    for replica in ("a", "b"):
+        loads.add_replica(replica)
+    loads.on_routed("q1", "a", 300.0, now=0.0)
+    loads.on_routed("q2", "b", 100.0, now=0.0)
+    loads.on_completed("q1")
+    loads.on_completed("q2")
+    loads.add_replica("c")  # e.g. Serve's replacement for a dead replica
+    loads.check_invariants()
+    assert loads.recent_work("c", 0.0) == pytest.approx(200.0)
+    assert loads.recent_total(0.0) == pytest.approx(600.0)  # the mean is unchanged: 200
+    assert loads.least_loaded_replica() == "b"  # all idle: b did less than the newcomer's share
+    assert loads.chance_sd(0.0) == pytest.approx(math.sqrt((300.0**2 + 100.0**2) * 2) / 3)
