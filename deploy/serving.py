@@ -258,3 +258,30 @@ def _alive(pid: int) -> bool:
         return False
 
 
+
+
+def start_app(config_path: str | Path = "deploy/config.yaml", **overrides) -> ServeApp:
+    """A started and deployed :class:`ServeApp` (the caller ``__exit__``s it);
+    on failure everything is stopped and the error carries the Serve logs."""
+    app = ServeApp(config_path, **overrides)
+    app.__enter__()
+    try:
+        app.deploy()
+    except Exception as error:
+        logs = ""
+        if app._temp_dir:
+            logs = subprocess.run(
+                f"tail -n 40 {app._temp_dir}/session_latest/logs/serve/*.log", shell=True, capture_output=True, text=True
+            ).stdout
+        stderr = getattr(error, "stderr", "") or ""
+        app.__exit__(None, None, None)
+        raise RuntimeError(f"app failed to start: {error}\n{stderr[-3000:]}\n{logs[-6000:]}") from error
+    return app
+
+
+def config_engine_args(config_path: str | Path = "deploy/config.yaml", **changes) -> dict:
+    """The config file's ``engine`` args with ``changes`` applied."""
+    path = (REPO_ROOT / config_path) if not Path(config_path).is_absolute() else Path(config_path)
+    engine = dict(yaml.safe_load(path.read_text())["applications"][0]["args"]["engine"])
+    engine.update(changes)
+    return engine

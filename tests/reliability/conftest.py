@@ -12,12 +12,10 @@ shared one (``exclusive``), so no other app competes for the 2 cores.
 from __future__ import annotations
 
 import random
-import subprocess
 
 import pytest
-import yaml
 
-from deploy.serving import REPO_ROOT, ServeApp
+from deploy.serving import ServeApp, config_engine_args, start_app
 
 API_KEY = "sk-reliability-1"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -26,30 +24,6 @@ CORE_LIMITS = {"max_prompt_tokens": 1024, "max_new_tokens": 64, "max_body_bytes"
 CORE_ENGINE = {"deterministic": True, "kv_pool_tokens": 1024, "cache_budget_tokens": 512, "max_batch_tokens": 256,
                "max_num_seqs": 16, "max_queued_requests": 256}
 BODY_TIMEOUT_S = 2.0
-
-
-def engine_args(**changes) -> dict:
-    config = yaml.safe_load((REPO_ROOT / "deploy/config.yaml").read_text())
-    engine = dict(config["applications"][0]["args"]["engine"])
-    engine.update(changes)
-    return engine
-
-
-def start_app(**overrides) -> ServeApp:
-    app = ServeApp("deploy/config.yaml", **overrides)
-    app.__enter__()
-    try:
-        app.deploy()
-    except Exception as error:
-        logs = ""
-        if app._temp_dir:
-            logs = subprocess.run(
-                f"tail -n 40 {app._temp_dir}/session_latest/logs/serve/*.log", shell=True, capture_output=True, text=True
-            ).stdout
-        stderr = getattr(error, "stderr", "") or ""
-        app.__exit__(None, None, None)
-        raise RuntimeError(f"app failed to start: {error}\n{stderr[-3000:]}\n{logs[-6000:]}") from error
-    return app
 
 
 _shared: dict[str, ServeApp] = {}
@@ -65,7 +39,7 @@ def _close_shared() -> None:
 def core_app() -> ServeApp:
     if "core" not in _shared:
         _shared["core"] = start_app(args_overrides={
-            "engine": engine_args(**CORE_ENGINE), "limits": CORE_LIMITS, "api_keys": [API_KEY, "sk-reliability-2"],
+            "engine": config_engine_args(**CORE_ENGINE), "limits": CORE_LIMITS, "api_keys": [API_KEY, "sk-reliability-2"],
             "body_timeout_s": BODY_TIMEOUT_S, "stats_period_s": 0.5,
         })
     return _shared["core"]

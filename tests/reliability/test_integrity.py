@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from deploy.faults import replica_stats, wait_for_clean_audits
-from tests.reliability.conftest import AUTH, CORE_ENGINE, engine_args, tokens
+from deploy.serving import config_engine_args
+from tests.reliability.conftest import AUTH, CORE_ENGINE, tokens
 from worker import Engine, EngineConfig, reference
 
 pytestmark = pytest.mark.ray
@@ -59,7 +60,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, leave_after: 
 
 @pytest.fixture(scope="module")
 def reference_engine():
-    config = engine_args(**CORE_ENGINE)
+    config = config_engine_args(**CORE_ENGINE)
     config.pop("num_threads", None)  # process-wide in torch: leave this test process alone
     return Engine(EngineConfig(**config))
 
