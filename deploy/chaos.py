@@ -25,16 +25,9 @@ from collections import Counter
 import httpx
 
 from deploy import faults
+from deploy.loadstats import percentile
 from deploy.retry_client import Outcome, client_session, send
 from deploy.workloads import shared_prefix
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 100])."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def group_bodies(num_requests: int, *, num_groups: int, prefix_tokens: int, question_tokens: int,

@@ -6,6 +6,7 @@ servers report them (``cached_tokens`` of each response).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,8 +40,8 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
-    return ordered[rank]
+    rank = math.ceil(q / 100 * len(ordered))  # 1-based: the smallest value with q% at or below it
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def _dist(values: list[float]) -> dict:
@@ -49,7 +50,10 @@ def _dist(values: list[float]) -> dict:
     }
 
 
-def summarize(records: list[RequestRecord], wall_s: float, slo: dict) -> dict:
+def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replicas: int | None = None) -> dict:
+    """Figures of one run. ``num_replicas`` (when known) counts replicas that
+    served nothing in the load imbalance: all traffic on one of two replicas
+    is imbalance 2.0, not 1.0."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for r in ok for x in r.itl_s]
@@ -68,6 +72,8 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict) -> dict:
         per_replica_cached[r.replica_id] += r.cached_tokens
         per_replica_prompt[r.replica_id] += r.prompt_tokens
     loads = list(per_replica_prompt.values())
+    if num_replicas is not None:
+        loads += [0] * max(0, num_replicas - len(loads))
     return {
         "num_requests": len(records),
         "num_ok": len(ok),

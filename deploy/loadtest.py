@@ -195,6 +195,7 @@ def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dic
     per_round: dict[str, list] = {router: [] for router in routers}
     with ServeApp(args.config) as app:
         options = replace(options, url=app.url)
+        num_workers = None
         for round_index in range(args.rounds):
             shift = round_index % len(routers)
             for router in routers[shift:] + routers[:shift]:
@@ -202,15 +203,16 @@ def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dic
                 app.deploy(router=router, router_kwargs=kwargs)
                 warm_up(options, args.warmup_requests, args.seed)
                 records, wall_s, stats = run_one(options, sessions, f"{router} (round {round_index + 1})")
+                num_workers = app.expected_workers()
                 app.shutdown_app()
                 pooled[router].append((records, wall_s))
-                round_summary = summarize(records, wall_s, slo)
+                round_summary = summarize(records, wall_s, slo, num_workers)
                 round_summary["server_stats"] = stats
                 per_round[router].append(round_summary)
     results = {}
     for router in routers:
         records = [r for round_records, _ in pooled[router] for r in _rank_replicas(round_records)]
-        summary = summarize(records, sum(wall for _, wall in pooled[router]), slo)
+        summary = summarize(records, sum(wall for _, wall in pooled[router]), slo, num_workers)
         summary["rounds"] = per_round[router]
         results[router] = summary
     return results

@@ -175,7 +175,7 @@ class ServeApp:
 
     def wait_ready(self) -> None:
         deadline = time.time() + self.ready_timeout_s
-        num_workers = self._expected_workers()
+        num_workers = self.expected_workers()
         headers = self.auth_headers
         last = None
         while time.time() < deadline:
@@ -190,7 +190,7 @@ class ServeApp:
             time.sleep(1.0)
         raise TimeoutError(f"app not ready after {self.ready_timeout_s}s: {last!r}")
 
-    def _expected_workers(self) -> int:
+    def expected_workers(self) -> int:
         config = yaml.safe_load(Path(self._config_file).read_text())
         for deployment in config["applications"][0].get("deployments", []):
             if deployment["name"] == "Worker":

@@ -4,7 +4,8 @@
 
 Per fleet size: a policy is warmed up with ``--warmup`` requests (prompts of
 ``--prompt-tokens`` tokens: a 2k-token prefix shared by one of 64 groups +
-a unique rest, hashed at ``--block-tokens``, default the policy's), each replica sends a summary of the
+a unique rest, hashed at ``--block-tokens``, default the policy's; token ids
+attached, so the within-block match runs too), each replica sends a summary of the
 blocks routed to it, requests complete in FIFO order with ``4 × N`` in
 flight; then ``--requests`` decisions are timed one by one in thread CPU
 time (``time.thread_time_ns``; wall-clock percentiles are reported too),
@@ -46,7 +47,8 @@ def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> lis
     out = []
     for _ in range(num):
         tokens = rng.choice(prefixes) + [rng.randrange(32000) for _ in range(prompt_tokens - shared_tokens)]
-        out.append(RoutingRequest(tuple(block_hashes(tokens, block_tokens)), len(tokens), num_output_tokens=128))
+        out.append(RoutingRequest(tuple(block_hashes(tokens, block_tokens)), len(tokens), num_output_tokens=128,
+                                  token_ids=tuple(tokens)))
     return out
 
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import xxhash
 
 from cache.summary import CacheSummary
+from cache.hashing import salt_seed
 from router.load import LoadTracker
+from router.partial_blocks import PartialBlockIndex
 from router.prefix_index import PrefixIndex
 from router.request import RoutingRequest
 from router.ring import HashRing
@@ -28,6 +30,7 @@ class PolicyConfig:
     are in its docstring). Token counts are in tokens, times in seconds."""
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
+    sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4; 0: off
     load_factor: float = 1.25  # c: recent work of a replica <= c x mean (+ one request + chance)
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
@@ -40,11 +43,12 @@ class PolicyConfig:
     learned_grace_s: float = 5.0  # own decisions a summary may not reflect yet
     in_flight_timeout_s: float = 600.0  # forget in-flight work never reported complete
     reservation_timeout_s: float = 5.0  # forget a decision never reported sent
+    max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
     num_ranked: int = 3  # replicas returned, best first
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
-                     "max_blocks_per_replica", "num_ranked"):
+                     "max_blocks_per_replica", "num_ranked", "max_partial_entries"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -58,6 +62,19 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        grain = self.sub_block_tokens
+        if grain is not None and (type(grain) is not int or grain < 0 or (
+                grain and (self.block_size % grain or grain >= self.block_size))):
+            raise ValueError(f"sub_block_tokens must be None, 0 or a divisor of block_size {self.block_size} "
+                             f"below it, got {grain!r}")
+
+    @property
+    def within_block_tokens(self) -> int:
+        """The within-block match grain in force: ``sub_block_tokens``, or a
+        quarter block when that is None (0 where 4 does not divide the block)."""
+        if self.sub_block_tokens is not None:
+            return self.sub_block_tokens
+        return self.block_size // 4 if self.block_size % 4 == 0 else 0
 
 
 class PrefixAffinityPolicy:
@@ -80,7 +97,7 @@ class PrefixAffinityPolicy:
        agrees on where. The first ``num_ring_candidates`` distinct nodes from
        ``k`` compete, and so does the least loaded replica (O(log N) heap).
     3. **Score** (lowest wins): ``cost(r) = load(r) + T - w(r) * cached(r)``
-       with ``cached(r) = min(depth(r) * block_size, T - 1)`` and
+       with ``cached(r) = min(depth(r) * block_size + within(r), T - 1)`` and
        ``w(r) = 1 + (affinity_weight - 1) * cached(r) / T``. ``load`` is the
        work queued there (this router's in-flight requests, each weighing
        its uncached tokens + ``decode_token_cost`` per expected output token,
@@ -92,6 +109,17 @@ class PrefixAffinityPolicy:
        replicas for a cold prompt) go to the replica with the least recent
        work, then in ring order from ``k`` (so a fresh fleet sends a cold
        prefix to its home), then by a rendezvous hash of (k, replica).
+       ``within(r)``: given the prompt's token ids, the first
+       ``sub_block_tokens`` multiples of block ``m`` (the first block no
+       replica is known to hold) that an earlier prompt's *partial last
+       block* shared, for the replica that prompt went to if it still holds
+       blocks ``0..m-1`` (:class:`PartialBlockIndex`, at most
+       ``block_size / sub_block_tokens - 1`` hashes). A chat's next turn
+       extends its previous prompt, whose partial last block the index of
+       full blocks cannot see; without it, when every replica holds the
+       shared full blocks (a system prompt), the turn goes by load — and the
+       recent-work tie-break then sends it *away* from its history. That
+       replica joins the candidates.
     4. **Bounded load.** A replica whose recent work (routed work decayed over
        ``load_window_s``) exceeds ``load_factor`` × the mean, plus one
        request's work, plus ``load_slack_sd × cached(r) / T`` standard
@@ -176,6 +204,9 @@ class PrefixAffinityPolicy:
         self._index = PrefixIndex(self.config.max_blocks_per_replica, self.config.learned_grace_s)
         self._loads = LoadTracker(self.config.in_flight_timeout_s, self.config.load_window_s,
                                   self.config.reservation_timeout_s)
+        grain = self.config.within_block_tokens
+        self._partial = (PartialBlockIndex(self.config.block_size, grain, self.config.max_partial_entries)
+                         if grain else None)
         self._summary_versions: dict[str, int] = {}
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
 
@@ -304,11 +335,17 @@ class PrefixAffinityPolicy:
         except ValueError:  # unknown size: count it as a typical request
             add(request_id, replica_id, self._typical_work, now)
             return
-        depth = self._index.depth(replica_id, routing.block_hashes)
-        work = self._work(routing, depth)
+        hashes = routing.block_hashes
+        depth = self._index.depth(replica_id, hashes)
+        within = self._within_block(routing, depth)
+        within_tokens = within[1] if within is not None and within[0] == replica_id else 0
+        work = self._work_tokens(routing, self._cached_tokens(routing, depth, within_tokens))
         self._typical_work += (work - self._typical_work) / 64  # moving average
         add(request_id, replica_id, work, now)
-        self._index.learn(replica_id, routing.block_hashes, now)
+        self._index.learn(replica_id, hashes, now)
+        if self._partial is not None and routing.token_ids:
+            parent = hashes[-1] if hashes else salt_seed(routing.salt)
+            self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
 
     def on_completed(self, request_id: str) -> None:
         self._loads.on_completed(request_id)
@@ -323,6 +360,12 @@ class PrefixAffinityPolicy:
         else:
             key = xxhash.xxh3_64_intdigest(request.prompt.encode("utf-8", "surrogatepass"))
         candidates = [r for r in depths if r in ring]
+        within = self._within_block(request, num_known)
+        within_replica, within_tokens = within if within and within[0] in live else (None, 0)
+        if within_replica is not None:
+            depths = depths | {within_replica: num_known}  # it holds blocks 0..m-1 (checked)
+            if within_replica not in candidates:
+                candidates.append(within_replica)
         ring_rank: dict[str, int] = {}
         ring_walk = ring.walk(key)
         for replica_id in ring_walk:
@@ -343,7 +386,8 @@ class PrefixAffinityPolicy:
         num_prompt = request.num_prompt_tokens
         scored = []
         for replica_id in candidates:
-            cached = self._cached_tokens(request, depths.get(replica_id, 0))
+            cached = self._cached_tokens(request, depths.get(replica_id, 0),
+                                         within_tokens if replica_id == within_replica else 0)
             weight = 1.0 + (config.affinity_weight - 1.0) * cached / max(num_prompt, 1)
             cost = loads.load(replica_id) + num_prompt - weight * cached
             recent = loads.recent_work(replica_id, now)
@@ -375,14 +419,27 @@ class PrefixAffinityPolicy:
         slack = self.config.load_slack_sd * share * chance_sd
         return self.config.load_factor * (mean_recent + work_here / num_replicas) + self._work_tokens(request, 0) + slack
 
-    def _cached_tokens(self, request: RoutingRequest, depth: int) -> int:
-        return max(0, min(depth * self.config.block_size, request.num_prompt_tokens - 1))
+    def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
+        return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))
 
     def _work_tokens(self, request: RoutingRequest, cached: int) -> float:
         return request.num_prompt_tokens - cached + self.config.decode_token_cost * request.num_output_tokens
 
-    def _work(self, request: RoutingRequest, depth: int) -> float:
-        return self._work_tokens(request, self._cached_tokens(request, depth))
+    def _within_block(self, request: RoutingRequest, depth: int) -> tuple[str, int] | None:
+        """``(replica, tokens)`` of block ``depth`` an earlier prompt's partial
+        last block shared, where that replica still holds blocks ``0..depth-1``."""
+        if self._partial is None or not request.token_ids:
+            return None
+        hashes, block_size = request.block_hashes, self.config.block_size
+        if depth > len(hashes):
+            return None
+        parent = hashes[depth - 1] if depth else salt_seed(request.salt)
+        found = self._partial.match(parent, request.token_ids[depth * block_size:(depth + 1) * block_size])
+        if found is None or found[0] not in self._ring:
+            return None
+        if depth and not self._index.holds(found[0], parent):
+            return None
+        return found
 
     def _least_loaded(self, live: Collection[str]) -> list[str]:
         now = self._clock()
@@ -393,6 +450,8 @@ class PrefixAffinityPolicy:
         self._ring.check_invariants()
         self._index.check_invariants()
         self._loads.check_invariants()
+        if self._partial is not None:
+            self._partial.check_invariants()
         nodes = self._ring.nodes
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
         assert set(self._index.replica_ids) <= nodes, "index knows a replica off the ring"

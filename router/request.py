@@ -18,6 +18,10 @@ class RoutingRequest:
     PrefixCacheAffinityRouter) can run on the same requests.
     ``num_output_tokens``: expected decode length (e.g. ``max_new_tokens``);
     0 when unknown. Only weighs the load the request adds.
+    ``token_ids``: the prompt's token ids (the hashed blocks and the partial
+    last block), or ``()``. Optional: with them the router also matches
+    within a block (:mod:`router.partial_blocks`), so a chat's next turn
+    finds the replica holding its previous turn's partial last block.
     """
 
     block_hashes: tuple[int, ...]
@@ -25,6 +29,7 @@ class RoutingRequest:
     salt: str | None = None
     prompt: str = ""
     num_output_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_hashes, tuple):
@@ -40,6 +45,8 @@ class RoutingRequest:
             raise ValueError(f"salt must be a str or None, got {self.salt!r}")
         if not isinstance(self.prompt, str):
             raise ValueError(f"prompt must be a str, got {type(self.prompt).__name__}")
+        if not isinstance(self.token_ids, tuple):  # elements are checked where hashed, O(block)
+            raise ValueError(f"token_ids must be a tuple of ints, got {type(self.token_ids).__name__}")
 
     @classmethod
     def from_object(cls, obj: object) -> RoutingRequest:
@@ -61,10 +68,12 @@ class RoutingRequest:
         # The text is only needed to place prompts shorter than one block;
         # building it for long prompts costs O(tokens) for nothing.
         prompt = "" if hashes else getattr(obj, "prompt", "")
+        token_ids = getattr(obj, "token_ids", ())
         return cls(
             block_hashes=hashes,
             num_prompt_tokens=num_prompt_tokens,
             salt=getattr(obj, "salt", None),
             prompt=prompt if isinstance(prompt, str) else "",
             num_output_tokens=getattr(obj, "num_output_tokens", 0) or 0,
+            token_ids=token_ids if isinstance(token_ids, tuple) else (),
         )

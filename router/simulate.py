@@ -101,7 +101,9 @@ class Ours:
 
 
 def _routing_request(request) -> RoutingRequest:
-    return RoutingRequest(request.block_hashes, request.num_prompt_tokens, num_output_tokens=request.num_output_tokens)
+    token_ids = request.units if request.unit_tokens == 1 else ()  # a trace has no tokens
+    return RoutingRequest(request.block_hashes, request.num_prompt_tokens,
+                          num_output_tokens=request.num_output_tokens, token_ids=token_ids)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -317,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="router block size for generated workloads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1, help="run randomised baselines with seeds 0..N-1, report means")
+    parser.add_argument("--workload-args", default="{}",
+                        help='JSON overrides of a generated workload, e.g. {"question_tokens": 100}')
+    parser.add_argument("--policy-args", default="{}",
+                        help='JSON PolicyConfig overrides for ours, e.g. {"sub_block_tokens": 0}')
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     kind = args.workload or ("mooncake" if args.trace else None)
@@ -327,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--workload mooncake needs --trace FILE")
         workload = load_mooncake(args.trace, args.limit)
     elif kind == "shared-prefix":
-        workload = shared_prefix(block_tokens=args.block_tokens, seed=args.seed)
+        workload = shared_prefix(block_tokens=args.block_tokens, seed=args.seed, **json.loads(args.workload_args))
     else:
-        workload = multi_turn(block_tokens=args.block_tokens, seed=args.seed)
+        workload = multi_turn(block_tokens=args.block_tokens, seed=args.seed, **json.loads(args.workload_args))
     config = SimConfig(
         num_replicas=args.replicas,
         budget_tokens=args.budget_tokens,
@@ -337,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         cost=CostModel(args.prefill_tokens_per_s, args.decode_s_per_token),
         summary_period_s=args.summary_period_s,
         seed=args.seed,
+        policy=PolicyConfig(**json.loads(args.policy_args)),
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     seeds = range(args.seed, args.seed + args.seeds)

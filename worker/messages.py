@@ -2,7 +2,7 @@
 
 Besides the generation inputs, each record carries the routing attributes the
 request routers read from a request's first argument: ``block_hashes``,
-``num_prompt_tokens``, ``salt`` (ours) and ``prompt`` (text, for Ray Serve
+``num_prompt_tokens``, ``salt``, ``token_ids`` (ours) and ``prompt`` (text, for Ray Serve
 LLM's PrefixCacheAffinityRouter). ``prompt`` maps token ``t`` to the character
 ``chr(0x10000 + t)``: one character per token, so a character prefix is exactly
 a token prefix and text-based routers see the same sharing we do.
@@ -44,6 +44,11 @@ class WorkerRequest:
     def prompt(self) -> str:
         return tokens_as_text(self.prompt_token_ids)
 
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The prompt, for the router's within-block match."""
+        return self.prompt_token_ids
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerBatch:
@@ -67,3 +72,7 @@ class WorkerBatch:
     @property
     def prompt(self) -> str:
         return tokens_as_text(self.shared_token_ids)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.shared_token_ids

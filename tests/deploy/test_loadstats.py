@@ -1,0 +1,49 @@
+"""Load-test summary figures (pure): percentiles, hit rates, goodput, imbalance."""
+
+import pytest
+
+from deploy.loadstats import RequestRecord, percentile, summarize
+
+SLO = {"ttft_s": 1.0, "itl_s": 0.5}
+
+
+def record(replica: str, prompt: int, cached: int, ttft: float = 0.1, status: int = 200, itl=()) -> RequestRecord:
+    return RequestRecord(session_id=0, turn=0, prompt_tokens=prompt, start_s=0.0, end_s=1.0, status=status,
+                         replica_id=replica, cached_tokens=cached, output_tokens=4, ttft_s=ttft, itl_s=list(itl))
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([], 50) is None
+
+
+def test_hit_rates_count_tokens_and_requests_of_successful_requests_only():
+    records = [record("a", 100, 50), record("a", 100, 0), record("b", 200, 200, status=503)]
+    summary = summarize(records, wall_s=2.0, slo=SLO)
+    assert summary["num_ok"] == 2
+    assert summary["cluster_hit_rate"] == pytest.approx(0.25)
+    assert summary["request_hit_rate"] == pytest.approx(0.5)
+    assert summary["errors"] == {503: 1}
+    assert summary["throughput_rps"] == pytest.approx(1.0)
+
+
+def test_goodput_drops_requests_over_either_slo():
+    records = [record("a", 10, 0, ttft=0.5), record("a", 10, 0, ttft=1.5), record("a", 10, 0, itl=[0.1, 0.9])]
+    assert summarize(records, wall_s=1.0, slo=SLO)["goodput_rps"] == pytest.approx(1.0)
+
+
+def test_imbalance_counts_replicas_that_served_nothing():
+    records = [record("a", 100, 0), record("a", 100, 0)]
+    assert summarize(records, 1.0, SLO)["load_imbalance"] == pytest.approx(1.0)
+    assert summarize(records, 1.0, SLO, num_replicas=2)["load_imbalance"] == pytest.approx(2.0)
+    balanced = [record("a", 100, 0), record("b", 100, 0)]
+    assert summarize(balanced, 1.0, SLO, num_replicas=2)["load_imbalance"] == pytest.approx(1.0)
+
+
+def test_percentile_of_two_values():
+    assert percentile([2.0, 1.0], 50) == 1.0
+    assert percentile([2.0, 1.0], 51) == 2.0
+    assert percentile([3.0], 0) == 3.0
