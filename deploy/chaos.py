@@ -2,12 +2,11 @@
 
     python -m deploy.chaos replica-failure --replicas 3 --requests 300 --json results/chaos-failure.json
     python -m deploy.chaos overload --factor 8 --json results/chaos-overload.json
-    python -m deploy.chaos slow-clients --json results/chaos-slow.json
-    python -m deploy.chaos disconnects --json results/chaos-disconnects.json
 
 Each command starts a private Ray cluster and the app (``deploy/serving.py``),
 runs one scenario on 127.0.0.1 (bounded in requests and time), prints the
-figures as JSON, and stops everything it started. The tests in
+figures as JSON, and stops everything it started (slow clients, disconnects
+and the other cases run as tests in tests/reliability). The tests in
 tests/reliability call the same functions with smaller sizes and assert on
 their figures; RELIABILITY.md records the figures of these commands.
 """
