@@ -58,3 +58,19 @@ def test_fields_are_validated_on_construction():
         RoutingRequest((1,), 10, num_output_tokens=-2)
     with pytest.raises(ValueError, match="prompt"):
         RoutingRequest((1,), 10, prompt=b"x")
+
+
+def test_token_ids_are_read_when_they_are_a_tuple():
+    class WithTokens:
+        block_hashes = (1,)
+        num_prompt_tokens = 5
+        token_ids = (1, 2, 3, 4, 5)
+
+    assert RoutingRequest.from_object(WithTokens()).token_ids == (1, 2, 3, 4, 5)
+    WithTokens.token_ids = [1, 2, 3, 4, 5]  # not a tuple: ignored (no copy of a long list per decision)
+    assert RoutingRequest.from_object(WithTokens()).token_ids == ()
+
+
+def test_token_ids_must_be_a_tuple():
+    with pytest.raises(ValueError, match="token_ids"):
+        RoutingRequest((1,), 5, token_ids=[1, 2])
