@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from cache.summary import CacheSummary
 from cache.hashing import salt_seed
+from cache.summary import CacheSummary
 from router.load import LoadTracker
 from router.partial_blocks import PartialBlockIndex
 from router.prefix_index import PrefixIndex
