@@ -136,7 +136,9 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
                    kill_at_s=kill_at_s, rate_rps=rate_rps,
                    replacement_first_served_s=min(served_by_new, default=None),
                    served_by_replacement=len(served_by_new))
-    figures["replacement_share"] = await _rejoin_probe(app.url, replacement, headers, seed) if replacement else None
+    share, routed_s = (await _rejoin_probe(app.url, replacement, headers, seed, kill_t) if replacement
+                       else (None, None))
+    figures.update(replacement_share=share, replacement_routed_s=routed_s)
     return figures
 
 
@@ -188,13 +190,27 @@ def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float,
     }
 
 
-async def _rejoin_probe(url: str, replacement: list[str], headers: dict | None, seed: int, num_probes: int = 24) -> float:
-    """Share of fresh cold prefixes the replacement gets (its ring arcs): > 0 once it rejoined."""
-    bodies = [body for _, body in group_bodies(num_probes, num_groups=num_probes, prefix_tokens=96,
-                                               question_tokens=4, max_new_tokens=2, seed=seed + 10_000)]
-    outcomes = await open_loop(url, bodies, rate_rps=20.0, headers=headers)
-    served = [o.final.replica_id for o in outcomes if o.ok]
-    return sum(r in replacement for r in served) / max(1, len(served))
+async def _rejoin_probe(url: str, replacement: list[str], headers: dict | None, seed: int, kill_t: float,
+                        num_probes: int = 24, max_rounds: int = 8, pause_s: float = 2.0) -> tuple[float, float | None]:
+    """``(share, seconds after the kill)`` of the first round of fresh cold
+    prefixes that reached the replacement: > 0 once it rejoined the ring.
+
+    A replica posts its stats (which is when it counts as registered) from
+    its constructor, before Serve marks it running and the ingress's router
+    learns of it, so rounds repeat ``pause_s`` apart, at most ``max_rounds``
+    times; ``(0.0, None)`` if none reached it."""
+    for round_index in range(max_rounds):
+        bodies = [body for _, body in group_bodies(num_probes, num_groups=num_probes, prefix_tokens=96,
+                                                   question_tokens=4, max_new_tokens=2,
+                                                   seed=seed + 10_000 + round_index)]
+        sent_s = time.monotonic() - kill_t
+        outcomes = await open_loop(url, bodies, rate_rps=20.0, headers=headers)
+        served = [o.final.replica_id for o in outcomes if o.ok]
+        share = sum(r in replacement for r in served) / max(1, len(served))
+        if share > 0:
+            return share, sent_s
+        await asyncio.sleep(pause_s)
+    return 0.0, None
 
 
 # ------------------------------------------------------------------ overload
