@@ -55,6 +55,20 @@ def _long_streams(app, count: int, seed: int) -> list[dict]:
         count, num_groups=count, prefix_tokens=96, question_tokens=8, max_new_tokens=400, seed=seed)]
 
 
+def _streams_during(app, bodies, action, label: str):
+    """Run ``action`` in a thread while ``bodies`` stream (one try each);
+    every stream must finish whole: all 400 tokens, nobody cut short."""
+    thread = threading.Thread(target=action)
+    thread.start()
+    outcomes = asyncio.run(chaos.open_loop(app.url, bodies, rate_rps=50.0, max_attempts=1, timeout_s=120))
+    thread.join()
+    print(f"FIGURES {label} during {len(bodies)} 400-token streams: "
+          f"{[o.final.kind for o in outcomes].count('ok')} ok, tokens {sorted({len(o.token_ids or ()) for o in outcomes})}")
+    assert [o.final.kind for o in outcomes] == ["ok"] * len(bodies)
+    assert all(len(o.token_ids) == 400 for o in outcomes)
+    return outcomes
+
+
 def test_scaling_down_lets_in_flight_requests_finish(app):
     before = set(replica_pids(app.url))
     bodies = _long_streams(app, 12, seed=7)
@@ -64,14 +78,7 @@ def test_scaling_down_lets_in_flight_requests_finish(app):
         app.deployment_overrides["Worker"] = {"num_replicas": 2}
         app.deploy()
 
-    redeploy = threading.Thread(target=scale_down)
-    redeploy.start()
-    outcomes = asyncio.run(chaos.open_loop(app.url, bodies, rate_rps=50.0, max_attempts=1, timeout_s=120))
-    redeploy.join()
-    print(f"FIGURES scale-down 3 -> 2 during {len(bodies)} 400-token streams: "
-          f"{[o.final.kind for o in outcomes].count('ok')} ok, tokens {sorted({len(o.token_ids or ()) for o in outcomes})}")
-    assert [o.final.kind for o in outcomes] == ["ok"] * len(bodies)
-    assert all(len(o.token_ids) == 400 for o in outcomes)  # nobody was cut short
+    outcomes = _streams_during(app, bodies, scale_down, "scale-down 3 -> 2")
     served = {o.final.replica_id for o in outcomes}
     deadline = time.time() + 30
     while len(replica_pids(app.url)) != 2 and time.time() < deadline:
@@ -83,11 +90,4 @@ def test_scaling_down_lets_in_flight_requests_finish(app):
 
 def test_zz_shutdown_lets_in_flight_requests_finish(app):
     bodies = _long_streams(app, 8, seed=8)
-    shutdown = threading.Thread(target=lambda: (time.sleep(1.0), app.shutdown_app()))
-    shutdown.start()
-    outcomes = asyncio.run(chaos.open_loop(app.url, bodies, rate_rps=50.0, max_attempts=1, timeout_s=120))
-    shutdown.join()
-    print(f"FIGURES drain + shutdown during {len(bodies)} 400-token streams: "
-          f"{[o.final.kind for o in outcomes].count('ok')} ok, tokens {sorted({len(o.token_ids or ()) for o in outcomes})}")
-    assert [o.final.kind for o in outcomes] == ["ok"] * len(bodies)
-    assert all(len(o.token_ids) == 400 for o in outcomes)
+    _streams_during(app, bodies, lambda: (time.sleep(1.0), app.shutdown_app()), "drain + shutdown")

@@ -68,6 +68,18 @@ def _cache_worker():
     return CacheWorker
 
 
+def _routed_app(num_replicas: int):
+    """The cache worker behind our router, as the app's config wires it."""
+    return _cache_worker().options(
+        num_replicas=num_replicas,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.serve:KVRouteRouter",
+            request_router_kwargs={"block_size": BLOCK},
+            request_routing_stats_period_s=0.2,
+        ),
+    ).bind(64)
+
+
 def _request(tokens):
     return RoutingRequest(tuple(block_hashes(tokens, BLOCK)), len(tokens), None, ""), tokens
 
@@ -84,15 +96,7 @@ def handle():
             logging_level="ERROR",
         )
     serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
-    app = _cache_worker().options(
-        num_replicas=3,
-        request_router_config=RequestRouterConfig(
-            request_router_class="router.serve:KVRouteRouter",
-            request_router_kwargs={"block_size": BLOCK},
-            request_routing_stats_period_s=0.2,
-        ),
-    ).bind(64)
-    yield serve.run(app, name=APP, route_prefix=None)
+    yield serve.run(_routed_app(num_replicas=3), name=APP, route_prefix=None)
     serve.delete(APP)
     if started_ray:
         serve.shutdown()
@@ -169,15 +173,7 @@ def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
 
 
 def test_scaled_down_replica_is_never_chosen(handle):
-    app = _cache_worker().options(
-        num_replicas=2,
-        request_router_config=RequestRouterConfig(
-            request_router_class="router.serve:KVRouteRouter",
-            request_router_kwargs={"block_size": BLOCK},
-            request_routing_stats_period_s=0.2,
-        ),
-    ).bind(64)
-    small = serve.run(app, name=APP, route_prefix=None)
+    small = serve.run(_routed_app(num_replicas=2), name=APP, route_prefix=None)
     live = set(_all_replicas(small, 2, seed=2000))
     time.sleep(1.0)
     for i in range(20):
