@@ -21,11 +21,11 @@ _REPLICA_METRICS = {
     "prefill_tokens": ("kvroute_prefill_tokens", "Prompt tokens run through the model", True),
     "decode_tokens": ("kvroute_decode_tokens", "Tokens generated", True),
     "preemptions": ("kvroute_preemptions", "Requests preempted for KV space", True),
-    "cached_tokens": ("kvroute_cached_tokens", "Tokens held by the radix cache", False),
+    "cache_num_tokens": ("kvroute_cache_num_tokens", "Unique token positions the radix cache holds now", False),
     "num_waiting": ("kvroute_queue_depth", "Requests waiting for admission", False),
     "num_running": ("kvroute_running_requests", "Requests running", False),
-    "num_free_blocks": ("kvroute_kv_free_blocks", "Free KV blocks", False),
-    "num_blocks": ("kvroute_kv_blocks", "KV blocks in the pool", False),
+    "kv_blocks_free": ("kvroute_kv_free_blocks", "Free KV blocks", False),
+    "kv_blocks_total": ("kvroute_kv_blocks", "KV blocks in the pool", False),
 }
 
 

@@ -81,7 +81,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._closed = False
         self._step_failed = False
-        self._snapshot = self.engine.stats()
+        self._snapshot = self.engine.stats
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._thread.start()
 
@@ -232,7 +232,7 @@ class AsyncEngine:
                     events = []
                     self._fail_all(RuntimeError(f"engine step failed: {error!r}"), deliveries)
                 self._route(events, deliveries)
-                self._snapshot = self.engine.stats()
+                self._snapshot = self.engine.stats
             self._deliver(deliveries)
 
     def _drain_inbox(self, deliveries: list) -> None:
@@ -284,6 +284,7 @@ class AsyncEngine:
                     self._cancel(sink)
 
     # ------------------------------------------------------------ inspection
+    @property
     def stats(self) -> dict:
         """Engine counters as of the last step (never blocks on a running step)."""
         return dict(self._snapshot)

@@ -128,11 +128,11 @@ class EngineSystem:
     def once(self) -> None:
         engine = self.engine
         engine.cache.clear()
-        before = engine.stats()["prefill_tokens"]
+        before = engine.stats["prefill_tokens"]
         ids = [engine.add_request(prompt, self.params) for prompt in self.workload.prompts]
         results = engine.run(ids)
         self.outputs = [results[i] for i in ids]
-        self.run.prefill_tokens = engine.stats()["prefill_tokens"] - before
+        self.run.prefill_tokens = engine.stats["prefill_tokens"] - before
         self.run.generated_tokens = sum(len(r.token_ids) for r in self.outputs)
 
 

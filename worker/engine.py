@@ -229,10 +229,13 @@ class Engine:
         return out
 
     # ----------------------------------------------------------------- stats
+    @property
     def stats(self) -> dict:
-        """Counters since start. ``cached_tokens`` = ``tokens_saved`` = prompt tokens reused
-        at first admission (the sum of results' ``cached_tokens``); ``cache_num_tokens``
-        is what the radix tree holds now."""
+        """A snapshot of the counters since start (a new dict each read).
+
+        ``tokens_saved`` sums the prompt tokens reused at first admission (the
+        sum of the results' per-request ``cached_tokens``); ``cache_num_tokens``
+        is what the radix tree holds now (<= ``cache_budget_tokens``)."""
         c = self.scheduler.counters
         lookups = c.hits + c.misses
         return {
@@ -240,7 +243,6 @@ class Engine:
             "misses": c.misses,
             "hit_rate": c.hits / lookups if lookups else 0.0,
             "tokens_saved": c.tokens_saved,
-            "cached_tokens": c.tokens_saved,
             "readmission_tokens_saved": c.readmission_tokens_saved,
             "prefill_tokens": c.prefill_tokens,
             "decode_tokens": c.decode_tokens,

@@ -54,7 +54,7 @@ class Worker:
         return self.engine.model_info()
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "replica_id": self.replica_id, "pid": os.getpid()}
+        return {**self.engine.stats, "replica_id": self.replica_id, "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict:
         summary = await asyncio.to_thread(

@@ -60,13 +60,13 @@ def _assert_clean(engine: AsyncEngine) -> None:
 def test_requests_beyond_the_pool_are_preempted_recomputed_and_equal_the_reference(engine):
     prompts = _prompts(1, 8)
     params = SamplingParams(max_new_tokens=100, logprobs=True, ignore_eos=True)
-    before = engine.stats()["preemptions"]
+    before = engine.stats["preemptions"]
 
     async def run():
         return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
     results = asyncio.run(run())
-    num_preempted = engine.stats()["preemptions"] - before
+    num_preempted = engine.stats["preemptions"] - before
     print(f"FIGURES kv exhaustion: 8 requests growing to 10-13 blocks each on a 24-block pool: {num_preempted} preemptions")
     assert num_preempted >= 4  # the pool really ran out, often
     with engine.locked() as inner:
@@ -101,7 +101,7 @@ def test_cancellations_during_preemption_thrash_leak_nothing(engine):
     prompts = _prompts(3, 12)
     params = SamplingParams(max_new_tokens=100, logprobs=True, ignore_eos=True)
     cut_after = [rng.choice([None, 0, 1, 5, 40, 80]) for _ in prompts]
-    before = engine.stats()
+    before = engine.stats
 
     async def one(prompt, cut):
         produced = []
@@ -126,7 +126,7 @@ def test_cancellations_during_preemption_thrash_leak_nothing(engine):
     asyncio.run(engine.wait_idle(30))
     survivors = [(p, r) for p, r in zip(prompts, results) if r is not None and not isinstance(r, BaseException)]
     assert survivors and len(survivors) < len(prompts)
-    after = engine.stats()
+    after = engine.stats
     assert after["preemptions"] > before["preemptions"] and after["num_aborted"] > before["num_aborted"]
     with engine.locked() as inner:
         for prompt, result in survivors:

@@ -25,7 +25,7 @@ def test_many_concurrent_callers_get_the_plain_servers_outputs(make_async_engine
         for prompt, result in zip(batch, results):
             assert isinstance(result, GenerationResult)
             assert (list(result.token_ids), list(result.logprobs)) == reference.generate(engine.engine, prompt, 6, logprobs=True)
-        stats = engine.stats()
+        stats = engine.stats
         assert stats["hits"] >= 30 and stats["num_finished"] == 40
         engine.check_invariants()
         await engine.shutdown()
@@ -83,10 +83,10 @@ def test_cancellation_leaks_no_blocks_and_disturbs_nobody(make_async_engine):
                 continue
             assert list(outcome.token_ids)[:5] == reference.generate(engine.engine, prompt, 5)
         with engine.locked() as inner:
-            assert inner.stats()["num_running"] == 0 and inner.stats()["num_waiting"] == 0
+            assert inner.stats["num_running"] == 0 and inner.stats["num_waiting"] == 0
             inner.cache.clear()
             assert inner.allocator.num_free_blocks == inner.allocator.num_blocks
-        assert engine.stats()["num_aborted"] >= 1
+        assert engine.stats["num_aborted"] >= 1
         await engine.shutdown()
 
     asyncio.run(main())
@@ -126,7 +126,7 @@ def test_bad_input_raises_before_queueing(make_async_engine):
             await asyncio.sleep(0)
             await engine.generate([5, 6], request_id="dup")
         await first
-        assert engine.load()["num_waiting"] == 0 and engine.stats()["num_finished"] == 1
+        assert engine.load()["num_waiting"] == 0 and engine.stats["num_finished"] == 1
         await engine.shutdown()
 
     asyncio.run(main())
@@ -185,10 +185,11 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         await engine.wait_idle()
         load = engine.load()
         assert set(load) == {"num_running", "num_waiting", "queued_tokens", "running_tokens", "kv_blocks_free"}
-        stats = engine.stats()
-        for key in ("hits", "misses", "tokens_saved", "prefill_tokens", "cached_tokens", "decode_tokens", "preemptions",
+        stats = engine.stats
+        for key in ("hits", "misses", "tokens_saved", "prefill_tokens", "decode_tokens", "preemptions",
                     "kv_blocks_free", "kv_blocks_total", "cache_num_tokens", "num_running", "num_waiting"):
             assert key in stats
+        assert "cached_tokens" not in stats
         assert stats["prefill_tokens"] == len(prompt) and stats["misses"] == 1
         hashes = engine.cache_block_hashes(16)
         assert hashes == cached_block_hashes(engine.cache, 16) and len(hashes) == (len(prompt) + 2) // 16

@@ -56,7 +56,7 @@ def test_random_workloads_equal_the_reference(make_engine, seed, block_size, max
             memo[key] = reference.generate(engine, prompt, max_new, logprobs=True)
         result = results[request_id]
         assert (list(result.token_ids), list(result.logprobs)) == memo[key], request_id
-    stats = engine.stats()
+    stats = engine.stats
     assert stats["hits"] > 0 and stats["num_finished"] == len(ids)
     if kv_pool_tokens < 1000:
         assert stats["preemptions"] > 0  # the tiny pool forced recomputation, outputs unchanged
@@ -70,7 +70,7 @@ def test_multi_turn_chats_equal_the_reference(make_engine, rng):
         for chat, output in zip(chats, outputs):
             assert output == reference.generate(engine, chat, 6, logprobs=True)
         chats = [chat + out[0] + [rng.randrange(3, 259) for _ in range(5)] for chat, out in zip(chats, outputs)]
-    assert engine.stats()["hits"] >= 6
+    assert engine.stats["hits"] >= 6
 
 
 def test_default_mode_agrees_closely_but_not_bitwise(make_engine):

@@ -20,7 +20,7 @@ def test_engine_on_cuda_matches_its_plain_server_in_deterministic_mode(dtype):
     outputs = engine.generate_batch(prompts, 10, logprobs=True)
     for prompt, output in zip(prompts, outputs):
         assert output == reference.generate(engine, prompt, 10, logprobs=True)
-    assert engine.stats()["hits"] == 7
+    assert engine.stats["hits"] == 7
     engine.check_invariants()
 
 

@@ -110,4 +110,4 @@ def test_hf_models_from_a_local_path_match_their_plain_server(tmp_path, family, 
     outputs = engine.generate_batch(prompts, 6, logprobs=True)
     for prompt, output in zip(prompts, outputs):
         assert output == reference.generate(engine, prompt, 6, logprobs=True)
-    assert engine.stats()["hits"] == 2
+    assert engine.stats["hits"] == 2
