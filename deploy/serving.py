@@ -10,6 +10,7 @@ the machine are left alone). Used by the load test and the integration tests.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -63,6 +64,7 @@ class ServeApp:
         self._started_ray = False
         self._config_file: str | None = None
         self._closed = False
+        self._auth_token = secrets.token_hex(32)
 
     @property
     def url(self) -> str:
@@ -92,6 +94,10 @@ class ServeApp:
         # ray 2.60's `ray start` turns on token auth; its clients (the serve CLI)
         # must opt in too, reading the token from ~/.ray/auth_token.
         env.setdefault("RAY_AUTH_MODE", "token")
+        if env["RAY_AUTH_MODE"] == "token" and not _has_ray_token(env):
+            # A fresh machine has no ~/.ray/auth_token: give the cluster we
+            # start its own token (inherited by ray start, serve and workers).
+            env["RAY_AUTH_TOKEN"] = self._auth_token
         if self.dashboard_port:
             env["RAY_DASHBOARD_ADDRESS"] = f"http://127.0.0.1:{self.dashboard_port}"
         return env
@@ -221,6 +227,14 @@ class ServeApp:
         if self._config_file and os.path.exists(self._config_file):
             os.unlink(self._config_file)
             self._config_file = None
+
+
+def _has_ray_token(env: dict[str, str]) -> bool:
+    """Whether Ray's token auth finds a token in ``env`` or its token file."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return True
+    path = env.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return os.path.isfile(path)
 
 
 def _bin(name: str) -> str:
