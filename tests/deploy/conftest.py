@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.serving import config_engine_args, start_app
+from harness.serving import config_engine_args, start_app
 
 
 @pytest.fixture(scope="module")

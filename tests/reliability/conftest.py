@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from deploy.serving import ServeApp, config_engine_args, start_app
+from harness.serving import ServeApp, config_engine_args, start_app
 
 API_KEY = "sk-reliability-1"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

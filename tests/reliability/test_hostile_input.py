@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from deploy.faults import wait_for_clean_audits
+from harness.faults import wait_for_clean_audits
 from tests.reliability.conftest import API_KEY, AUTH, BODY_TIMEOUT_S, CORE_LIMITS, tokens
 
 pytestmark = pytest.mark.ray

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from deploy.faults import replica_stats, wait_for_clean_audits
-from deploy.serving import config_engine_args
+from harness.faults import replica_stats, wait_for_clean_audits
+from harness.serving import config_engine_args
 from tests.reliability.conftest import AUTH, CORE_ENGINE, tokens
 from worker import Engine, EngineConfig, reference
 

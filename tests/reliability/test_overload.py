@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from deploy import chaos
-from deploy.faults import wait_for_clean_audits
+from harness import chaos
+from harness.faults import wait_for_clean_audits
 from tests.reliability.conftest import start_app
 
 pytestmark = pytest.mark.ray

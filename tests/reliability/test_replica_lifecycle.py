@@ -1,7 +1,7 @@
 """Replicas dying and leaving, live (3 Workers): a replica's process killed
 mid-load loses no request, the router drops it at once, its prefixes re-home,
 and Serve's replacement rejoins the ring; scaling down and shutting down let
-in-flight requests finish. The scenarios are ``deploy/chaos.py``'s, the
+in-flight requests finish. The scenarios are ``harness/chaos.py``'s, the
 figures in RELIABILITY.md come from its CLI."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from deploy import chaos
-from deploy.faults import replica_pids
-from deploy.retry_client import RETRIABLE_CODES
+from harness import chaos
+from harness.faults import replica_pids
+from harness.retry_client import RETRIABLE_CODES
 from tests.reliability.conftest import start_app
 
 pytestmark = pytest.mark.ray

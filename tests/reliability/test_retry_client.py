@@ -1,4 +1,4 @@
-"""The reliability figures count on ``deploy.retry_client`` classifying
+"""The reliability figures count on ``harness.retry_client`` classifying
 answers right: retry explicit retriable errors after ``Retry-After``, never
 anything else, and call a stream without its summary lost. Checked against a
 scripted local HTTP server (no Ray)."""
@@ -10,7 +10,7 @@ import json
 
 from aiohttp import web
 
-from deploy.retry_client import client_session, send
+from harness.retry_client import client_session, send
 
 
 def _sse(*events) -> bytes:

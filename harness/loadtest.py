@@ -1,8 +1,8 @@
 """Load test across the replicas, and the same workload under several request
 routers side by side.
 
-    python -m deploy.loadtest --url http://127.0.0.1:8000 --workload shared-prefix
-    python -m deploy.loadtest --compare-routers pow2,prefix_affinity,kvroute \\
+    python -m harness.loadtest --url http://127.0.0.1:8000 --workload shared-prefix
+    python -m harness.loadtest --compare-routers pow2,prefix_affinity,kvroute \\
         --workload shared-prefix --rounds 3 --json results/loadtest.json --plot results/loadtest.png
 
 Every request is a streamed ``POST /generate`` so the client measures TTFT and
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, replace
 
 import httpx
 
-from deploy.loadstats import RequestRecord, summarize
-from deploy.workloads import WORKLOADS, Session, build_workload, shared_prefix
+from harness.loadstats import RequestRecord, summarize
+from harness.workloads import WORKLOADS, Session, build_workload, shared_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +188,7 @@ def _rank_replicas(records: list[RequestRecord]) -> list[RequestRecord]:
 def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dict) -> dict[str, dict]:
     """Each round deploys every router in turn (fresh replicas and caches),
     rotating the order so none always goes first; records pool per router."""
-    from deploy.serving import ServeApp
+    from harness.serving import ServeApp
 
     routers = args.compare_routers.split(",")
     pooled: dict[str, list] = {router: [] for router in routers}
@@ -219,7 +219,7 @@ def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deploy.loadreport import print_table, write_plot
+    from harness.loadreport import print_table, write_plot
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")

@@ -1,7 +1,7 @@
 """Fault injection and process measurements for a local app (reliability tests,
-``python -m deploy.chaos``).
+``python -m harness.chaos``).
 
-Every action is confined to the Ray cluster a :class:`~deploy.serving.ServeApp`
+Every action is confined to the Ray cluster a :class:`~harness.serving.ServeApp`
 started: a replica is killed only by the PID it reports itself in ``/stats``
 and only if that PID belongs to this app's Ray session; nothing here stops
 processes by name.
@@ -32,7 +32,7 @@ def replica_pids(url: str, headers: dict | None = None) -> dict[str, int]:
 def kill_replica(app, replica_id: str, headers: dict | None = None) -> int:
     """SIGKILL one Worker replica's process (as if the machine under it failed).
 
-    ``app``: the :class:`~deploy.serving.ServeApp` that started the cluster;
+    ``app``: the :class:`~harness.serving.ServeApp` that started the cluster;
     the PID must be one of its Ray processes. Returns the PID killed."""
     pid = replica_pids(app.url, headers)[replica_id]
     if pid not in app.ray_pids():

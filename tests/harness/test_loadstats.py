@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.loadstats import RequestRecord, percentile, summarize
+from harness.loadstats import RequestRecord, percentile, summarize
 
 SLO = {"ttft_s": 1.0, "itl_s": 0.5}
 

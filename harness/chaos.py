@@ -1,9 +1,9 @@
 """Reliability scenarios against a live app, each ending in figures.
 
-    python -m deploy.chaos replica-failure --replicas 3 --requests 300 --json results/chaos-failure.json
-    python -m deploy.chaos overload --factor 8 --json results/chaos-overload.json
+    python -m harness.chaos replica-failure --replicas 3 --requests 300 --json results/chaos-failure.json
+    python -m harness.chaos overload --factor 8 --json results/chaos-overload.json
 
-Each command starts a private Ray cluster and the app (``deploy/serving.py``),
+Each command starts a private Ray cluster and the app (``harness/serving.py``),
 runs one scenario on 127.0.0.1 (bounded in requests and time), prints the
 figures as JSON, and stops everything it started (slow clients, disconnects
 and the other cases run as tests in tests/reliability). The tests in
@@ -23,10 +23,10 @@ from collections import Counter
 
 import httpx
 
-from deploy import faults
-from deploy.loadstats import percentile
-from deploy.retry_client import Outcome, client_session, send
-from deploy.workloads import shared_prefix
+from harness import faults
+from harness.loadstats import percentile
+from harness.retry_client import Outcome, client_session, send
+from harness.workloads import shared_prefix
 
 
 def group_bodies(num_requests: int, *, num_groups: int, prefix_tokens: int, question_tokens: int,
@@ -316,7 +316,7 @@ OVERLOAD_APP = dict(
 )
 
 def _app(args, **overrides):
-    from deploy.serving import ServeApp
+    from harness.serving import ServeApp
 
     return ServeApp(args.config, **overrides)
 
