@@ -2,16 +2,26 @@
 
 Every error leaves the server as ``{"error": {"message", "type", "code",
 "param"}}`` with a 4xx/5xx status; overload answers carry ``Retry-After``.
+
+No body carries an exception's text or a traceback: a 500 says "internal
+error" and a request id; what happened is logged under that id
+(:func:`internal_error`). An ``APIError(500, ...)`` raised anywhere is
+rewritten the same way when it is built.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.request_ids import new_request_id
+
+logger = logging.getLogger("kvroute.ingress")
 
 _STATUS_TO_TYPE = {
     400: "invalid_request_error",
@@ -39,6 +49,10 @@ class APIError(Exception):
         param: str | None = None,
         retry_after_s: int | None = None,
     ) -> None:
+        if status_code == 500 and code != "internal_error":  # never a detail to the client
+            request_id = new_request_id("err")
+            logger.error("internal error %s: %s", request_id, message)
+            message, code, param = _internal_message(request_id), "internal_error", None
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -58,6 +72,18 @@ class APIError(Exception):
     def sse_event(self) -> str:
         """The error as a server-sent event, for failures after a stream began."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+def _internal_message(request_id: str) -> str:
+    return f"internal error (request id {request_id})"
+
+
+def internal_error(error: BaseException | None, request_id: str | None = None) -> APIError:
+    """A 500 for an unexpected failure: the exception and its traceback go to
+    the log under ``request_id``, the body names only the id."""
+    request_id = request_id or new_request_id("err")
+    logger.error("internal error %s", request_id, exc_info=error)
+    return APIError(500, _internal_message(request_id), code="internal_error")
 
 
 def error_body(status_code: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
@@ -100,5 +126,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        return internal_error(error, getattr(request.state, "request_id", None)).response()

@@ -44,7 +44,14 @@ class AppConfig:
     ``router``: a key of :data:`ROUTERS` or an import path of a RequestRouter.
     ``router_block_size``: tokens per hashed block for routing; the ingress and
     every worker's cache summary use this one value, so hashes agree.
-    ``api_keys``: when non-empty, requests need ``Authorization: Bearer <key>``.
+    ``api_keys``: when non-empty, requests need ``Authorization: Bearer <key>``
+    (every route but ``/health``; ``/metrics`` too when ``metrics_require_key``).
+    ``cache_namespaces``: namespace name → API keys that share one prefix-cache
+    namespace; every other key is a namespace of its own (README: tenants).
+    ``vllm_metrics``: also export the Workers' figures under vLLM's metric names.
+    ``max_in_flight_per_worker``: the ingress admits at most this many
+    generation requests in flight per live Worker replica and answers the rest
+    at once with 429 + ``Retry-After`` (0: no admission limit of its own).
     """
 
     model: str = "tiny-llama"
@@ -57,6 +64,10 @@ class AppConfig:
     stats_period_s: float = 1.0
     limits: Limits = field(default_factory=Limits)
     api_keys: tuple[str, ...] = ()
+    cache_namespaces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    metrics_require_key: bool = False
+    vllm_metrics: bool = True
+    max_in_flight_per_worker: int = 64
     retry_after_s: int = 1
     body_timeout_s: float = 15.0  # a request body must arrive within this (else 408)
 
@@ -73,6 +84,17 @@ class AppConfig:
             raise ValueError(f"router must be a name or import path, got {self.router!r}")
         if any(not isinstance(key, str) or not key for key in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
+        for name, keys in self.cache_namespaces.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"cache_namespaces: a namespace name must be a non-empty string, got {name!r}")
+            unknown = [key for key in keys if key not in self.api_keys]
+            if unknown:
+                raise ValueError(f"cache_namespaces[{name!r}] lists {len(unknown)} key(s) that are not in api_keys")
+        for name in ("metrics_require_key", "vllm_metrics"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if type(self.max_in_flight_per_worker) is not int or self.max_in_flight_per_worker < 0:
+            raise ValueError(f"max_in_flight_per_worker must be an int >= 0, got {self.max_in_flight_per_worker!r}")
 
     @property
     def model_name(self) -> str:
@@ -99,6 +121,12 @@ class AppConfig:
         if "api_keys" in args:
             keys = args["api_keys"] or ()
             args["api_keys"] = (keys,) if isinstance(keys, str) else tuple(keys)
+        if "cache_namespaces" in args:
+            groups = args["cache_namespaces"] or {}
+            if not isinstance(groups, Mapping) or any(isinstance(k, str) or not isinstance(k, (list, tuple))
+                                                      for k in groups.values()):
+                raise ValueError("cache_namespaces must map a name to a list of API keys")
+            args["cache_namespaces"] = {name: tuple(keys) for name, keys in groups.items()}
         for name in ("engine", "router_kwargs"):
             if name in args and not isinstance(args[name] or {}, Mapping):
                 raise ValueError(f"{name} must be a mapping, got {args[name]!r}")
