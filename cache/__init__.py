@@ -3,10 +3,11 @@ radix prefix cache. Imports neither torch nor ray."""
 
 from cache.blocks import BlockAllocator, OutOfBlocks
 from cache.hashing import block_hashes, chain_block_keys
-from cache.radix import CacheStats, MatchResult, RadixCache
+from cache.radix import CachedEdge, CacheStats, MatchResult, RadixCache
 
 __all__ = [
     "BlockAllocator",
+    "CachedEdge",
     "CacheStats",
     "MatchResult",
     "OutOfBlocks",

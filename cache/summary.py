@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cache.hashing import continue_block_hashes, salt_seed
-from cache.radix import RadixCache, _Node
+from cache.radix import RadixCache
 
 
 def cached_block_hashes(radix: RadixCache, block_size: int) -> set[int]:
@@ -26,28 +26,24 @@ def cached_block_hashes(radix: RadixCache, block_size: int) -> set[int]:
     Equal to the union of ``block_hashes(path, block_size, salt)`` over every
     root-to-node path of every salt namespace (the tree keys a namespace by
     its salt as bytes, which :func:`cache.hashing.salt_seed` hashes like the
-    str). Cost O(cached tokens +
-    nodes × block_size); reads only (no LRU touch).
+    str). One pass over :meth:`RadixCache.edges`: cost O(cached tokens +
+    nodes × block_size), both bounded by the tree's budget; reads only (no
+    LRU touch).
     """
     if type(block_size) is not int or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     hashes: set[int] = set()
-    for salt, root in radix._roots.items():
-        # Each stack entry: a node, the chain value of the last full block above
-        # it, and the tokens of the partial block that straddles into it.
-        stack: list[tuple[_Node, int, tuple[int, ...]]] = [
-            (child, salt_seed(salt), ()) for child in root.children.values()
-        ]
-        while stack:
-            node, parent_hash, pending = stack.pop()
-            tokens = pending + node.tokens
-            num_full = len(tokens) // block_size
-            chained = continue_block_hashes(parent_hash, tokens[: num_full * block_size], block_size)
-            hashes.update(chained)
-            last_hash = chained[-1] if chained else parent_hash
-            rest = tokens[num_full * block_size :]
-            for child in node.children.values():
-                stack.append((child, last_hash, rest))
+    # along the current path, per depth: the chain value of the last full block
+    # up to the end of that edge, and the tokens of the partial block after it
+    chain: list[tuple[int, tuple[int, ...]]] = []
+    for edge in radix.edges():
+        del chain[edge.depth :]
+        parent_hash, pending = chain[-1] if chain else (salt_seed(edge.namespace), ())
+        tokens = pending + edge.tokens
+        num_full = len(tokens) // block_size
+        chained = continue_block_hashes(parent_hash, tokens[: num_full * block_size], block_size)
+        hashes.update(chained)
+        chain.append((chained[-1] if chained else parent_hash, tokens[num_full * block_size :]))
     return hashes
 
 
@@ -84,6 +80,9 @@ class CacheSummary:
       num_queued_tokens: prompt tokens of waiting requests not yet prefilled.
       num_running_tokens: tokens of the running sequences (their KV footprint).
       num_running / num_waiting: request counts.
+      mean_output_tokens: mean output length (tokens) of the requests this
+        replica finished recently (a small rolling window); 0.0 when none. The
+        router's estimate of decode work, in place of ``max_tokens``.
 
     ``load_tokens = num_queued_tokens + num_running_tokens`` is the load term
     the router compares.
@@ -97,7 +96,8 @@ class CacheSummary:
          "block_hashes": base64 of the sorted hashes as little-endian uint64,
          "num_cached_tokens": int, "budget_tokens": int,
          "num_queued_tokens": int, "num_running_tokens": int,
-         "num_running": int, "num_waiting": int}
+         "num_running": int, "num_waiting": int,
+         "mean_output_tokens": float}  # absent reads as 0.0
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
     ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field.
@@ -114,6 +114,7 @@ class CacheSummary:
     num_running_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    mean_output_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -128,6 +129,9 @@ class CacheSummary:
             raise ValueError(f"block_hashes must be a frozenset, got {type(self.block_hashes).__name__}")
         for name in _COUNT_FIELDS:
             _check_count(name, getattr(self, name))
+        mean = self.mean_output_tokens
+        if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean < 0:
+            raise ValueError(f"mean_output_tokens must be a finite number >= 0, got {mean!r}")
 
     @property
     def load_tokens(self) -> int:
@@ -146,6 +150,7 @@ class CacheSummary:
         num_running_tokens: int = 0,
         num_running: int = 0,
         num_waiting: int = 0,
+        mean_output_tokens: float = 0.0,
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -160,6 +165,7 @@ class CacheSummary:
             num_running_tokens=num_running_tokens,
             num_running=num_running,
             num_waiting=num_waiting,
+            mean_output_tokens=float(mean_output_tokens),
         )
 
     def to_dict(self) -> dict:
@@ -177,6 +183,7 @@ class CacheSummary:
         }
         for name in _COUNT_FIELDS:
             out[name] = getattr(self, name)
+        out["mean_output_tokens"] = float(self.mean_output_tokens)
         return out
 
     @classmethod
@@ -209,6 +216,9 @@ class CacheSummary:
         if not isinstance(timestamp_s, (int, float)) or isinstance(timestamp_s, bool):
             raise ValueError(f"timestamp_s must be a number, got {timestamp_s!r}")
         counts = {name: data.get(name, 0) for name in _COUNT_FIELDS}
+        mean_output_tokens = data.get("mean_output_tokens", 0.0)
+        if isinstance(mean_output_tokens, bool) or not isinstance(mean_output_tokens, (int, float)):
+            raise ValueError(f"mean_output_tokens must be a number, got {mean_output_tokens!r}")
         return cls(
             replica_id=data["replica_id"],
             version=data["version"],
@@ -216,6 +226,7 @@ class CacheSummary:
             block_size=data["block_size"],
             block_hashes=frozenset(hashes),
             **counts,
+            mean_output_tokens=float(mean_output_tokens),
         )
 
 

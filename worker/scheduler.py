@@ -194,20 +194,20 @@ class Scheduler:
             if self._should_wait(seq, peek.num_tokens, admitted):
                 self.counters.inflight_holds += 1
                 continue
-            self.cache.lock(peek.node)  # pin the match while making room
+            self.cache.lock(peek)  # pin the match while making room
             num_new_blocks = -(-len(tokens) // self.block_size) - peek.num_tokens // self.block_size
             if not self._make_room(num_new_blocks + self.watermark_blocks):
-                self.cache.unlock(peek.node)
+                self.cache.unlock(peek)
                 break
             match = self.cache.match(tokens[:-1], seq.salt)  # touch: refresh LRU, count lookup
-            self.cache.lock(match.node)
-            self.cache.unlock(peek.node)
+            self.cache.lock(match)
+            self.cache.unlock(peek)
             copy = self.allocator.allocate_with_prefix(seq.request_id, len(tokens), match.block_ids, match.num_tokens)
             if copy is not None:
                 step.copies.append(copy)
                 self.counters.cow_copies += 1
             self.waiting.remove(seq)
-            self._start(seq, match.num_tokens, match.node)
+            self._start(seq, match.num_tokens, match)
             num = min(len(tokens) - seq.num_computed, budget)
             step.chunks.append(ScheduledChunk(seq, seq.num_computed, num))
             budget -= num
@@ -319,7 +319,7 @@ class Scheduler:
             return
         prefix = seq.token_ids[:num_tokens]
         self.cache.insert(prefix, self.allocator.block_table(seq.request_id), seq.salt)
-        node = self.cache.match(prefix, seq.salt, touch=False).node
+        node = self.cache.match(prefix, seq.salt, touch=False)
         self.cache.lock(node)
         self.cache.unlock(seq.locked_node)
         seq.locked_node = node
@@ -352,7 +352,7 @@ class Scheduler:
             reserved = self.allocator.num_tokens(seq.request_id)
             assert reserved in (len(seq.token_ids), len(seq.token_ids) - 1), (seq.request_id, reserved)
             assert seq.num_inserted <= seq.num_computed <= len(seq.token_ids)
-            assert seq.locked_node is not None and seq.locked_node.lock_ref >= 1
+            assert seq.locked_node is not None
         for seq in self.waiting:
             assert seq.status is Status.WAITING and seq.locked_node is None
             assert seq.request_id not in allocated

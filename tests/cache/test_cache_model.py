@@ -11,7 +11,9 @@ tokens, and that no write ever lands in a block someone else holds.
 The naive model keeps cached positions as a flat dict ``(namespace, prefix) ->
 last access`` plus the set of prefixes where a tree node ends, and does
 everything by brute force: longest cached prefix by probing prefixes, LRU
-eviction by scanning for the unlocked leaf node with the oldest access.
+eviction by scanning for the unlocked leaf node with the oldest access, live
+namespaces as a list in order of use (a namespace is live while it holds a
+position or a lock; at the cap the first one without a lock goes, whole).
 """
 
 import copy
@@ -24,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cache import BlockAllocator, OutOfBlocks, RadixCache
 
-SALTS = [None, "a", b"a", "b"]  # "a" and b"a" are one namespace
+SALTS = [None, "a", b"a", "b", "c"]  # "a" and b"a" are one namespace
 
 
 def namespace(salt):
@@ -34,8 +36,10 @@ def namespace(salt):
 class NaiveRadix:
     """Brute-force reference for RadixCache's observable behaviour."""
 
-    def __init__(self, budget_tokens):
+    def __init__(self, budget_tokens, max_namespaces):
         self.budget_tokens = budget_tokens
+        self.max_namespaces = max_namespaces
+        self.live = []  # live namespaces, least recently used first
         self.time = 0
         self.access = {}  # (ns, prefix) -> last access; one entry per cached position
         self.node_ends = set()  # (ns, prefix) where a tree node ends
@@ -74,12 +78,16 @@ class NaiveRadix:
     # -- updates
     def touch(self, ns, prefix):
         self.time += 1
+        if ns in self.live:
+            self.live.remove(ns)
+            self.live.append(ns)
         if prefix:
             end = self.node_end(ns, tuple(prefix))
             for i in range(1, len(end) + 1):
                 self.access[(ns, end[:i])] = self.time
 
     def match(self, tokens, salt, touch=True):
+        self.prune()
         ns = namespace(salt)
         k = self.cached_len(ns, tokens)
         if touch:
@@ -89,8 +97,29 @@ class NaiveRadix:
                 self.stats["tokens_saved"] += k
             else:
                 self.stats["misses"] += 1
-        lock_key = (ns, self.node_end(ns, tuple(tokens[:k]))) if k else None
+        if k:
+            lock_key = (ns, self.node_end(ns, tuple(tokens[:k])))
+        else:  # the namespace's root, or nothing in a namespace the cache does not hold
+            lock_key = (ns, ()) if ns in self.live else None
         return k, lock_key
+
+    def prune(self):
+        """Drop the namespaces left with no position and no lock."""
+        self.live = [ns for ns in self.live if any(n == ns for n, _ in self.access) or self.has_pins(ns)]
+
+    def has_pins(self, ns):
+        return any(n == ns and c for (n, _), c in self.pins.items())
+
+    def evict_namespace(self, ns):
+        positions = [p for p in self.access if p[0] == ns]
+        nodes = [e for e in self.node_ends if e[0] == ns]
+        for p in positions:
+            del self.access[p]
+        self.node_ends -= set(nodes)
+        self.live.remove(ns)
+        self.stats["evictions"] += len(nodes)
+        self.stats["evicted_tokens"] += len(positions)
+        self.stats["evicted_namespaces"] += 1
 
     def lock(self, key, delta=1):
         if key is not None:
@@ -119,6 +148,7 @@ class NaiveRadix:
         return removed
 
     def insert(self, tokens, salt):
+        self.prune()
         ns, key = namespace(salt), tuple(tokens)
         if not key or len(key) > self.budget_tokens:
             return 0
@@ -130,6 +160,14 @@ class NaiveRadix:
         pinned = {p for p in self.access if self.is_pinned(*p)} | {(ns, key[:i]) for i in range(1, k + 1)}
         if len(pinned) + num_new > self.budget_tokens:
             return 0
+        if ns not in self.live:
+            if len(self.live) >= self.max_namespaces:
+                victims = [n for n in self.live if not self.has_pins(n)]
+                if not victims:
+                    self.stats["uncached_inserts"] += 1
+                    return 0
+                self.evict_namespace(victims[0])
+            self.live.append(ns)
         if k:
             self.node_ends.add((ns, key[:k]))  # the split
             self.pins[(ns, key[:k])] += 1
@@ -158,14 +196,15 @@ class CacheMachine(RuleBasedStateMachine):
     BLOCK_SIZE = 4
     NUM_BLOCKS = 40
     BUDGET_TOKENS = 30
+    MAX_NAMESPACES = 1024
 
     def __init__(self):
         super().__init__()
         bs = self.BLOCK_SIZE
         self.alloc = BlockAllocator(self.NUM_BLOCKS, bs)
-        self.radix = RadixCache(self.BUDGET_TOKENS, bs, self.alloc)
-        self.sim = RadixCache(self.BUDGET_TOKENS, bs)
-        self.naive = NaiveRadix(self.BUDGET_TOKENS)
+        self.radix = RadixCache(self.BUDGET_TOKENS, bs, self.alloc, max_namespaces=self.MAX_NAMESPACES)
+        self.sim = RadixCache(self.BUDGET_TOKENS, bs, max_namespaces=self.MAX_NAMESPACES)
+        self.naive = NaiveRadix(self.BUDGET_TOKENS, self.MAX_NAMESPACES)
         self.kv = {b: [None] * bs for b in range(self.NUM_BLOCKS)}
         self.seqs = {}
         self.next_seq_id = 0
@@ -201,11 +240,11 @@ class CacheMachine(RuleBasedStateMachine):
     def lock_all(self, held, delta):
         real, sim, key = held
         if delta > 0:
-            self.radix.lock(real.node)
-            self.sim.lock(sim.node)
+            self.radix.lock(real)
+            self.sim.lock(sim)
         else:
-            self.radix.unlock(real.node)
-            self.sim.unlock(sim.node)
+            self.radix.unlock(real)
+            self.sim.unlock(sim)
         self.naive.lock(key, delta)
 
     def draw_tokens(self, data):
@@ -335,6 +374,17 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- checks after every step
     @invariant()
+    def namespaces_agree(self):
+        self.naive.prune()
+        assert self.radix.num_namespaces == self.sim.num_namespaces == len(self.naive.live) <= self.MAX_NAMESPACES
+        assert [e.namespace for e in self.radix.edges() if e.depth == 0] == [
+            e.namespace for e in self.sim.edges() if e.depth == 0]
+        if self.radix.stats.evicted_namespaces:
+            event("state: a namespace was evicted at the cap")
+        if self.radix.stats.uncached_inserts:
+            event("state: a new namespace was served uncached")
+
+    @invariant()
     def structures_are_consistent(self):
         self.radix.check_invariants()
         self.sim.check_invariants()
@@ -384,7 +434,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.alloc.free(seq_id)
         assert self.radix.num_locked_tokens == 0
         self.radix.clear()
-        assert self.radix.num_tokens == 0
+        assert self.radix.num_tokens == 0 and self.radix.num_namespaces == 0
         assert self.alloc.num_free_blocks == self.NUM_BLOCKS
         self.radix.check_invariants()
         self.alloc.check_invariants()
@@ -402,6 +452,12 @@ class CacheMachineBlockSize1(CacheMachine):
     BUDGET_TOKENS = 20
 
 
+class CacheMachineTwoNamespaces(CacheMachine):
+    """Four salts against a cap of two: namespaces evicted whole, or new ones served uncached."""
+
+    MAX_NAMESPACES = 2
+
+
 
 
 def _test_case(machine):
@@ -415,3 +471,4 @@ def _test_case(machine):
 TestCacheMachine = _test_case(CacheMachine)
 TestCacheMachineBlockSize3 = _test_case(CacheMachineBlockSize3)
 TestCacheMachineBlockSize1 = _test_case(CacheMachineBlockSize1)
+TestCacheMachineTwoNamespaces = _test_case(CacheMachineTwoNamespaces)

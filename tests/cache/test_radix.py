@@ -6,15 +6,27 @@ from cache import BlockAllocator, RadixCache
 
 
 def shape(radix, salt=None):
-    """The tree of one namespace as nested tuples: (edge tokens, start, block ids, lock_ref, children)."""
+    """The tree of one namespace as nested tuples: (edge tokens, start, block ids, lock_ref, children),
+    children in first-token order; None for a namespace the tree does not hold."""
     key = salt.encode() if isinstance(salt, str) else salt
+    edges = [e for e in radix.edges() if e.namespace == key]
+    if not edges and key not in namespaces(radix):
+        return None
 
-    def node(n):
-        children = tuple(node(c) for _, c in sorted(n.children.items()))
-        return (n.tokens, n.start, tuple(n.block_ids), n.lock_ref, children)
+    def build(index):
+        edge = edges[index]
+        children, child = [], index + 1
+        while child < len(edges) and edges[child].depth > edge.depth:
+            if edges[child].depth == edge.depth + 1:
+                children.append(build(child))
+            child += 1
+        return (edge.tokens, edge.start, edge.block_ids, edge.num_locks, tuple(sorted(children)))
 
-    root = radix._roots.get(key)
-    return None if root is None else node(root)[4]
+    return tuple(sorted(build(i) for i, e in enumerate(edges) if e.depth == 0))
+
+
+def namespaces(radix):
+    return {e.namespace for e in radix.edges()}
 
 
 def cached(radix, sequences, salt=None):
@@ -198,7 +210,7 @@ def test_insert_blocked_by_locks_changes_nothing():
     r = RadixCache(10, block_size=4)
     r.insert([1] * 6)
     held = r.match([1] * 6)
-    r.lock(held.node)
+    r.lock(held)
     r.insert([2, 2])  # unlocked, evictable
     before = (shape(r), r.num_tokens, r.stats)
     # 5 new positions: 6 locked + 5 > 10, so evicting [2, 2] would not help: nothing changes
@@ -236,31 +248,31 @@ def test_lock_pins_node_and_ancestors_and_unlock_releases():
     r.insert([1, 2, 4])  # [1,2] -> [3], [4]
     r.insert([5, 5, 5])
     held = r.match([1, 2, 3])
-    r.lock(held.node)
-    r.lock(held.node)  # counted
+    r.lock(held)
+    r.lock(held)  # counted
     assert [n[3] for n in shape(r)] == [2, 0] and shape(r)[0][4][0][3] == 2  # [1,2] and [3] locked twice
     assert r.num_locked_tokens == 3
     assert r.clear() == 4  # [4] and [5,5,5]
     assert cached(r, [[1, 2, 3], [1, 2, 4], [5, 5, 5]]) == [3, 2, 0]
-    r.unlock(held.node)
+    r.unlock(held)
     assert r.clear() == 0 and r.num_locked_tokens == 3
-    r.unlock(held.node)
+    r.unlock(held)
     assert r.num_locked_tokens == 0
     assert r.clear() == 3 and r.num_tokens == 0
     r.check_invariants()
     with pytest.raises(ValueError, match="unlock of a node that is not locked"):
-        r.unlock(held.node)
+        r.unlock(held)
 
 
 def test_a_lock_on_a_node_survives_a_split_of_it():
     r = RadixCache(100, block_size=4)
     r.insert([1, 2, 3, 4])
     held = r.match([1, 2, 3, 4])
-    r.lock(held.node)
+    r.lock(held)
     r.insert([1, 2, 9])  # splits the locked node: both halves stay locked
     assert r.num_locked_tokens == 4
     assert r.clear() == 1  # only [9]
-    r.unlock(held.node)
+    r.unlock(held)
     assert r.clear() == 4
     r.check_invariants()
 
@@ -268,7 +280,7 @@ def test_a_lock_on_a_node_survives_a_split_of_it():
 def test_lock_of_an_evicted_node_raises():
     r = RadixCache(100, block_size=4)
     r.insert([1, 2])
-    stale = r.match([1, 2]).node
+    stale = r.match([1, 2])
     r.clear()
     with pytest.raises(ValueError, match="lock of a node that was evicted"):
         r.lock(stale)
@@ -278,14 +290,14 @@ def test_lock_of_an_evicted_node_raises():
 def test_a_miss_returns_a_root_that_is_harmless_to_lock():
     r = RadixCache(100, block_size=4)
     miss = r.match([1, 2], salt="new")  # unknown namespace: nothing created
-    assert miss.num_tokens == 0 and r._roots == {}
-    r.lock(miss.node)
-    r.unlock(miss.node)
+    assert miss.num_tokens == 0 and r.num_namespaces == 0
+    r.lock(miss)
+    r.unlock(miss)
     r.insert([1, 2])
     miss = r.match([3])
-    r.lock(miss.node)
+    r.lock(miss)
     assert r.clear() == 2
-    r.unlock(miss.node)
+    r.unlock(miss)
     r.check_invariants()
 
 
@@ -381,4 +393,27 @@ def test_bad_calls_raise_and_change_nothing():
         with pytest.raises(error, match=message):
             call()
         assert (shape(r), r.num_tokens, r.stats, [alloc.ref_count(b) for b in range(8)]) == before, message
+    r.check_invariants()
+
+
+# ------------------------------------------------------------------ traversal
+def test_edges_walk_every_node_depth_first_without_touching():
+    w = Writer(block_size=4)
+    w.cache("a", [1, 2, 3, 4, 5, 6], salt="t")
+    w.cache("b", [1, 2, 3, 9])
+    w.cache("c", [1, 2, 7, 7])
+    r = w.radix
+    held = r.match([1, 2, 3, 9])
+    r.lock(held)
+    stats, lru_before = (r.stats.hits, r.stats.misses), r.match([1, 2, 7, 7], touch=False)
+    edges = [(e.namespace, e.depth, e.start, e.tokens, e.block_ids, e.num_locks) for e in r.edges()]
+    assert edges == [
+        (b"t", 0, 0, (1, 2, 3, 4, 5, 6), (0, 1), 0),
+        (None, 0, 0, (1, 2), (2,), 1),  # split: [1, 2] -> [3, 9], [7, 7]; block 2 straddles
+        (None, 1, 2, (3, 9), (2,), 1),
+        (None, 1, 2, (7, 7), (3,), 0),
+    ]
+    assert len(edges) == r.num_nodes and r.num_namespaces == 2
+    assert (r.stats.hits, r.stats.misses) == stats and r.match([1, 2, 7, 7], touch=False) == lru_before
+    r.unlock(held)
     r.check_invariants()
