@@ -11,32 +11,28 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deploy.frontend import Frontend
 from deploy.http_app import build_http_app
+from deploy.ray_client import RayWorkerClient
+from deploy.request_builder import ModelBounds, RequestBuilder
 from deploy.settings import AppConfig
 from worker import EngineConfig
 from worker.model import load_tokenizer, model_info
 from worker.replica import Worker
-from worker.stats_board import get_board
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024)
 @serve.ingress()
 class Ingress:
     def __init__(self, worker_handle, config: AppConfig) -> None:
-        self._app_name = serve.get_replica_context().app_name
-        self._stats_max_age_s = 3 * config.stats_period_s + 2
-        info = model_info(config.model, config.engine)
-        self._frontend = Frontend(config, worker_handle, load_tokenizer(config.model), info)
+        app_name = serve.get_replica_context().app_name
+        self._client = RayWorkerClient(worker_handle, app_name, config.retry_after_s, 3 * config.stats_period_s + 2)
+        self._builder = RequestBuilder(config.limits, ModelBounds.from_info(model_info(config.model, config.engine)),
+                                       config.router_block_size)
+        self._tokenizer = load_tokenizer(config.model)
+        self._config = config
 
     def __serve_build_asgi_app__(self):
-        return build_http_app(self._frontend, self._read_replica_stats)
-
-    async def _read_replica_stats(self) -> dict[str, dict]:
-        board = get_board(self._app_name, create=False)
-        if board is None:
-            return {}
-        return await board.get_all.remote(self._stats_max_age_s)
+        return build_http_app(self._config, self._client, self._tokenizer, self._builder)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

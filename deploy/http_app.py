@@ -1,13 +1,15 @@
 """The HTTP surface (FastAPI): routes, auth, body limits, error bodies.
 
-Routes format requests and responses; the work is in :class:`Frontend` and
-:class:`OpenAIRoutes`.
+Routes format requests and responses. A request runs one way: route →
+:class:`RequestBuilder` (limits, worker request) → :class:`Dispatcher`
+(retries, metrics) → :class:`WorkerClient` (the replicas) → engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,10 +18,15 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from deploy.dispatch import Dispatcher
 from deploy.errors import APIError, error_body, install_error_handlers
-from deploy.frontend import Frontend
+from deploy.metrics import IngressMetrics
 from deploy.openai_api import OpenAIRoutes
 from deploy.protocol import ChatCompletionRequest, CompletionRequest, GenerateBatchRequest, GenerateRequest
+from deploy.request_builder import RequestBuilder
+from deploy.settings import AppConfig
+from deploy.worker_client import WorkerClient
+from worker.results import GenerationResult, TokenEvent
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -100,10 +107,13 @@ async def _send_error(send, error: HTTPException) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
-    """``read_replica_stats``: async () -> {replica_id: stats} (the stats board)."""
-    config = frontend.config
-    openai = OpenAIRoutes(frontend)
+def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: RequestBuilder,
+                   metrics: IngressMetrics | None = None) -> FastAPI:
+    """The ingress app over ``client``; ``tokenizer`` for the OpenAI routes'
+    text; ``builder`` checks prompts against the model's bounds."""
+    metrics = metrics or IngressMetrics()
+    dispatcher = Dispatcher(client, metrics, config.router_block_size, config.retry_after_s)
+    openai = OpenAIRoutes(config.model_name, tokenizer, builder, dispatcher)
     app = FastAPI(title="kvroute", version="0.1.0")
     install_error_handlers(app)
     app.add_middleware(BodyGuard, max_bytes=config.limits.max_body_bytes, timeout_s=config.body_timeout_s)
@@ -120,7 +130,7 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
-        frontend.metrics.requests.labels(route=request.url.path, status=str(response.status_code)).inc()
+        metrics.requests.labels(route=request.url.path, status=str(response.status_code)).inc()
         return response
 
     @app.get("/health")
@@ -130,33 +140,33 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
         return {"object": "list", "data": [
-            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvroute", "max_model_len": frontend.max_model_len}
+            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvroute", "max_model_len": builder.bounds.max_model_len}
         ]}
 
     @app.post("/generate", dependencies=auth)
     async def generate(body: GenerateRequest, x_cache_salt: str | None = Header(default=None)):
-        token_ids = frontend.check_prompt(body.prompt_token_ids, body.max_new_tokens, param="prompt_token_ids")
-        params = _token_params(frontend, body)
-        request = frontend.make_request(token_ids, params, body.cache_salt or x_cache_salt)
+        token_ids = builder.check_prompt(body.prompt_token_ids, body.max_new_tokens, param="prompt_token_ids")
+        params = _token_params(builder, body)
+        request = builder.request(token_ids, params, body.cache_salt or x_cache_salt)
         if body.stream:
-            events = await _primed(frontend.stream(request))  # overload before any token: a real 429/503
+            events = await _primed(dispatcher.stream(request))  # overload before any token: a real 429/503
             return StreamingResponse(_token_events(events), media_type="text/event-stream", headers=_SSE_HEADERS)
-        return _generate_output(await frontend.run(request), body.logprobs)
+        return _generate_output(await dispatcher.run(request), body.logprobs)
 
     @app.post("/generate_batch", dependencies=auth)
     async def generate_batch(body: GenerateBatchRequest, x_cache_salt: str | None = Header(default=None)) -> dict:
         if len(body.prompts) > config.limits.max_batch_prompts:
             raise APIError(400, f"{len(body.prompts)} prompts is over the limit of {config.limits.max_batch_prompts}", param="prompts")
-        params = _token_params(frontend, body)
+        params = _token_params(builder, body)
         items = []
         for index, prompt in enumerate(body.prompts):
             try:
-                token_ids = frontend.check_prompt(prompt, body.max_new_tokens, param=f"prompts[{index}]")
-                items.append(frontend.make_request(token_ids, params, body.cache_salt or x_cache_salt))
+                token_ids = builder.check_prompt(prompt, body.max_new_tokens, param=f"prompts[{index}]")
+                items.append(builder.request(token_ids, params, body.cache_salt or x_cache_salt))
             except APIError as error:
                 items.append(error)
-        outputs = await frontend.run_batch(items)
-        return {"outputs": [o if "error" in o else _generate_output(o, body.logprobs) for o in outputs]}
+        outputs = await dispatcher.run_batch(items)
+        return {"outputs": [o.body() if isinstance(o, APIError) else _generate_output(o, body.logprobs) for o in outputs]}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(default=None)):
@@ -181,46 +191,46 @@ def build_http_app(frontend: Frontend, read_replica_stats) -> FastAPI:
 
     @app.get("/stats", dependencies=auth)
     async def stats() -> dict:
-        replicas = await read_replica_stats()
+        replicas = await client.stats()
         totals = {}
         for replica_stats in replicas.values():
-            for key in ("hits", "misses", "tokens_saved", "prefill_tokens", "cached_tokens", "decode_tokens"):
-                totals[key] = totals.get(key, 0) + replica_stats.get(key, 0)
+            for key in ("hits", "misses", "tokens_saved", "prefill_tokens", "cache_num_tokens", "decode_tokens"):
+                totals[key] = totals.get(key, 0) + replica_stats.engine.get(key, 0)
         lookups = totals.get("hits", 0) + totals.get("misses", 0)
         totals["hit_rate"] = totals.get("hits", 0) / lookups if lookups else 0.0
-        return {"model": config.model_name, "router": config.router, "replicas": replicas, "totals": totals}
+        return {"model": config.model_name, "router": config.router,
+                "replicas": {replica_id: s.to_dict() for replica_id, s in replicas.items()}, "totals": totals}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        replicas = await read_replica_stats()
-        return Response(frontend.metrics.render(replicas), media_type="text/plain; version=0.0.4")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(await client.stats()), media_type="text/plain; version=0.0.4")
 
     return app
 
 
-def _token_params(frontend: Frontend, body):
-    return frontend.sampling(
+def _token_params(builder: RequestBuilder, body):
+    return builder.sampling(
         max_new_tokens=body.max_new_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stop_token_ids=frontend.check_stop_token_ids(body.stop_token_ids),
+        stop_token_ids=builder.check_stop_token_ids(body.stop_token_ids),
         logprobs=body.logprobs,
         ignore_eos=body.ignore_eos,
     )
 
 
-def _generate_output(result: dict, with_logprobs: bool) -> dict:
+def _generate_output(result: GenerationResult, with_logprobs: bool) -> dict:
     output = {
-        "token_ids": list(result["token_ids"]),
-        "replica_id": result["replica_id"],
-        "cached_tokens": result["cached_tokens"],
-        "prompt_tokens": result["prompt_tokens"],
-        "finish_reason": result["finish_reason"],
+        "token_ids": list(result.token_ids),
+        "replica_id": result.replica_id,
+        "cached_tokens": result.cached_tokens,
+        "prompt_tokens": result.prompt_tokens,
+        "finish_reason": result.finish_reason,
     }
     if with_logprobs:
-        output["logprobs"] = result.get("logprobs")
+        output["logprobs"] = None if result.logprobs is None else list(result.logprobs)
     return output
 
 
@@ -245,13 +255,11 @@ async def _primed(items: AsyncIterator) -> AsyncIterator:
     return replay()
 
 
-async def _token_events(events: AsyncIterator[dict]):
+async def _token_events(events: AsyncIterator[TokenEvent | GenerationResult]):
     """SSE for ``/generate`` with ``stream: true``: one event per token, then the summary."""
-    import json
-
     try:
         async for event in events:
-            yield f"data: {json.dumps(event)}\n\n"
+            yield f"data: {json.dumps({**event.to_dict(), 'replica_id': event.replica_id})}\n\n"
     except APIError as error:
         yield error.sse_event()
     except asyncio.CancelledError:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from worker.results import GenerationResult, ReplicaStats
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 # engine stat key -> (metric name, help, is_counter)
@@ -65,13 +67,12 @@ class IngressMetrics:
         self._replicas = _ReplicaCollector()
         self.registry.register(self._replicas)
 
-    def observe_result(self, result: dict, latency_s: float, ttft_seen: bool = False) -> None:
-        replica = str(result.get("replica_id", "unknown"))
+    def observe_result(self, result: GenerationResult, latency_s: float, ttft_seen: bool = False) -> None:
+        replica = result.replica_id or "unknown"
         self.latency_s.labels(replica=replica).observe(latency_s)
-        ttft_s = result.get("ttft_s")
-        if not ttft_seen and isinstance(ttft_s, (int, float)):
-            self.ttft_s.labels(replica=replica).observe(ttft_s)
+        if not ttft_seen and result.ttft_s is not None:
+            self.ttft_s.labels(replica=replica).observe(result.ttft_s)
 
-    def render(self, replica_to_stats: dict[str, dict]) -> bytes:
-        self._replicas.replica_to_stats = replica_to_stats
+    def render(self, replica_to_stats: dict[str, ReplicaStats]) -> bytes:
+        self._replicas.replica_to_stats = {replica_id: s.engine for replica_id, s in replica_to_stats.items()}
         return generate_latest(self.registry)

@@ -16,11 +16,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from deploy.dispatch import Dispatcher
 from deploy.errors import APIError
-from deploy.frontend import Frontend
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.request_builder import RequestBuilder
 from deploy.textstream import TextStream
 from worker.messages import WorkerRequest
+from worker.results import GenerationResult
 
 
 @dataclass(slots=True)
@@ -46,15 +48,21 @@ class Delta:
 
 
 class OpenAIRoutes:
-    def __init__(self, frontend: Frontend) -> None:
-        self.frontend = frontend
-        self.tokenizer = frontend.tokenizer
+    """``model_name``: the id clients must send; ``builder`` checks and builds
+    each (prompt, choice) request; ``dispatcher`` runs them."""
+
+    def __init__(self, model_name: str, tokenizer, builder: RequestBuilder, dispatcher: Dispatcher) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.builder = builder
+        self.dispatcher = dispatcher
+        self.limits = builder.limits
 
     # ----------------------------------------------------------- preparation
     def _check_model(self, model: str) -> None:
-        if model != self.frontend.config.model_name:
+        if model != self.model_name:
             raise APIError(
-                404, f"model {model!r} does not exist; this server serves {self.frontend.config.model_name!r}",
+                404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                 code="model_not_found", param="model",
             )
 
@@ -80,9 +88,9 @@ class OpenAIRoutes:
         return self._encode(text)
 
     def _requests(self, prompts: list[list[int]], body, max_tokens: int) -> list[tuple[WorkerRequest, ChoiceState]]:
-        fe = self.frontend
-        if body.n > fe.config.limits.max_n:
-            raise APIError(400, f"n={body.n} is over the limit of {fe.config.limits.max_n}", param="n")
+        builder = self.builder
+        if body.n > self.limits.max_n:
+            raise APIError(400, f"n={body.n} is over the limit of {self.limits.max_n}", param="n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop strings are allowed", param="stop")
@@ -90,9 +98,9 @@ class OpenAIRoutes:
         pairs = []
         for prompt_index, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{prompt_index}]"
-            token_ids = fe.check_prompt(prompt, max_tokens, param=param if isinstance(body, CompletionRequest) else "messages")
+            token_ids = builder.check_prompt(prompt, max_tokens, param=param if isinstance(body, CompletionRequest) else "messages")
             for choice in range(body.n):
-                params = fe.sampling(
+                params = builder.sampling(
                     max_new_tokens=max_tokens,
                     temperature=body.temperature,
                     top_p=body.top_p,
@@ -101,7 +109,7 @@ class OpenAIRoutes:
                     logprobs=True,
                 )
                 state = ChoiceState(len(pairs), len(token_ids), TextStream(self.tokenizer.decode, stop))
-                pairs.append((fe.make_request(token_ids, params, salt), state))
+                pairs.append((builder.request(token_ids, params, salt), state))
         return pairs
 
     def completion_requests(self, body: CompletionRequest, salt_header: str | None):
@@ -118,7 +126,7 @@ class OpenAIRoutes:
             prompts = [list(prompt)]
         else:
             prompts = [list(p) for p in prompt]
-        if len(prompts) * body.n > self.frontend.config.limits.max_batch_prompts:
+        if len(prompts) * body.n > self.limits.max_batch_prompts:
             raise APIError(400, "too many prompts × choices in one request", param="prompt")
         body = body.model_copy(update={"cache_salt": body.cache_salt or salt_header})
         return self._requests(prompts, body, body.max_tokens or 16)
@@ -128,36 +136,35 @@ class OpenAIRoutes:
         self._check_unsupported(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
-            max_tokens = self.frontend.config.limits.max_new_tokens
+            max_tokens = self.limits.max_new_tokens
         prompt = self._chat_prompt(body)
-        max_tokens = min(max_tokens, max(1, self.frontend.max_model_len - len(prompt)))
+        max_tokens = min(max_tokens, max(1, self.builder.bounds.max_model_len - len(prompt)))
         body = body.model_copy(update={"cache_salt": body.cache_salt or salt_header})
         return self._requests([prompt], body, max_tokens)
 
     # -------------------------------------------------------------- running
     async def _run_choice(self, request: WorkerRequest, state: ChoiceState, incremental: bool) -> AsyncIterator[Delta]:
         """Deltas of one choice; the last one has ``finish_reason``."""
-        fe = self.frontend
         if not incremental and not state.text._stop:
-            result = await fe.run(request)
-            for token_id in result["token_ids"]:
+            result = await self.dispatcher.run(request)
+            for token_id in result.token_ids:
                 state.text.push(token_id)
-            state.token_ids, state.logprobs = list(result["token_ids"]), list(result.get("logprobs") or [])
-            state.cached_tokens = result.get("cached_tokens", 0)
+            state.token_ids, state.logprobs = list(result.token_ids), list(result.logprobs or [])
+            state.cached_tokens = result.cached_tokens
             state.text.finish()
-            state.finish_reason = result["finish_reason"]
+            state.finish_reason = result.finish_reason
             yield Delta(state.index, state.text.text, tuple(state.token_ids), tuple(state.logprobs), state.finish_reason)
             return
-        stream = fe.stream(request)
+        stream = self.dispatcher.stream(request)
         try:
             async for event in stream:
-                if event.get("done"):
-                    state.cached_tokens = event.get("cached_tokens", 0)
+                if isinstance(event, GenerationResult):
+                    state.cached_tokens = event.cached_tokens
                     tail = state.text.finish()
-                    state.finish_reason = "stop" if state.text.stopped else event["finish_reason"]
+                    state.finish_reason = "stop" if state.text.stopped else event.finish_reason
                     yield Delta(state.index, tail, (), (), state.finish_reason)
                     return
-                token_id, logprob = event["token_id"], event.get("logprob")
+                token_id, logprob = event.token_id, event.logprob
                 state.token_ids.append(token_id)
                 state.logprobs.append(logprob)
                 text = state.text.push(token_id)
@@ -230,7 +237,7 @@ class OpenAIRoutes:
             choices.append({"index": state.index, "text": state.text.text, "logprobs": logprobs, "finish_reason": state.finish_reason})
         return {
             "id": completion_id, "object": "text_completion", "created": created,
-            "model": self.frontend.config.model_name, "choices": choices, "usage": self.usage(states, pairs),
+            "model": self.model_name, "choices": choices, "usage": self.usage(states, pairs),
         }
 
     def chat_body(self, states, pairs, created: int, completion_id: str, with_logprobs: bool) -> dict:
@@ -248,7 +255,7 @@ class OpenAIRoutes:
             })
         return {
             "id": completion_id, "object": "chat.completion", "created": created,
-            "model": self.frontend.config.model_name, "choices": choices, "usage": self.usage(states, pairs),
+            "model": self.model_name, "choices": choices, "usage": self.usage(states, pairs),
         }
 
     def deltas(self, pairs) -> AsyncIterator[Delta]:
@@ -261,7 +268,7 @@ class OpenAIRoutes:
         (from :meth:`deltas`), ending with ``[DONE]``."""
         created, completion_id = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         base = {"id": completion_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.frontend.config.model_name}
+                "created": created, "model": self.model_name}
         try:
             if chat:
                 for _, state in pairs:

@@ -7,6 +7,7 @@ A thin adapter: generation, stats and cache summaries all come from
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ from ray import serve
 from worker import AsyncEngine, EngineConfig
 from worker.audit import audit
 from worker.messages import WorkerBatch, WorkerRequest
+from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
 from worker.stats_board import StatsPublisher
 
 logger = logging.getLogger("kvroute.worker")
@@ -35,26 +37,26 @@ class Worker:
         self._publisher = StatsPublisher(context.app_name, self.replica_id, stats_period_s, self._stats_with_audit)
         self._publisher.start()
 
-    async def generate(self, request: WorkerRequest) -> dict:
+    async def generate(self, request: WorkerRequest) -> GenerationResult:
         result = await self.engine.generate(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
-        return {**result.to_dict(), "replica_id": self.replica_id}
+        return dataclasses.replace(result, replica_id=self.replica_id)
 
-    async def generate_stream(self, request: WorkerRequest) -> AsyncIterator[dict]:
-        """Each token as it is produced, then the result (``"done": true``)."""
+    async def generate_stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
+        """Each token as it is produced, then the result."""
         stream = self.engine.stream(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
         async for item in stream:
-            yield {**item.to_dict(), "replica_id": self.replica_id}
+            yield dataclasses.replace(item, replica_id=self.replica_id)
 
-    async def generate_batch(self, batch: WorkerBatch) -> list[dict]:
-        """Results in batch order; a failed item becomes ``{"error": message}``."""
+    async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]:
+        """Results in batch order; a failed item becomes an :class:`ItemError`."""
         results = await asyncio.gather(*(self.generate(r) for r in batch.requests), return_exceptions=True)
-        return [r if isinstance(r, dict) else {"error": str(r), "error_type": type(r).__name__} for r in results]
+        return [r if isinstance(r, GenerationResult) else ItemError.from_exception(r) for r in results]
 
     def model_info(self) -> dict:
         return self.engine.model_info()
 
-    def stats(self) -> dict:
-        return {**self.engine.stats, "replica_id": self.replica_id, "pid": os.getpid()}
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(self.replica_id, os.getpid(), self.engine.stats)
 
     async def record_routing_stats(self) -> dict:
         summary = await asyncio.to_thread(
@@ -66,11 +68,11 @@ class Worker:
     def check_health(self) -> None:
         self.engine.check_health()
 
-    async def _stats_with_audit(self) -> dict:
+    async def _stats_with_audit(self) -> ReplicaStats:
         """Stats, plus an audit (invariants, no leaked blocks) when idle."""
         stats = self.stats()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-            stats["audit"] = (await asyncio.to_thread(audit, self.engine)).to_dict()
+        if stats.engine["num_running"] == 0 and stats.engine["num_waiting"] == 0:
+            stats = dataclasses.replace(stats, audit=(await asyncio.to_thread(audit, self.engine)).to_dict())
         return stats
 
     async def __del__(self) -> None:

@@ -1,4 +1,9 @@
-"""What the engine hands back: per-token events and the final result."""
+"""What the engine hands back: per-token events and the final result; and
+what a Worker replica hands the ingress for a batch item that failed.
+
+All frozen: they cross the worker↔ingress process boundary as they are.
+``replica_id`` is empty inside an engine; the Worker adapter stamps it.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ class GenerationResult:
     ``logprobs``: their log-probabilities when requested, else ``None``;
     ``cached_tokens``: prompt tokens reused from the prefix cache when the
     request was first admitted (0 on a miss); ``ttft_s``: seconds from
-    submission to the first generated token.
+    submission to the first generated token; ``replica_id``: the Worker
+    replica that served it ("" inside an engine).
     """
 
     token_ids: tuple[int, ...]
@@ -27,6 +33,7 @@ class GenerationResult:
     ttft_s: float | None
     request_id: str = ""
     num_preemptions: int = 0
+    replica_id: str = ""
 
     @property
     def done(self) -> bool:
@@ -58,6 +65,7 @@ class TokenEvent:
     logprob: float | None
     index: int  # position in the output, from 0
     result: GenerationResult | None = None
+    replica_id: str = ""
 
     @property
     def is_last(self) -> bool:
@@ -66,3 +74,49 @@ class TokenEvent:
     def to_dict(self) -> dict:
         """The token only (a stream's final item, the result, has its own ``to_dict``)."""
         return {"request_id": self.request_id, "token_id": self.token_id, "logprob": self.logprob, "index": self.index}
+
+
+ItemErrorKind = Literal["invalid", "overloaded", "internal"]
+
+
+@dataclass(frozen=True, slots=True)
+class ItemError:
+    """A batch item that failed on the replica while the rest of its batch
+    ran: ``invalid`` (the engine rejected the request: ``ValueError``),
+    ``overloaded`` (the engine's queue was full) or ``internal``."""
+
+    message: str
+    kind: ItemErrorKind
+
+    @classmethod
+    def from_exception(cls, error: BaseException) -> ItemError:
+        from worker.async_engine import EngineOverloaded  # that module imports this one
+
+        if isinstance(error, EngineOverloaded):
+            return cls(str(error), "overloaded")
+        return cls(str(error), "invalid" if isinstance(error, ValueError) else "internal")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """One Worker replica's figures as it last posted them to the stats board.
+
+    ``engine``: the engine's ``stats`` snapshot (DESIGN.md's stats contract:
+    ``hits``, ``misses``, ``tokens_saved``, ``prefill_tokens``,
+    ``cache_num_tokens``, queue and KV figures); ``audit``: the idle-time
+    audit (``worker.audit``'s report as a dict) when the replica was idle,
+    else ``None``; ``age_s``: seconds since it was posted, set by the reader.
+    """
+
+    replica_id: str
+    pid: int
+    engine: dict
+    audit: dict | None = None
+    age_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        """The flat JSON shape ``GET /stats`` shows per replica."""
+        flat = {**self.engine, "replica_id": self.replica_id, "pid": self.pid, "age_s": self.age_s}
+        if self.audit is not None:
+            flat["audit"] = self.audit
+        return flat

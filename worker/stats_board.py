@@ -9,9 +9,12 @@ that replica dies the board dies with it and the next push recreates it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
+
+from worker.results import ReplicaStats
 
 NAMESPACE = "kvroute"
 
@@ -19,18 +22,18 @@ NAMESPACE = "kvroute"
 @ray.remote(num_cpus=0, max_restarts=0)
 class StatsBoard:
     def __init__(self) -> None:
-        self._replica_to_entry: dict[str, tuple[float, dict]] = {}
+        self._replica_to_entry: dict[str, tuple[float, ReplicaStats]] = {}
 
-    def put(self, replica_id: str, stats: dict) -> None:
+    def put(self, replica_id: str, stats: ReplicaStats) -> None:
         self._replica_to_entry[replica_id] = (time.time(), stats)
 
     def remove(self, replica_id: str) -> None:
         self._replica_to_entry.pop(replica_id, None)
 
-    def get_all(self, max_age_s: float) -> dict[str, dict]:
+    def get_all(self, max_age_s: float) -> dict[str, ReplicaStats]:
         now = time.time()
         return {
-            replica_id: {**stats, "age_s": round(now - posted, 3)}
+            replica_id: dataclasses.replace(stats, age_s=round(now - posted, 3))
             for replica_id, (posted, stats) in self._replica_to_entry.items()
             if now - posted <= max_age_s
         }

@@ -1,5 +1,7 @@
-"""The serving app, live: every route over real HTTP against real Ray Serve
-replicas running the real engine (deterministic mode, 2 Worker replicas)."""
+"""The serving app, live: what needs Ray — routing across 2 Worker replicas
+(deterministic mode), fan-out calls, streaming and cancellation through
+Serve handles, the stats board, shutdown. Each route's shapes and errors are
+tested in process, without Ray: tests/deploy/test_routes.py."""
 
 from __future__ import annotations
 
@@ -25,32 +27,14 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(32, 127) for _ in range(n)]
 
 
-def assert_error(response, status: int):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    return error
-
-
 # ------------------------------------------------------------------ basics
-def test_health_models_and_stats(live_app):
+def test_stats_board_lists_both_replicas(live_app):
     assert httpx.get(live_app.url + "/health", trust_env=False).json() == {"status": "ok"}
-    models = httpx.get(live_app.url + "/v1/models", trust_env=False).json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
     stats = httpx.get(live_app.url + "/stats", trust_env=False).json()
     assert len(stats["replicas"]) == 2
-    for replica in stats["replicas"].values():
-        assert {"hits", "misses", "tokens_saved", "prefill_tokens", "cached_tokens"} <= set(replica)
-
-
-def test_generate_returns_contract_fields(live_app):
-    prompt = tokens(1, 30)
-    out = post(live_app, "/generate", {"prompt_token_ids": prompt, "max_new_tokens": 6, "ignore_eos": True}).json()
-    assert set(out) >= {"token_ids", "replica_id", "cached_tokens", "prompt_tokens"}
-    assert len(out["token_ids"]) == 6
-    assert out["prompt_tokens"] == 30
-    assert out["replica_id"].startswith("SERVE_REPLICA::")
+    for replica_id, replica in stats["replicas"].items():
+        assert replica_id.startswith("SERVE_REPLICA::") and replica["replica_id"] == replica_id
+        assert {"hits", "misses", "tokens_saved", "prefill_tokens", "cache_num_tokens", "pid"} <= set(replica)
 
 
 def test_repeated_prompt_returns_to_its_replica_with_cached_prefix(live_app):
@@ -76,13 +60,6 @@ def test_generate_batch_keeps_input_order_and_equals_single_requests(live_app):
         assert output["logprobs"] == single["logprobs"]  # deterministic mode: bit-identical
 
 
-def test_generate_batch_reports_bad_items_in_place(live_app):
-    good = tokens(4, 10)
-    out = post(live_app, "/generate_batch", {"prompts": [good, [10**9], good], "max_new_tokens": 2}).json()["outputs"]
-    assert len(out[0]["token_ids"]) >= 1 and len(out[2]["token_ids"]) >= 1
-    assert "vocabulary" in out[1]["error"]["message"]
-
-
 def test_streamed_generate_sends_each_token_then_summary(live_app):
     prompt = tokens(5, 20)
     body = {"prompt_token_ids": prompt, "max_new_tokens": 5, "stream": True, "ignore_eos": True}
@@ -103,7 +80,7 @@ def client(live_app):
                          http_client=httpx.Client(trust_env=False, timeout=120))
 
 
-def test_openai_completions(client):
+def test_openai_choices_fan_out_and_all_finish(client):
     completion = client.completions.create(model=MODEL, prompt="The cache", max_tokens=6, temperature=0, n=2)
     assert len(completion.choices) == 2
     assert completion.choices[0].text == completion.choices[1].text  # greedy
@@ -111,51 +88,6 @@ def test_openai_completions(client):
     assert usage.prompt_tokens >= len("The cache")  # byte-level: at least a token per byte
     assert 2 <= usage.completion_tokens <= 12
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-
-
-def test_openai_completions_seed_reproduces_sampling(client):
-    kwargs = dict(model=MODEL, prompt="Seeded", max_tokens=8, temperature=1.0, seed=1234)
-    first = client.completions.create(**kwargs)
-    second = client.completions.create(**kwargs)
-    assert first.choices[0].text == second.choices[0].text
-
-
-def test_openai_chat_and_cached_tokens_in_usage(client):
-    messages = [{"role": "system", "content": "You are a cache. " * 8}, {"role": "user", "content": "Hi"}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    assert first.choices[0].message.role == "assistant"
-    assert second.choices[0].message.content == first.choices[0].message.content
-    assert second.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 1
-
-
-def test_openai_streaming_completions_and_chat(client):
-    whole = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=8, temperature=0)
-    pieces = list(client.completions.create(model=MODEL, prompt="Stream me", max_tokens=8, temperature=0, stream=True))
-    assert "".join(p.choices[0].text for p in pieces if p.choices) == whole.choices[0].text
-    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
-
-
-def test_openai_stop_string_cuts_text(client):
-    whole = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=12, temperature=0).choices[0].text
-    if len(whole) < 4:
-        pytest.fail(f"the model produced too little text to test stop strings: {whole!r}")
-    stop = whole[2:4]
-    cut = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=12, temperature=0, stop=[stop])
-    assert cut.choices[0].text == whole[: whole.index(stop)]
-    assert cut.choices[0].finish_reason == "stop"
-
-
-def test_openai_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError) as info:
-        client.completions.create(model="gpt-nope", prompt="x", max_tokens=1)
-    assert "gpt-nope" in str(info.value)
 
 
 # -------------------------------------------------------------- routing
@@ -171,47 +103,6 @@ def test_prefix_groups_stick_while_both_replicas_get_work(live_app):
         assert len(set(replicas[1:])) == 1, f"group {g} did not stick after its first request: {replicas}"
     homes = {replicas[-1] for replicas in group_to_replicas.values()}
     assert len(homes) == 2, f"one replica got every group: {group_to_replicas}"
-
-
-# ------------------------------------------------------------ bad input
-BAD_BODIES = [
-    ("/generate", {"prompt_token_ids": [], "max_new_tokens": 4}, 422),
-    ("/generate", {"max_new_tokens": 4}, 422),
-    ("/generate", {"prompt_token_ids": "abc", "max_new_tokens": 4}, 422),
-    ("/generate", {"prompt_token_ids": [1, 2, "x"], "max_new_tokens": 4}, 422),
-    ("/generate", {"prompt_token_ids": [1.5], "max_new_tokens": 4}, 422),
-    ("/generate", {"prompt_token_ids": [1, 2], "max_new_tokens": -1}, 422),
-    ("/generate", {"prompt_token_ids": [1, 2], "max_new_tokens": 10**9}, 400),
-    ("/generate", {"prompt_token_ids": [1, 10**6], "max_new_tokens": 4}, 400),
-    ("/generate", {"prompt_token_ids": [-1], "max_new_tokens": 4}, 400),
-    ("/generate", {"prompt_token_ids": [1], "max_new_tokens": 4, "temperature": -1}, 422),
-    ("/generate_batch", {"prompts": [], "max_new_tokens": 4}, 422),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -5}, 422),
-    ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 5}, 422),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**7}, 400),
-    ("/v1/completions", {"model": "unknown", "prompt": "x"}, 404),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 422),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 422),
-]
-
-
-@pytest.mark.parametrize("path,body,status", BAD_BODIES, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD_BODIES)])
-def test_bad_input_gets_openai_style_4xx(live_app, path, body, status):
-    assert_error(post(live_app, path, body), status)
-
-
-def test_malformed_json_and_oversized_body(live_app):
-    response = httpx.post(live_app.url + "/generate", content=b"{not json", headers={"content-type": "application/json"}, trust_env=False)
-    assert_error(response, 400)
-    huge = {"prompt_token_ids": [1] * 600_000, "max_new_tokens": 1}  # 1.2 MB of compact JSON > 1 MiB
-    assert_error(post(live_app, "/generate", huge), 413)
-
-
-def test_server_keeps_serving_after_bad_input(live_app):
-    for path, body, _ in BAD_BODIES:
-        post(live_app, path, body)
-    out = post(live_app, "/generate", {"prompt_token_ids": tokens(6, 10), "max_new_tokens": 3, "ignore_eos": True})
-    assert out.status_code == 200 and len(out.json()["token_ids"]) == 3
 
 
 # ---------------------------------------------------------- cancellation
@@ -237,8 +128,12 @@ def test_client_disconnect_cancels_and_frees_blocks(live_app):
 # -------------------------------------------------------------- metrics
 def test_prometheus_metrics_per_replica(live_app):
     post(live_app, "/generate", {"prompt_token_ids": tokens(8, 20), "max_new_tokens": 2})
-    time.sleep(2.5)  # one stats period for the workers' figures to reach the board
-    text = httpx.get(live_app.url + "/metrics", trust_env=False).text
+    deadline = time.time() + 15  # the workers' figures reach the board once a stats period
+    while True:
+        text = httpx.get(live_app.url + "/metrics", trust_env=False).text
+        if text.count('kvroute_cache_hits_total{replica="SERVE_REPLICA::') == 2 or time.time() > deadline:
+            break
+        time.sleep(0.2)
     for name in ("kvroute_cache_hits_total", "kvroute_tokens_saved_total", "kvroute_prefill_tokens_total",
                  "kvroute_queue_depth", "kvroute_ttft_seconds_bucket", "kvroute_request_latency_seconds_count"):
         assert name in text, name

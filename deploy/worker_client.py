@@ -1,0 +1,75 @@
+"""The ingress's view of the Worker replicas: a small client interface.
+
+The routes and the dispatcher depend only on :class:`WorkerClient`; the Ray
+implementation is ``deploy/ray_client.py``, an in-process one over an
+``AsyncEngine`` is ``harness/engine_client.py`` (the route tests use it).
+Records crossing the boundary are the worker's frozen dataclasses
+(``worker.messages``, ``worker.results``).
+
+Every failure a client raises is an :class:`~deploy.errors.APIError` with a
+definite status: :class:`ReplicaFailed` (503; the dispatcher may send the
+request again, another replica will take it), :class:`Busy` (429 or 503 with
+``Retry-After``; ``reason`` labels the shed-request metric) or a plain
+``APIError`` (400 for input the engine rejected, 500 otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from deploy.errors import APIError
+from worker.messages import WorkerBatch, WorkerRequest
+from worker import EngineOverloaded
+from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
+
+logger = logging.getLogger("kvroute.ingress")
+
+
+class WorkerClient(Protocol):
+    async def generate(self, request: WorkerRequest) -> GenerationResult: ...
+
+    def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
+        """Token events, then the result; closing it early cancels the request."""
+        ...
+
+    async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]: ...
+
+    async def stats(self) -> dict[str, ReplicaStats]:
+        """Each live replica's last posted figures, by replica id."""
+        ...
+
+
+class ReplicaFailed(APIError):
+    """The replica serving the request died; nothing was answered."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(503, "a worker replica failed; retry the request", code="replica_failed", retry_after_s=retry_after_s)
+
+
+class Busy(APIError):
+    """Shed under overload. ``reason``: ``engine_queue_full`` (429) or ``serve_queue_full`` (503)."""
+
+    def __init__(self, reason: str, detail: str, retry_after_s: int) -> None:
+        status, code = (429, "engine_overloaded") if reason == "engine_queue_full" else (503, "overloaded")
+        super().__init__(status, f"server busy: {detail}", code=code, retry_after_s=retry_after_s)
+        self.reason = reason
+
+
+def engine_error(error: BaseException, retry_after_s: int) -> APIError:
+    """The status for an exception the engine raised (any client's transport
+    hands these on: Ray re-raises them with their type)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineOverloaded):
+        return Busy("engine_queue_full", str(error), retry_after_s)
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    logger.error("unexpected worker failure", exc_info=error)
+    return APIError(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def item_error(error: ItemError) -> APIError:
+    """The status for one failed item of a batch (reported in place, in its body)."""
+    return APIError({"invalid": 400, "overloaded": 429}.get(error.kind, 500), error.message)
