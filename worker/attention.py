@@ -1,74 +1,186 @@
 """Paged attention, registered with transformers' ``AttentionInterface`` as
-``"kvroute_paged"``.
+``"kvroute_paged"``, and its default kernel.
 
 One forward runs a flattened batch: several sequences' prefill chunks and
 decode tokens, each token with its own position. The attention function
-writes the step's new keys/values into their pool slots, then attends every
-query over its own sequence's blocks. The per-step plan (index tensors built
-once per step, shared by all layers) arrives as the ``kvroute_step`` keyword
-argument, which transformers forwards from ``model(...)`` to attention.
+writes the step's new keys/values into their pool slots, then hands the
+queries to the step's plan (``plan.attend``), built once per step and shared
+by all layers; it arrives as the ``kvroute_step`` keyword argument, which
+transformers forwards from ``model(...)`` to attention. Plans: the default
+one here, the batch-invariant one (worker/tiled_attention.py), a GPU one
+(worker/gpu_attention.py).
 
-Two kernels:
+Default kernel: K/V are read from the pool by block table, in *rounds* that
+each gather at most ``scratch_tokens`` positions, so attention's scratch
+memory is set by config, not by batch × context.
 
-- default (:class:`DefaultPlan`, here): decodes batched into one SDPA call
-  over gathered, padded contexts; each prefill chunk one SDPA call;
-- batch-invariant (worker/tiled_attention.py): a query's output depends only
-  on its own keys, never on the batch, the chunking or the tile it sits in.
+- Decode tokens are batched across sequences without padding to the
+  longest: each sequence's context is cut into key chunks of
+  :data:`DECODE_KEY_CHUNK` positions aligned to absolute positions (whole
+  blocks); a *pair* is (sequence, key chunk); a round attends a run of
+  pairs (one fused attention call returning each row's log-sum-exp) and
+  merges them into the sequences' running outputs (online softmax). Only a
+  sequence's last chunk is masked, so at most a chunk's worth of positions
+  per sequence is read in vain.
+- A prefill chunk attends to its own new keys straight from the step's
+  ``key``/``value`` (causal, no copy) and to its cached prefix gathered from
+  the pool in rounds (nothing masked), merged the same way.
+
+Merging partial results by log-sum-exp is exact up to float rounding; the
+order of rounds depends on the batch, so this kernel is not batch-invariant
+(deterministic mode uses the tiled kernel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from worker.tiled_attention import TiledPlan, tiled_attention
-
-if TYPE_CHECKING:
-    from worker.step import ChunkArrays
+from worker.chunk_arrays import ChunkArrays
 
 ATTN_IMPLEMENTATION = "kvroute_paged"
+DECODE_KEY_CHUNK = 128  # positions per decode pair (rounded up to whole blocks)
+DEFAULT_SCRATCH_TOKENS = 32768  # K/V positions one round may gather
+_EMPTY_LSE = -1e30  # a running log-sum-exp before any key (finite: exp(-1e30 - m) == 0, never NaN)
+
+
+@dataclass(slots=True)
+class DecodeRound:
+    pair_seq: torch.Tensor  # [pairs] index of each pair's sequence among the step's decodes
+    slabs: torch.Tensor  # [pairs * kv_heads * slabs_per_chunk] block slabs of each pair's keys
+    mask: torch.Tensor  # [pairs, 1, 1, key_chunk] 0 where a key is visible, -inf past the sequence's end
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    row: int  # first row of the chunk in the flattened batch
+    length: int
+    past_rounds: list[torch.Tensor]  # each [kv_heads * n] pool rows of n cached positions, head-major
 
 
 @dataclass(slots=True)
 class DefaultPlan:
     decode_rows: torch.Tensor | None  # [num_decodes] rows of one-token chunks
-    decode_slabs: torch.Tensor | None  # [num_decodes, kv_heads, max_blocks] block slabs (scratch past the end)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where a key is visible
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row, n, slabs [kv_heads, blocks], mask)
+    key_chunk: int  # positions per decode pair
+    decode_rounds: list[DecodeRound]
+    prefills: list[PrefillWork]
+
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
+        """``q [heads, T, D]``, this step's ``key``/``value [kv_heads, T, D]`` → ``[T, heads, D]``."""
+        return _default_attention(q, key, value, pool, layer, self, scale)
 
 
-def build_default_plan(chunks: ChunkArrays, device: torch.device) -> DefaultPlan:
-    bs, heads = chunks.block_size, np.arange(chunks.num_kv_heads)
+def build_default_plan(
+    chunks: ChunkArrays, device: torch.device, scratch_tokens: int = DEFAULT_SCRATCH_TOKENS
+) -> DefaultPlan:
+    """``scratch_tokens``: most K/V positions gathered at once (at least one key chunk)."""
+    bs, num_kv_heads = chunks.block_size, chunks.num_kv_heads
+    key_chunk = -(-DECODE_KEY_CHUNK // bs) * bs
     is_decode = chunks.lengths == 1
     decode = np.flatnonzero(is_decode)
-    decode_rows = decode_slabs = decode_mask = None
+    decode_rows, rounds = None, []
     if len(decode):
-        context = chunks.ends[decode]
-        num_blocks = int(-(-context.max() // bs))
-        block_pos = np.arange(num_blocks) * bs
-        blocks = chunks.blocks(decode[:, None], block_pos[None, :])  # [B, nblk]
-        slabs = chunks.slab_ids(blocks[:, None, :], heads[None, :, None], block_pos, bs)
-        visible = np.arange(num_blocks * bs)[None, :] < context[:, None]
         decode_rows = torch.from_numpy(chunks.offsets[decode]).to(device)
-        decode_slabs = torch.from_numpy(slabs).to(device)
-        decode_mask = torch.from_numpy(visible[:, None, None, :]).to(device)
+        ends = chunks.ends[decode]
+        chunks_per_seq = -(-ends // key_chunk)
+        pair_seq = np.repeat(np.arange(len(decode)), chunks_per_seq)  # [pairs]
+        pair_start = (np.arange(len(pair_seq)) - np.repeat(np.cumsum(chunks_per_seq) - chunks_per_seq, chunks_per_seq))
+        pair_start *= key_chunk
+        slab_pos = pair_start[:, None] + np.arange(0, key_chunk, bs)  # [pairs, slabs_per_chunk]
+        blocks = chunks.blocks(decode[pair_seq][:, None], slab_pos)
+        heads = np.arange(num_kv_heads)[None, :, None]
+        slabs = chunks.slab_ids(blocks[:, None, :], heads, slab_pos[:, None, :], bs)  # [pairs, kv_heads, slabs]
+        key_pos = pair_start[:, None] + np.arange(key_chunk)
+        mask = np.where(key_pos < ends[pair_seq][:, None], 0.0, -np.inf).astype(np.float32)
+        per_round = max(1, scratch_tokens // key_chunk)
+        for lo in range(0, len(pair_seq), per_round):
+            hi = lo + per_round
+            rounds.append(DecodeRound(
+                pair_seq=torch.from_numpy(pair_seq[lo:hi]).to(device),
+                slabs=torch.from_numpy(slabs[lo:hi].reshape(-1)).to(device),
+                mask=torch.from_numpy(mask[lo:hi, None, None, :]).to(device),
+            ))
     prefills = []
+    heads = np.arange(num_kv_heads)[:, None]
     for index in np.flatnonzero(~is_decode):
-        start, length = int(chunks.starts[index]), int(chunks.lengths[index])
-        num_blocks = -(-(start + length) // bs)
-        block_pos = np.arange(num_blocks) * bs
-        blocks = chunks.blocks(np.int64(index), block_pos)
-        slabs = torch.from_numpy(chunks.slab_ids(blocks[None, :], heads[:, None], block_pos, bs)).to(device)
-        mask = None  # from position 0, top-left causal is exact (keys past the end come after every query)
-        if start:
-            query_pos = start + np.arange(length)
-            mask = torch.from_numpy(np.arange(num_blocks * bs)[None, :] <= query_pos[:, None]).to(device)
-        prefills.append((int(chunks.offsets[index]), length, slabs, mask))
-    return DefaultPlan(decode_rows, decode_slabs, decode_mask, prefills)
+        start = int(chunks.starts[index])
+        past_rounds = []
+        for lo in range(0, start, max(bs, scratch_tokens)):
+            positions = np.arange(lo, min(start, lo + max(bs, scratch_tokens)))
+            blocks = chunks.tables[index, positions // bs]
+            rows = (blocks[None, :] * num_kv_heads + heads) * bs + positions[None, :] % bs  # [kv_heads, n]
+            past_rounds.append(torch.from_numpy(rows.reshape(-1)).to(device))
+        prefills.append(PrefillWork(int(chunks.offsets[index]), int(chunks.lengths[index]), past_rounds))
+    return DefaultPlan(decode_rows, key_chunk, rounds, prefills)
+
+
+def attend_with_lse(q, k, v, *, mask=None, is_causal=False, scale: float):
+    """``q [B, heads, n, D]``, ``k``/``v [B, kv_heads, m, D]`` → (out ``[B, heads, n, D]``,
+    log-sum-exp ``[B, heads, n]``). ``mask``: additive, broadcast to ``[B, heads, n, m]``;
+    ``is_causal``: query ``i`` sees keys ``0..i``. Every row must see at least one key."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, heads, n, m]
+    if mask is not None:
+        scores = scores + mask
+    if is_causal:
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = (scores - lse[..., None]).exp() @ v.float()
+    return out.to(q.dtype), lse
+
+
+def _merge(acc_out, acc_lse, index, out, lse) -> torch.Tensor:
+    """Fold partial results ``out [P, heads, D]``, ``lse [P, heads]`` of rows ``index [P]`` into
+    ``acc_out [B, heads, D]`` (in place) and return the new ``acc_lse [B, heads]``."""
+    top = acc_lse.scatter_reduce(0, index[:, None].expand_as(lse), lse, "amax")  # [B, heads]
+    acc_weight = (acc_lse - top).exp()
+    weight = (lse - top.index_select(0, index)).exp()  # [P, heads]
+    total = acc_weight.index_add(0, index, weight)
+    acc_out.mul_(acc_weight[..., None]).index_add_(0, index, out * weight[..., None].to(out.dtype))
+    acc_out.div_(total[..., None].to(acc_out.dtype))
+    return top + total.log()
+
+
+def _default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale: float) -> torch.Tensor:
+    num_heads, num_rows, head_dim = q.shape
+    num_kv_heads = key.shape[0]
+    out = q.new_empty(num_heads, num_rows, head_dim)
+    if plan.decode_rows is not None:
+        keys, values = pool.slabs(layer, 0, pool.block_size), pool.slabs(layer, 1, pool.block_size)  # [slabs, bs, D]
+        num_decodes = plan.decode_rows.shape[0]
+        qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
+        acc_out = qd.new_zeros(num_decodes, num_heads, head_dim)
+        acc_lse = torch.full((num_decodes, num_heads), _EMPTY_LSE, dtype=torch.float32, device=q.device)
+        for work in plan.decode_rounds:
+            num_pairs = work.pair_seq.shape[0]
+            k = keys.index_select(0, work.slabs).view(num_pairs, num_kv_heads, plan.key_chunk, head_dim)
+            v = values.index_select(0, work.slabs).view(num_pairs, num_kv_heads, plan.key_chunk, head_dim)
+            qp = qd.index_select(0, work.pair_seq).unsqueeze(2)  # [pairs, heads, 1, D]
+            o, lse = attend_with_lse(qp, k, v, mask=work.mask.to(q.dtype), scale=scale)
+            acc_lse = _merge(acc_out, acc_lse, work.pair_seq, o[:, :, 0], lse[:, :, 0].float())
+        out[:, plan.decode_rows] = acc_out.transpose(0, 1)
+    for work in plan.prefills:
+        rows = slice(work.row, work.row + work.length)
+        qc = q[None, :, rows]  # [1, heads, n, D]
+        acc, acc_lse = attend_with_lse(qc, key[None, :, rows], value[None, :, rows], is_causal=True, scale=scale)
+        acc = acc[0].transpose(0, 1).contiguous()  # [n, heads, D]: one "row" per query token
+        acc_lse = acc_lse[0].transpose(0, 1).float()  # [n, heads]
+        every_row = torch.arange(work.length, device=q.device)
+        for pool_rows in work.past_rounds:
+            k = pool.rows(layer, 0).index_select(0, pool_rows).view(1, num_kv_heads, -1, head_dim)
+            v = pool.rows(layer, 1).index_select(0, pool_rows).view(1, num_kv_heads, -1, head_dim)
+            o, lse = attend_with_lse(qc, k, v, scale=scale)
+            acc_lse = _merge(acc, acc_lse, every_row, o[0].transpose(0, 1), lse[0].transpose(0, 1).float())
+        out[:, rows] = acc.transpose(0, 1)
+    return out.transpose(0, 1)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -83,35 +195,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     pool.rows(layer, 0).index_copy_(0, step.write_rows, key[0].reshape(-1, head_dim).to(pool.data.dtype))
     pool.rows(layer, 1).index_copy_(0, step.write_rows, value[0].reshape(-1, head_dim).to(pool.data.dtype))
     scale = scaling if scaling is not None else head_dim**-0.5
-    if isinstance(step.plan, TiledPlan):
-        out = tiled_attention(query[0], pool, layer, step.plan, scale)
-    else:
-        out = _default_attention(query[0], pool, layer, step.plan, scale)
+    out = step.plan.attend(query[0], key[0], value[0], pool, layer, scale)
     return out.unsqueeze(0), None
-
-
-def _default_attention(q, pool, layer: int, plan: DefaultPlan, scale: float) -> torch.Tensor:
-    """``q [heads, T, D]`` → ``[T, heads, D]``."""
-    num_heads, num_rows, head_dim = q.shape
-    bs = pool.block_size
-    keys, values = pool.slabs(layer, 0, bs), pool.slabs(layer, 1, bs)  # [slabs, bs, D]
-    out = q.new_empty(num_heads, num_rows, head_dim)
-    if plan.decode_rows is not None:
-        num_decodes, num_kv_heads, num_blocks = plan.decode_slabs.shape
-        slabs = plan.decode_slabs.view(-1)
-        k = keys.index_select(0, slabs).view(num_decodes, num_kv_heads, num_blocks * bs, head_dim)
-        v = values.index_select(0, slabs).view(num_decodes, num_kv_heads, num_blocks * bs, head_dim)
-        qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
-        out[:, plan.decode_rows] = o[:, :, 0].transpose(0, 1)
-    for row, length, slabs, mask in plan.prefills:
-        num_kv_heads, num_blocks = slabs.shape
-        k = keys.index_select(0, slabs.view(-1)).view(1, num_kv_heads, num_blocks * bs, head_dim)
-        v = values.index_select(0, slabs.view(-1)).view(1, num_kv_heads, num_blocks * bs, head_dim)
-        qc = q[:, row : row + length].unsqueeze(0)  # [1, heads, n, D]
-        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[:, row : row + length] = o[0]
-    return out.transpose(0, 1)
 
 
 def register() -> None:

@@ -1,28 +1,29 @@
-"""Worker-engine benchmark on a shared-prefix workload (one run, one machine).
+"""Worker-engine benchmark on shared-prefix and distinct-prompt workloads (one machine).
 
-    python -m worker.bench [--groups 4 --prompts-per-group 8 --system-tokens 512 \
-        --question-tokens 32 --output-tokens 64 --repeats 3 --threads N] [--json OUT]
+    python -m worker.bench [--model bench|tiny|125m] [--workload shared|distinct|both] \
+        [--groups 4 --prompts-per-group 8 --system-tokens 512 --question-tokens 32 --output-tokens 64] \
+        [--peers static,generate_batch,one_by_one,vllm] [--repeats 3 --threads 2] [--json OUT]
 
-G groups × P prompts, each a group's system prompt (S tokens) + its own
-question (Q tokens), shuffled, all submitted at once, O generated tokens each
-(EOS ignored so every system generates the same count); each system runs
-the workload ``--repeats`` times from a cold cache (in interleaved rounds,
-after an untimed one) and the best wall time counts (process CPU time is reported too: the machine may be shared). The
-same random
-Llama (``BENCH_SPEC``, bigger than the test model so compute dominates) runs
-through:
+Shared prefix: G groups × P prompts, each a group's system prompt (S tokens)
++ its own question (Q tokens), shuffled. Distinct: G × P prompts of S + Q
+tokens sharing nothing. All prompts are submitted at once, O generated
+tokens each (greedy, EOS ignored so every system generates the same
+count). Each system runs each workload ``--repeats`` times from a cold
+cache, in interleaved rounds after ``--warmup-rounds`` untimed ones, so slow
+periods on a shared machine hit every system; best and median wall times
+are reported (process CPU time too, for systems in this process). The same
+random Llama (``--model``: the test model's shape, ``BENCH_SPEC``, or a
+~125M-parameter Llama) runs through this engine (default and deterministic
+mode) and the peers of worker/bench_peers.py: transformers' static batched
+``generate``, its ``generate_batch``, one-by-one ``generate``, and vLLM's
+CPU engine (``vllm``: needs scripts/setup-vllm.sh).
 
-  (a) this engine, default and deterministic mode;
-  (b) transformers' continuous batching, ``model.generate_batch`` (paged
-      cache with block sharing), on the same weights;
-  (c) plain ``model.generate``, one request at a time.
-
-Reported: wall time, generated tokens/s, prefill tokens computed against
-the lower bound (tokens of the prompts' union trie, each prompt contained in
-another needing one more, as the last position is always recomputed), the
-issue's looser bound (unique tokens + 1 per request), the ratios, and how
-often the engine's tokens / logprobs equal ``worker.reference.generate``'s on
-a sample of requests. Not a test: it prints what it measured.
+Reported: tok/s (best / median), prefill tokens against the lower bound
+(tokens of the prompts' union trie, each prompt contained in another
+needing one more, as the last position is always recomputed), the ratios,
+how many requests' greedy tokens equal the engine's, and how often the
+engine's tokens / logprobs equal ``worker.reference.generate``'s on a
+sample. Not a test: it prints what it measured.
 """
 
 from __future__ import annotations
@@ -30,20 +31,29 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from worker import reference
+from worker.bench_peers import ContinuousBatchingSystem, Outcome, PlainGenerateSystem, StaticBatchSystem, VllmSystem
 from worker.config import EngineConfig
 from worker.engine import Engine
-from worker.model import TinyLlamaSpec, build_tiny_llama, byte_tokenizer
+from worker.model import TinyLlamaSpec
 from worker.sampling import SamplingParams
 
 BENCH_SPEC = TinyLlamaSpec(
     hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2, max_position_embeddings=4096
 )
+# A random Llama of ~125M parameters (12 layers, hidden 768, GQA 12/4, 32k vocabulary).
+LLAMA_125M = TinyLlamaSpec(
+    hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4,
+    max_position_embeddings=8192, vocab_size=32000,
+)
+MODELS = {"bench": BENCH_SPEC, "tiny": TinyLlamaSpec(), "125m": LLAMA_125M}
+PEERS = ("static", "generate_batch", "one_by_one", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +103,15 @@ def prefill_bounds(prompts: list[list[int]]) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class Run:
-    """One system's timed runs of the whole workload (cold cache each time)."""
+    """One system's timed runs of one workload (cold cache each time)."""
 
     name: str
+    workload: str
     wall_s: list[float] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)  # process CPU time, all threads
+    cpu_s: list[float] = field(default_factory=list)  # process CPU time, all threads (this process only)
     generated_tokens: int = 0
     prefill_tokens: int | None = None
+    last: Outcome | None = None
 
     @property
     def best_wall_s(self) -> float:
@@ -109,108 +121,67 @@ class Run:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.best_wall_s
 
+    @property
+    def median_tokens_per_s(self) -> float:
+        return self.generated_tokens / statistics.median(self.wall_s)
+
 
 class EngineSystem:
-    """(a) this engine; ``outputs`` keeps the last run's results."""
+    """This engine; ``engine`` is kept for the reference check."""
 
-    def __init__(self, workload: Workload, *, deterministic: bool, max_batch_tokens: int) -> None:
+    def __init__(self, spec: TinyLlamaSpec, *, deterministic: bool, max_batch_tokens: int, gemm: str = "auto") -> None:
         self.engine = Engine(EngineConfig(
-            tiny_llama=BENCH_SPEC, deterministic=deterministic, cache_budget_tokens=65536,
-            max_batch_tokens=max_batch_tokens, max_num_seqs=64, max_model_len=2048,
+            tiny_llama=spec, deterministic=deterministic, cache_budget_tokens=65536,
+            max_batch_tokens=max_batch_tokens, max_num_seqs=64, max_model_len=2048, gemm=gemm,
         ))
-        self.workload = workload
-        self.params = SamplingParams(max_new_tokens=workload.output_tokens, ignore_eos=True, logprobs=True)
-        self.run = Run("engine (deterministic)" if deterministic else "engine (default)")
-        self.outputs: list = []
+        self.name = "engine (deterministic)" if deterministic else "engine (default)"
+        if gemm != "auto":
+            self.name += f" gemm={gemm}"
         with torch.inference_mode():
             self.engine.generate([5, 6, 7, 8] * 8, 2)  # warm-up
 
-    def once(self) -> None:
+    def once(self, workload: Workload) -> Outcome:
         engine = self.engine
         engine.cache.clear()
         before = engine.stats["prefill_tokens"]
-        ids = [engine.add_request(prompt, self.params) for prompt in self.workload.prompts]
+        params = SamplingParams(max_new_tokens=workload.output_tokens, ignore_eos=True, logprobs=True)
+        ids = [engine.add_request(prompt, params) for prompt in workload.prompts]
         results = engine.run(ids)
-        self.outputs = [results[i] for i in ids]
-        self.run.prefill_tokens = engine.stats["prefill_tokens"] - before
-        self.run.generated_tokens = sum(len(r.token_ids) for r in self.outputs)
+        outputs = [results[i] for i in ids]
+        return Outcome([list(r.token_ids) for r in outputs], prefill_tokens=engine.stats["prefill_tokens"] - before,
+                       logprobs=[list(r.logprobs) for r in outputs])
 
 
-def _hf_model():
-    model = build_tiny_llama(BENCH_SPEC, vocab_size=len(byte_tokenizer())).eval()
-    model.requires_grad_(False)
-    return model
+def time_interleaved(systems: list, workloads: dict[str, Workload], repeats: int, warmup_rounds: int) -> dict:
+    """Each round runs every system on every workload once; the first ``warmup_rounds``
+    rounds are not timed (first-touch memory). Returns ``{(system, workload): Run}``."""
+    runs = {(s.name, w): Run(s.name, w) for s in systems for w in workloads}
+    for round_index in range(warmup_rounds + repeats):
+        for workload_name, workload in workloads.items():
+            for system in systems:
+                wall, cpu = time.perf_counter(), time.process_time()
+                with torch.inference_mode():
+                    outcome = system.once(workload)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                if round_index < warmup_rounds:
+                    continue
+                run = runs[(system.name, workload_name)]
+                run.wall_s.append(outcome.wall_s if outcome.wall_s is not None else wall)
+                if outcome.wall_s is None:
+                    run.cpu_s.append(cpu)
+                run.generated_tokens = sum(map(len, outcome.token_ids))
+                run.prefill_tokens = outcome.prefill_tokens
+                run.last = outcome
+    return runs
 
 
-class ContinuousBatchingSystem:
-    """(b) transformers' continuous batching, paged cache with block sharing (page size 16,
-    the fastest of the settings tried; its defaults were about 2x slower here)."""
-
-    def __init__(self, workload: Workload, *, max_batch_tokens: int) -> None:
-        from transformers import ContinuousBatchingConfig, GenerationConfig
-
-        self.model = _hf_model()
-        self.workload = workload
-        self.generation = GenerationConfig(
-            max_new_tokens=workload.output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        self.cb_config = ContinuousBatchingConfig(
-            page_size=16, num_blocks=4096, max_batch_tokens=max_batch_tokens, max_requests_per_batch=64,
-            allow_block_sharing=True,
-        )
-        self.run = Run("transformers generate_batch")
-        with torch.inference_mode():
-            self._generate([[5, 6, 7, 8] * 8])
-
-    def _generate(self, prompts):
-        return self.model.generate_batch(prompts, generation_config=self.generation, continuous_batching_config=self.cb_config)
-
-    def once(self) -> None:
-        outputs = self._generate(self.workload.prompts)
-        self.run.generated_tokens = sum(len(o.generated_tokens) for o in outputs.values())
-
-
-class PlainGenerateSystem:
-    """(c) plain ``model.generate``, one request at a time."""
-
-    def __init__(self, workload: Workload) -> None:
-        self.model = _hf_model()
-        self.workload = workload
-        self.kwargs = dict(max_new_tokens=workload.output_tokens, min_new_tokens=workload.output_tokens,
-                           do_sample=False, pad_token_id=0)
-        self.run = Run("transformers generate (one by one)", prefill_tokens=sum(len(p) for p in workload.prompts))
-        with torch.inference_mode():
-            self.model.generate(torch.tensor([[5, 6, 7, 8] * 8]), **{**self.kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-
-    def once(self) -> None:
-        self.run.generated_tokens = sum(
-            self.model.generate(torch.tensor([p]), **self.kwargs).shape[1] - len(p) for p in self.workload.prompts
-        )
-
-
-def time_interleaved(systems: list, repeats: int, warmup_rounds: int) -> None:
-    """Each round runs every system once, so slow periods on a shared machine hit all
-    of them; the first ``warmup_rounds`` rounds are not timed (first-touch memory)."""
-    for _ in range(warmup_rounds):
-        for system in systems:
-            with torch.inference_mode():
-                system.once()
-    for _ in range(repeats):
-        for system in systems:
-            wall, cpu = time.perf_counter(), time.process_time()
-            with torch.inference_mode():
-                system.once()
-            system.run.wall_s.append(time.perf_counter() - wall)
-            system.run.cpu_s.append(time.process_time() - cpu)
-
-
-def equality_with_reference(engine: Engine, prompts: list[list[int]], outputs: list, num_samples: int) -> dict:
+def equality_with_reference(engine: Engine, prompts: list[list[int]], outcome: Outcome, num_samples: int) -> dict:
     """Share of sampled requests whose tokens (and logprobs) equal the plain server's."""
     same_tokens = same_logprobs = 0
-    for prompt, result in list(zip(prompts, outputs, strict=True))[:num_samples]:
-        tokens, logprobs = _reference_ignoring_eos(engine, prompt, len(result.token_ids))
-        same_tokens += tokens == list(result.token_ids)
-        same_logprobs += tokens == list(result.token_ids) and logprobs == list(result.logprobs)
+    for prompt, tokens, logprobs in list(zip(prompts, outcome.token_ids, outcome.logprobs, strict=True))[:num_samples]:
+        ref_tokens, ref_logprobs = _reference_ignoring_eos(engine, prompt, len(tokens))
+        same_tokens += ref_tokens == tokens
+        same_logprobs += ref_tokens == tokens and ref_logprobs == logprobs
     return {"samples": min(num_samples, len(prompts)), "tokens_equal": same_tokens, "tokens_and_logprobs_equal": same_logprobs}
 
 
@@ -223,8 +194,39 @@ def _reference_ignoring_eos(engine: Engine, prompt: list[int], num_tokens: int):
         engine.eos_token_ids = saved
 
 
+def build_workloads(args) -> dict[str, Workload]:
+    shape = (args.system_tokens, args.question_tokens, args.output_tokens, args.seed)
+    workloads = {}
+    if args.workload in ("shared", "both"):
+        workloads["shared"] = shared_prefix_workload(args.groups, args.prompts_per_group, *shape)
+    if args.workload in ("distinct", "both"):
+        workloads["distinct"] = shared_prefix_workload(args.groups * args.prompts_per_group, 1, *shape)
+    return workloads
+
+
+def build_peers(names: list[str], spec: TinyLlamaSpec, workloads: dict, args) -> list:
+    unknown = set(names) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
+    peers = []
+    for name in names:
+        if name == "static":
+            peers.append(StaticBatchSystem(spec))
+        elif name == "generate_batch":
+            peers.append(ContinuousBatchingSystem(spec, max_batch_tokens=args.max_batch_tokens,
+                                                  output_tokens=args.output_tokens))
+        elif name == "one_by_one":
+            peers.append(PlainGenerateSystem(spec))
+        else:
+            peers.append(VllmSystem(spec, workloads, threads=args.threads or torch.get_num_threads(),
+                                    max_batch_tokens=args.max_batch_tokens))
+    return peers
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="bench")
+    parser.add_argument("--workload", choices=("shared", "distinct", "both"), default="shared")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--prompts-per-group", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=512)
@@ -232,57 +234,70 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--equality-samples", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system; the best wall time counts")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system and workload")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every system (default: torch's)")
+    parser.add_argument("--peers", default="static,generate_batch,one_by_one", help=f"comma-separated, of {PEERS}")
     parser.add_argument("--skip-baselines", action="store_true", help="engine only (quick check)")
+    parser.add_argument("--no-deterministic", action="store_true", help="skip the deterministic engine")
+    parser.add_argument("--engine-gemm", default="auto", help="the default engine's GEMM: auto, packed, plain")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    workload = shared_prefix_workload(
-        args.groups, args.prompts_per_group, args.system_tokens, args.question_tokens, args.output_tokens, args.seed
-    )
-    bound, loose_bound = prefill_bounds(workload.prompts)
-    print(f"workload: {args.groups} groups x {args.prompts_per_group} prompts, S={args.system_tokens} "
-          f"Q={args.question_tokens} O={args.output_tokens}; {sum(map(len, workload.prompts))} prompt tokens, "
-          f"lower bound {bound} prefill tokens; torch threads {torch.get_num_threads()}")
-    default = EngineSystem(workload, deterministic=False, max_batch_tokens=args.max_batch_tokens)
-    det = EngineSystem(workload, deterministic=True, max_batch_tokens=args.max_batch_tokens)
-    systems = [default, det]
-    if not args.skip_baselines:
-        systems += [ContinuousBatchingSystem(workload, max_batch_tokens=args.max_batch_tokens), PlainGenerateSystem(workload)]
-    time_interleaved(systems, args.repeats, args.warmup_rounds)
-    runs = [system.run for system in systems]
-    for run in runs:
-        _report(run, bound)
-    default_engine, default_out, det_engine, det_out = default.engine, default.outputs, det.engine, det.outputs
-    default, det = default.run, det.run
-    equality = {
-        "default": equality_with_reference(default_engine, workload.prompts, default_out, args.equality_samples),
-        "deterministic": equality_with_reference(det_engine, workload.prompts, det_out, args.equality_samples),
-    }
-    figures = {
-        "args": vars(args),
-        "model": asdict(BENCH_SPEC),
-        "prefill_lower_bound": bound,
-        "prefill_loose_bound": loose_bound,
-        "runs": {r.name: {"best_wall_s": r.best_wall_s, "wall_s": r.wall_s, "cpu_s": r.cpu_s,
-                          "tokens_per_s": r.tokens_per_s, "generated_tokens": r.generated_tokens,
-                          "prefill_tokens": r.prefill_tokens} for r in runs},
-        "deterministic_over_default_time": det.best_wall_s / default.best_wall_s,
-        "deterministic_over_default_cpu": min(det.cpu_s) / min(default.cpu_s),
-        "prefill_over_lower_bound": default.prefill_tokens / bound,
-        "reference_equality": equality,
-    }
-    if not args.skip_baselines:
-        figures["speedup_vs_generate_batch"] = default.tokens_per_s / runs[2].tokens_per_s
-        figures["speedup_vs_generate"] = default.tokens_per_s / runs[3].tokens_per_s
-        figures["deterministic_speedup_vs_generate_batch"] = det.tokens_per_s / runs[2].tokens_per_s
-    print(json.dumps({k: v for k, v in figures.items() if k not in ("args", "model", "runs")}, indent=2))
+    spec = MODELS[args.model]
+    workloads = build_workloads(args)
+    bounds = {name: prefill_bounds(w.prompts) for name, w in workloads.items()}
+    print(f"model {args.model}; workloads {list(workloads)}: {args.groups} groups x {args.prompts_per_group} prompts, "
+          f"S={args.system_tokens} Q={args.question_tokens} O={args.output_tokens}; lower bounds "
+          f"{ {n: b[0] for n, b in bounds.items()} } prefill tokens; torch threads {torch.get_num_threads()}")
+    default = EngineSystem(spec, deterministic=False, max_batch_tokens=args.max_batch_tokens, gemm=args.engine_gemm)
+    systems = [default]
+    if not args.no_deterministic:
+        systems.append(EngineSystem(spec, deterministic=True, max_batch_tokens=args.max_batch_tokens))
+    peer_names = [] if args.skip_baselines else [n for n in args.peers.split(",") if n]
+    peers = build_peers(peer_names, spec, workloads, args)
+    try:
+        runs = time_interleaved(systems + peers, workloads, args.repeats, args.warmup_rounds)
+    finally:
+        for peer in peers:
+            getattr(peer, "close", lambda: None)()
+    figures = {"args": vars(args), "model": asdict(spec), "workloads": {}}
+    for name, workload in workloads.items():
+        bound = bounds[name][0]
+        print(f"-- {name}")
+        for system in systems + peers:
+            _report(runs[(system.name, name)], bound)
+        ours = runs[(default.name, name)]
+        entry = {
+            "prefill_lower_bound": bound,
+            "prefill_over_lower_bound": ours.prefill_tokens / bound,
+            "runs": {r.name: {"best_wall_s": r.best_wall_s, "wall_s": r.wall_s, "cpu_s": r.cpu_s,
+                              "tokens_per_s": r.tokens_per_s, "median_tokens_per_s": r.median_tokens_per_s,
+                              "generated_tokens": r.generated_tokens, "prefill_tokens": r.prefill_tokens}
+                     for (_, w), r in runs.items() if w == name},
+            "engine_over_peer": {}, "greedy_tokens_equal_to_engine": {},
+        }
+        for peer in peers:
+            theirs = runs[(peer.name, name)]
+            entry["engine_over_peer"][peer.name] = {
+                "best": ours.tokens_per_s / theirs.tokens_per_s,
+                "median": ours.median_tokens_per_s / theirs.median_tokens_per_s,
+            }
+            same = sum(a == b for a, b in zip(ours.last.token_ids, theirs.last.token_ids, strict=True))
+            entry["greedy_tokens_equal_to_engine"][peer.name] = f"{same}/{len(workload.prompts)}"
+        if not args.no_deterministic:
+            det = runs[(systems[1].name, name)]
+            entry["deterministic_over_default_time"] = det.best_wall_s / ours.best_wall_s
+            entry["reference_equality"] = {
+                s.name: equality_with_reference(s.engine, workload.prompts, runs[(s.name, name)].last,
+                                                args.equality_samples) for s in systems
+            }
+        figures["workloads"][name] = entry
+        print(json.dumps({k: v for k, v in entry.items() if k != "runs"}, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
@@ -292,8 +307,9 @@ def main(argv: list[str] | None = None) -> dict:
 def _report(run: Run, bound: int) -> None:
     prefill = "n/a" if run.prefill_tokens is None else f"{run.prefill_tokens} ({run.prefill_tokens / bound:.3f}x bound)"
     walls = " ".join(f"{w:.2f}" for w in run.wall_s)
-    print(f"{run.name:36s} best {run.best_wall_s:7.2f} s ({walls}) cpu {min(run.cpu_s):7.2f} s "
-          f"{run.tokens_per_s:8.1f} tok/s  prefill {prefill}", flush=True)
+    cpu = f"cpu {min(run.cpu_s):7.2f} s" if run.cpu_s else "cpu     n/a"
+    print(f"{run.name:40s} best {run.best_wall_s:7.2f} s ({walls}) {cpu} "
+          f"{run.tokens_per_s:8.1f} / {run.median_tokens_per_s:8.1f} tok/s (best / median)  prefill {prefill}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from worker.model import TinyLlamaSpec
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_GEMMS = ("auto", "packed", "plain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     model: str = "tiny-llama"  # "tiny-llama" (built in, seeded) or an HF path / hub id
     tiny_llama: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)  # used iff model == "tiny-llama"
     cache_budget_tokens: int = 32768  # unique positions the radix cache may hold
+    max_cache_namespaces: int = 1024  # live cache_salt namespaces; at the cap the LRU unlocked one is evicted
     kv_pool_tokens: int | None = None  # KV pool capacity in positions (rounded up to blocks)
     gpu_memory_fraction: float = 0.85  # CUDA with kv_pool_tokens=None: share of free memory for the pool
     block_size: int = 16  # positions per KV block (pool and radix tree)
@@ -38,6 +40,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (process-wide); None: leave torch's choice
     tune_malloc: bool = True  # raise glibc malloc thresholds (process-wide; see worker/host.py)
     trust_remote_code: bool = False
+    attention_scratch_tokens: int = 32768  # K/V positions attention gathers at once (its scratch bound)
+    gemm: str = "auto"  # linear kernel: "auto" (pre-packed oneDNN where it exists and checks out), "packed", "plain"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -47,11 +51,13 @@ class EngineConfig:
         if not isinstance(self.tiny_llama, TinyLlamaSpec):
             raise ValueError(f"tiny_llama must be a TinyLlamaSpec, got {self.tiny_llama!r}")
         _check_int("cache_budget_tokens", self.cache_budget_tokens, minimum=0)
+        _check_int("max_cache_namespaces", self.max_cache_namespaces, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("max_queued_requests", self.max_queued_requests, minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        _check_int("attention_scratch_tokens", self.attention_scratch_tokens, minimum=1)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, minimum=1)
         if self.kv_pool_tokens is not None:
@@ -70,6 +76,10 @@ class EngineConfig:
             )
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        if self.gemm not in _GEMMS:
+            raise ValueError(f"gemm must be one of {_GEMMS}, got {self.gemm!r}")
+        if self.gemm == "packed" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("gemm 'packed' needs device 'cpu' and dtype 'float32'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):

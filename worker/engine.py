@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from cache import BlockAllocator, RadixCache
+from cache.kv_cache import KVCache
 from worker import host
 from worker.config import EngineConfig
 from worker.kv import bytes_per_token, pool_tokens_from_free_memory
@@ -45,12 +45,7 @@ class Engine:
         if config.tune_malloc:
             host.tune_malloc()
         host.set_threads(config.num_threads)
-        self.runner = ModelRunner(
-            config.model, config.tiny_llama, device=config.device, dtype=config.dtype,
-            deterministic=config.deterministic, max_batch_tokens=max(config.max_batch_tokens, 64),
-            max_positions=config.max_model_len,
-            trust_remote_code=config.trust_remote_code,
-        )
+        self.runner = ModelRunner.from_config(config)
         loaded = self.runner.loaded
         if config.max_model_len is not None and config.max_model_len > loaded.max_position_embeddings:
             raise ValueError(
@@ -65,10 +60,12 @@ class Engine:
         pool_tokens = self._pool_tokens()
         num_blocks = -(-pool_tokens // config.block_size)
         self.pool = self.runner.new_pool(num_blocks, config.block_size)
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.cache = RadixCache(config.cache_budget_tokens, config.block_size, allocator=self.allocator)
+        self.kv_cache = KVCache(
+            num_blocks, config.block_size, config.cache_budget_tokens, max_namespaces=config.max_cache_namespaces
+        )
+        self.allocator, self.cache = self.kv_cache.allocator, self.kv_cache.radix  # read-only views (stats, audits)
         self.scheduler = Scheduler(
-            self.allocator, self.cache, max_batch_tokens=config.max_batch_tokens,
+            self.kv_cache, max_batch_tokens=config.max_batch_tokens,
             max_num_seqs=config.max_num_seqs, eos_token_ids=self.eos_token_ids,
         )
         self._rng = random.Random(config.seed)

@@ -28,7 +28,8 @@ BYTE_CHAT_TEMPLATE = (
 @dataclass(frozen=True, slots=True)
 class TinyLlamaSpec:
     """Shape of the built-in random Llama (GQA: ``num_heads`` query heads share
-    ``num_kv_heads`` key/value heads). The vocabulary is the byte tokenizer's (259)."""
+    ``num_kv_heads`` key/value heads). The vocabulary is the byte tokenizer's
+    (259) unless ``vocab_size`` is set (benchmarks: ids past 258 have no text)."""
 
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -39,6 +40,7 @@ class TinyLlamaSpec:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     seed: int = 0
+    vocab_size: int | None = None  # None: the byte tokenizer's 259
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -49,6 +51,8 @@ class TinyLlamaSpec:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.vocab_size is not None and (type(self.vocab_size) is not int or self.vocab_size < 259):
+            raise ValueError(f"vocab_size must be None or an int >= 259, got {self.vocab_size!r}")
         if type(self.max_position_embeddings) is not int or self.max_position_embeddings < 2:
             raise ValueError(f"max_position_embeddings must be an int >= 2, got {self.max_position_embeddings!r}")
 
@@ -118,7 +122,7 @@ def model_info(name: str, engine_kwargs: Mapping[str, Any] | None = None) -> dic
         spec = engine_kwargs.get("tiny_llama") or TinyLlamaSpec()
         if isinstance(spec, Mapping):
             spec = TinyLlamaSpec(**spec)
-        vocab_size, context, eos = len(byte_tokenizer()), spec.max_position_embeddings, (1,)
+        vocab_size, context, eos = spec.vocab_size or len(byte_tokenizer()), spec.max_position_embeddings, (1,)
     else:
         from transformers import AutoConfig
 
@@ -177,7 +181,7 @@ def load_model(
     torch_dtype = getattr(torch, dtype)
     if name == "tiny-llama":
         tokenizer = byte_tokenizer()
-        model = build_tiny_llama(spec, vocab_size=len(tokenizer))
+        model = build_tiny_llama(spec, vocab_size=spec.vocab_size or len(tokenizer))
         model.set_attn_implementation(attn_implementation)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer

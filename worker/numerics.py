@@ -7,12 +7,13 @@ take a vector or a scalar path, or another thread's chunk, depending on the
 tensor's total size (see ../shared/DESIGN.md, "Deterministic mode"). Every
 call here therefore has a fixed shape per 16-row tile:
 
-- :class:`TiledLinear`: one batched matmul over zero-padded ``[16, in]`` tiles
-  (``torch.matmul`` of ``[tiles, 16, in]`` by the weight: a single GEMM over
-  the padded rows; :func:`rows_are_invariant` checks at start-up, per weight
-  shape, that this BLAS gives each row the same bits for every multiple of 16
-  rows up to the step size, and where it does not the layer falls back to a
-  true per-tile ``bmm``, slower but fixed-shape by construction);
+- :class:`TiledLinear`: one GEMM over zero-padded ``[16, in]`` tiles (the
+  pre-packed oneDNN kernel of worker/linear.py or ``F.linear``);
+  :func:`rows_are_invariant` checks at start-up, per weight shape and kernel,
+  that it gives each row the same bits for every multiple of 16 rows up to
+  the step size; where the packed kernel fails the layer takes the plain one,
+  and where that fails too a true per-tile ``bmm``, slower but fixed-shape by
+  construction;
 - :class:`PerTile`: wraps a row-wise module (the MLP activation, and a norm
   that fails :func:`module_rows_are_invariant`) and calls it once per
   ``[16, hidden]`` tile. RMSNorm needs no tiling where its ``rsqrt`` is the
@@ -34,6 +35,8 @@ import functools
 import torch
 from torch import nn
 
+from worker.linear import PackedLinear, gemm_rows
+
 TILE_ROWS = 16
 
 
@@ -43,17 +46,20 @@ def pad_rows(num_rows: int) -> int:
 
 
 class TiledLinear(nn.Module):
-    """``nn.Linear`` computed over zero-padded 16-row tiles.
+    """A linear layer computed over zero-padded 16-row tiles.
 
-    Shares the wrapped layer's parameters. Input ``[..., in]``; rows are padded
-    with zeros up to whole tiles and the padding is dropped from the output.
-    ``per_tile_bmm``: one ``[16, in] x [in, out]`` product per tile (``bmm``)
-    instead of one GEMM over all padded rows.
+    Wraps an ``nn.Linear`` or a pre-packed :class:`worker.linear.PackedLinear`
+    (its parameters are shared, not copied). Input ``[..., in]``; rows are
+    padded with zeros up to whole tiles and the padding is dropped from the
+    output. ``per_tile_bmm`` (``nn.Linear`` only): one ``[16, in] x [in, out]``
+    product per tile (``bmm``) instead of one GEMM over all padded rows.
     """
 
-    def __init__(self, linear: nn.Linear, *, per_tile_bmm: bool = False) -> None:
+    def __init__(self, linear: nn.Module, *, per_tile_bmm: bool = False) -> None:
         super().__init__()
-        self.weight = linear.weight  # [out, in]
+        if per_tile_bmm and not isinstance(linear, nn.Linear):
+            raise ValueError("per_tile_bmm needs an nn.Linear")
+        self.linear = linear
         self.bias = linear.bias
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -66,13 +72,12 @@ class TiledLinear(nn.Module):
         num_padded = pad_rows(num_rows)
         if num_padded != num_rows:
             rows = torch.cat([rows, rows.new_zeros(num_padded - num_rows, self.in_features)])
-        tiles = rows.view(-1, TILE_ROWS, self.in_features)  # [num_tiles, 16, in]
         if self.per_tile_bmm:
-            weight_t = self.weight.t().expand(tiles.shape[0], self.in_features, self.out_features)
-            out = torch.bmm(tiles, weight_t)
+            tiles = rows.view(-1, TILE_ROWS, self.in_features)  # [num_tiles, 16, in]
+            weight_t = self.linear.weight.t().expand(tiles.shape[0], self.in_features, self.out_features)
+            out = torch.bmm(tiles, weight_t).view(num_padded, self.out_features)
         else:
-            out = torch.matmul(tiles, self.weight.t())
-        out = out.view(num_padded, self.out_features)
+            out = gemm_rows(rows, self.linear)  # one GEMM over whole tiles
         if self.bias is not None:
             out = out + self.bias
         return out[:num_rows].view(*lead, self.out_features)
@@ -137,8 +142,9 @@ def install_rope_table(model: nn.Module, max_positions: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def rows_are_invariant(in_features: int, out_features: int, max_rows: int, dtype, device) -> bool:
-    """Does one GEMM give every row the same bits for 16, 32, ..., ``max_rows`` rows?
+def rows_are_invariant(in_features: int, out_features: int, max_rows: int, dtype, device, gemm: str = "plain") -> bool:
+    """Does one GEMM (``gemm``: "plain" ``F.linear`` or "packed" oneDNN) give every
+    row the same bits for 16, 32, ..., ``max_rows`` rows?
 
     Checks every multiple of 16 up to 128 rows, then powers of two and
     ``max_rows``, against the full product, on seeded random data (cached
@@ -148,12 +154,14 @@ def rows_are_invariant(in_features: int, out_features: int, max_rows: int, dtype
     num_rows = pad_rows(max(max_rows, TILE_ROWS))
     x = torch.randn(num_rows, in_features, generator=generator).to(device=device, dtype=dtype)
     weight = torch.randn(out_features, in_features, generator=generator).to(device=device, dtype=dtype) * 0.05
-    full = torch.matmul(x.view(-1, TILE_ROWS, in_features), weight.t()).view(num_rows, out_features)
+    layer = PackedLinear(weight, None) if gemm == "packed" else nn.Linear(in_features, out_features, bias=False)
+    if gemm != "packed":
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+    full = gemm_rows(x, layer)
     counts = set(range(TILE_ROWS, min(num_rows, 128) + 1, TILE_ROWS))
     counts |= {1 << k for k in range(4, num_rows.bit_length()) if 1 << k <= num_rows} | {num_rows}
     for count in sorted(counts):
-        part = torch.matmul(x[:count].view(-1, TILE_ROWS, in_features), weight.t()).view(count, out_features)
-        if not torch.equal(part, full[:count]):
+        if not torch.equal(gemm_rows(x[:count], layer), full[:count]):
             return False
     return True
 
@@ -171,30 +179,34 @@ def module_rows_are_invariant(module: nn.Module, width: int, max_rows: int, dtyp
     return True
 
 
-def make_batch_invariant(model: nn.Module, max_rows: int) -> dict[str, int]:
+def make_batch_invariant(model: nn.Module, max_rows: int, gemm: str = "plain") -> dict[str, int]:
     """Swap in tiled linears, per-tile norms and activations, in place.
 
     ``max_rows``: the most tokens one forward carries (the step budget).
-    Norms are recognised by class name (``*RMSNorm``, ``*LayerNorm``), the
-    activation by the attribute name ``act_fn`` (Llama, Qwen2, Mistral MLPs).
-    Returns counts of what was found and replaced (``per_tile_bmm``: linears
-    whose shape failed :func:`rows_are_invariant`; ``norm_per_tile``: norms
+    ``gemm``: "packed" tiles a linear over pre-packed weights where that
+    kernel passes :func:`rows_are_invariant` for the layer's shape (else the
+    plain GEMM, else a per-tile ``bmm``). Norms are recognised by class name
+    (``*RMSNorm``, ``*LayerNorm``), the activation by the attribute name
+    ``act_fn`` (Llama, Qwen2, Mistral MLPs). Returns counts of what was found
+    and replaced (``packed``: linears on the packed GEMM; ``per_tile_bmm``:
+    linears whose shape failed every GEMM's probe; ``norm_per_tile``: norms
     that failed :func:`module_rows_are_invariant` and are called per tile).
     """
-    counts = {"linear": 0, "per_tile_bmm": 0, "norm": 0, "norm_per_tile": 0, "activation": 0}
-    shape_is_invariant: dict[tuple, bool] = {}
+    counts = {"linear": 0, "packed": 0, "per_tile_bmm": 0, "norm": 0, "norm_per_tile": 0, "activation": 0}
     for parent in list(model.modules()):
         if isinstance(parent, (TiledLinear, PerTile, RopeTable)):
             continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                shape = (child.in_features, child.out_features, child.weight.dtype, child.weight.device)
-                if shape not in shape_is_invariant:
-                    shape_is_invariant[shape] = rows_are_invariant(*shape[:2], max_rows, *shape[2:])
-                per_tile_bmm = not shape_is_invariant[shape]
-                setattr(parent, name, TiledLinear(child, per_tile_bmm=per_tile_bmm))
+                shape = (child.in_features, child.out_features, max_rows, child.weight.dtype, child.weight.device)
+                if gemm == "packed" and rows_are_invariant(*shape, gemm="packed"):
+                    tiled = TiledLinear(PackedLinear(child.weight, child.bias))
+                    counts["packed"] += 1
+                else:
+                    tiled = TiledLinear(child, per_tile_bmm=not rows_are_invariant(*shape))
+                setattr(parent, name, tiled)
                 counts["linear"] += 1
-                counts["per_tile_bmm"] += per_tile_bmm
+                counts["per_tile_bmm"] += tiled.per_tile_bmm
             elif type(child).__name__.endswith(("RMSNorm", "LayerNorm")):
                 counts["norm"] += 1
                 weight = child.weight

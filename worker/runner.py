@@ -1,8 +1,9 @@
 """Runs the model on a step: chunks in, float32 logits of the requested rows out.
 
 Owns the loaded model with its numerics fixed at construction: the RoPE
-table always, the batch-invariant layers (worker/numerics.py) and the tiled
-attention kernel in deterministic mode. Holds no KV state: the pool is an
+table and fused q/k/v and gate/up projections always, the GEMM kernel
+chosen at load time (worker/linear.py), the batch-invariant layers
+(worker/numerics.py) and the tiled attention kernel in deterministic mode. Holds no KV state: the pool is an
 argument, so the engine and the plain reference server share one runner
 (same weights, same numerics) with separate pools.
 """
@@ -14,7 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from worker import attention
+from worker.attention import DEFAULT_SCRATCH_TOKENS
+from worker.config import EngineConfig
 from worker.kv import KVPool
+from worker.linear import choose_gemm, fuse_projections, pack_linears
 from worker.model import LoadedModel, TinyLlamaSpec, load_model
 from worker.numerics import install_rope_table, make_batch_invariant
 from worker.step import SeqChunk, build_step
@@ -33,7 +37,12 @@ class ModelRunner:
         max_batch_tokens: int = 2048,
         max_positions: int | None = None,
         trust_remote_code: bool = False,
+        gemm: str = "auto",
+        attention_scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
     ) -> None:
+        """``gemm``: "auto" (the packed kernel where :func:`choose_gemm` picks it), "packed" or "plain";
+        ``attention_scratch_tokens``: K/V positions the default attention kernel gathers at once."""
+        self.attention_scratch_tokens = attention_scratch_tokens
         attention.register()
         self.loaded: LoadedModel = load_model(
             model, spec, device=device, dtype=dtype,
@@ -44,14 +53,29 @@ class ModelRunner:
         self.dtype = getattr(torch, dtype)
         self.max_positions = max_positions or self.loaded.max_position_embeddings
         install_rope_table(self.loaded.model, self.max_positions)
+        self.fused = fuse_projections(self.loaded.model)
+        self.gemm = choose_gemm(self.dtype, self.device.type) if gemm == "auto" else gemm
         # The plain reference prefills a whole prompt in one forward: calibrate up to max_positions rows.
         max_rows = max(max_batch_tokens, self.max_positions)
-        self.swapped = make_batch_invariant(self.loaded.model, max_rows) if deterministic else {}
+        self.swapped = {}
+        if deterministic:
+            self.swapped = make_batch_invariant(self.loaded.model, max_rows, gemm=self.gemm)
+        elif self.gemm == "packed":
+            self.swapped = {"packed": pack_linears(self.loaded.model)}
         geometry = self.loaded.geometry
         self.tile_rows = (TILE_ROWS, TILE_ROWS)  # (decode, prefill) tiles of the batch-invariant kernel
         if deterministic:
             group = geometry.num_heads // geometry.num_kv_heads
             self.tile_rows = choose_tile_rows(group, geometry.head_dim, self.dtype, self.device)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        return cls(
+            config.model, config.tiny_llama, device=config.device, dtype=config.dtype,
+            deterministic=config.deterministic, max_batch_tokens=max(config.max_batch_tokens, 64),
+            max_positions=config.max_model_len, trust_remote_code=config.trust_remote_code, gemm=config.gemm,
+            attention_scratch_tokens=config.attention_scratch_tokens,
+        )
 
     @property
     def geometry(self):
@@ -67,7 +91,7 @@ class ModelRunner:
         step = build_step(
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
-            tile_rows=self.tile_rows,
+            tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens,
         )
         output = self.loaded.model(
             input_ids=step.input_ids[None],

@@ -15,38 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention import DefaultPlan, build_default_plan
+from worker.attention import DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan
+from worker.chunk_arrays import ChunkArrays
 from worker.kv import KVPool
 from worker.numerics import pad_rows
 from worker.tiled_attention import TiledPlan, build_tiled_plan
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkArrays:
-    """The step's chunks as arrays (one entry per chunk)."""
-
-    offsets: np.ndarray  # first row of the chunk in the flattened batch
-    lengths: np.ndarray  # tokens fed this step
-    starts: np.ndarray  # absolute position of the first fed token
-    tables: np.ndarray  # [num_chunks, max_blocks] block tables, padded with the scratch block
-    block_size: int
-    scratch_block: int
-    num_kv_heads: int
-
-    @property
-    def ends(self) -> np.ndarray:
-        """Sequence length after this step (positions ``< end`` hold keys)."""
-        return self.starts + self.lengths
-
-    def blocks(self, chunk: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Block ids holding ``positions`` (same shape) for chunk ``chunk``; scratch past the end."""
-        index = np.minimum(positions // self.block_size, self.tables.shape[1] - 1)
-        return np.where(positions < self.ends[chunk], self.tables[chunk, index], self.scratch_block)
-
-    def slab_ids(self, blocks: np.ndarray, heads: np.ndarray, positions: np.ndarray, rows_per_slab: int) -> np.ndarray:
-        """Index of the slab holding (block, head, position) in a ``rows_per_slab``-row slab view of the pool."""
-        offset = positions % self.block_size
-        return ((blocks * self.num_kv_heads + heads) * self.block_size + offset) // rows_per_slab
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +41,7 @@ class StepBatch:
     position_ids: torch.Tensor  # [num_rows]
     write_rows: torch.Tensor  # [kv_heads * num_rows] pool row of each (head, token)'s K/V, head-major
     logits_rows: torch.Tensor  # [num_logits] rows whose logits are wanted, in chunk order
-    plan: DefaultPlan | TiledPlan
+    plan: DefaultPlan | TiledPlan  # attends the step's queries: plan.attend(q, key, value, pool, layer, scale)
     num_tokens: int  # real (unpadded) rows
 
 
@@ -80,8 +53,10 @@ def build_step(
     pad_token_id: int,
     num_heads: int,
     tile_rows: tuple[int, int] = (16, 16),
+    scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
 ) -> StepBatch:
-    """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel."""
+    """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel;
+    ``scratch_tokens``: K/V positions the default kernel gathers at once."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -123,7 +98,7 @@ def build_step(
             decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1],
         )
     else:
-        plan = build_default_plan(arrays, device)
+        plan = build_default_plan(arrays, device, scratch_tokens)
     return StepBatch(
         pool=pool,
         input_ids=torch.from_numpy(input_ids).to(device),

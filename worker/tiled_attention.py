@@ -35,13 +35,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from worker.step import ChunkArrays
+from worker.chunk_arrays import ChunkArrays
 
 TILE_ROWS = 16  # rows per tile when tile sizes may not be mixed (DESIGN.md's recipe)
 PREFILL_TILE_ROWS = 128  # rows per prefill tile where mixing is exact
@@ -69,6 +66,10 @@ class TiledPlan:
     rows_per_slab: int  # min(block_size, key_block): the pool is read in slabs of this many rows
     pad_row: int  # the all-zero row appended to the query matrix
     groups: list[TileGroup]
+
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
+        """``q [heads, T, D]`` → ``[T, heads, D]``; every key is read from the pool (written already)."""
+        return tiled_attention(q, pool, layer, self, scale)
 
 
 def small_tile_rows(group: int) -> int:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from worker.attention import paged_attention
+from worker.attention import DECODE_KEY_CHUNK, paged_attention
 from worker.kv import KVPool
 from worker.model import KVGeometry
 from worker.step import SeqChunk, build_step
@@ -28,11 +28,11 @@ def naive(q_all, k_all, v_all, scale):
     return (torch.softmax(scores, -1) @ v.double()).transpose(0, 1).float()
 
 
-def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4):
+def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_tokens=32768, num_blocks=64):
     """chunk_specs: (start, n, table) per sequence. A sequence's q, k, v depend only on
     its own spec (seeded by it), so the same sequence in two batches sees equal inputs.
     Keys of positions before ``start`` are written into the pool first."""
-    pool = KVPool(GEOMETRY, num_blocks=64, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(GEOMETRY, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
     data = []
     for start, length, table in chunk_specs:
         generator = torch.Generator().manual_seed(start * 1000 + length)
@@ -46,7 +46,8 @@ def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4):
             pool.data[0, 1, block, :, offset] = v[:, pos]
     chunks = [SeqChunk([5] * n, s, t, True) for s, n, t in chunk_specs]
     step = build_step(
-        chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows
+        chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows,
+        scratch_tokens=scratch_tokens,
     )
     rows = step.input_ids.shape[0]
     query, key, value = torch.zeros(1, 4, rows, 8), torch.zeros(1, 2, rows, 8), torch.zeros(1, 2, rows, 8)
@@ -100,3 +101,51 @@ def test_tile_sizes_do_not_change_a_single_bit_where_the_probe_passes():
 def test_small_tile_probe():
     assert small_tile_rows(1) == 4 and small_tile_rows(4) == 4 and small_tile_rows(7) == 7 and small_tile_rows(32) == 16
     assert choose_tile_rows(2, 8, torch.float32, torch.device("cpu")) == (4, 128)
+
+
+def _tables(specs, block_size):
+    """(start, n) per sequence → (start, n, a block table of fresh blocks, in reverse order)."""
+    out, next_block = [], 0
+    for start, length in specs:
+        num_blocks = -(-(start + length) // block_size)
+        out.append((start, length, list(range(next_block + num_blocks - 1, next_block - 1, -1))))
+        next_block += num_blocks
+    return out, next_block
+
+
+# Contexts ending on, just before and just past block and key-chunk boundaries, decodes and prefills mixed.
+EDGES = [(0, 1), (3, 1), (4, 1), (127, 1), (128, 1), (129, 1), (255, 1), (300, 1), (0, 16), (4, 4), (125, 7), (250, 30)]
+
+
+@pytest.mark.parametrize("scratch_tokens", [1, 128, 256, 32768])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_default_kernel_reads_blocks_in_place_at_mixed_lengths_and_boundaries(scratch_tokens, block_size):
+    """Against dense attention over each sequence's whole context; a small scratch budget
+    splits the work into many rounds (one key chunk each at the smallest)."""
+    specs, num_blocks = _tables(EDGES, block_size)
+    out, expected = run(specs, False, block_size=block_size, scratch_tokens=scratch_tokens, num_blocks=num_blocks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_default_plan_never_gathers_more_than_its_scratch_budget():
+    """Scratch bound: every round gathers at most ``scratch_tokens`` positions (one key chunk
+    at least), whatever the batch and its contexts; decodes read no key chunk past their end."""
+    from worker.attention import build_default_plan
+    from worker.chunk_arrays import ChunkArrays
+    import numpy as np
+
+    block_size, scratch = 16, 512
+    for num_seqs, context in ((1, 8192), (64, 512), (64, 8192)):
+        lengths = np.ones(num_seqs, dtype=np.int64)
+        lengths[0] = 100  # one prefill chunk beside the decodes
+        starts = np.full(num_seqs, context - 1, dtype=np.int64)
+        num_table = -(-context // block_size) + 7
+        tables = np.arange(num_seqs * num_table).reshape(num_seqs, num_table)
+        arrays = ChunkArrays(np.cumsum(lengths) - lengths, lengths, starts, tables, block_size, 10**6, 2)
+        plan = build_default_plan(arrays, torch.device("cpu"), scratch)
+        pair_counts = [work.pair_seq.shape[0] for work in plan.decode_rounds]
+        assert max(pair_counts, default=0) * plan.key_chunk <= scratch
+        assert sum(pair_counts) == (num_seqs - 1) * -(-context // DECODE_KEY_CHUNK)
+        for work in plan.prefills:
+            assert max(rows.shape[0] for rows in work.past_rounds) <= 2 * scratch
+            assert sum(rows.shape[0] for rows in work.past_rounds) == 2 * (context - 1)

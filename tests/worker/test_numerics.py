@@ -69,5 +69,22 @@ def test_make_batch_invariant_swaps_every_linear_and_activation():
     model = build_tiny_llama(TinyLlamaSpec(), vocab_size=259)
     counts = make_batch_invariant(model, 256)
     assert counts["linear"] == 2 * 7 + 1 and counts["activation"] == 2 and counts["norm"] == 2 * 2 + 1
-    assert not any(type(m) is nn.Linear for m in model.modules())
+    untiled = [c for p in model.modules() if not isinstance(p, TiledLinear) for c in p.children() if type(c) is nn.Linear]
+    assert untiled == []
     assert all(isinstance(layer.mlp.act_fn, PerTile) for layer in model.model.layers)
+
+
+def test_make_batch_invariant_on_packed_weights_keeps_rows_bit_stable():
+    """Each tiled linear on the packed GEMM gives a row the same bits in a 16-row
+    step as in a 256-row one, and stays within float32 rounding of the plain layer."""
+    model = build_tiny_llama(TinyLlamaSpec(), vocab_size=259)
+    plain = {name: (m.weight.clone(), m.bias) for name, m in model.named_modules() if type(m) is nn.Linear}
+    counts = make_batch_invariant(model, 256, gemm="packed")
+    assert counts["packed"] == counts["linear"] == 2 * 7 + 1  # the probe passes on this CPU
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(3))
+    layer = model.model.layers[0].self_attn.q_proj
+    full = layer(x)
+    for count in (1, 5, 16, 17, 100):
+        assert torch.equal(layer(x[:count]), full[:count])
+    weight, _ = plain["model.layers.0.self_attn.q_proj"]
+    torch.testing.assert_close(full, x @ weight.t(), rtol=1e-5, atol=1e-5)

@@ -22,6 +22,21 @@ def test_tiny_run_reaches_the_lower_bound_and_matches_the_reference():
         "--output-tokens", "3", "--equality-samples", "2", "--skip-baselines",
         "--repeats", "2", "--warmup-rounds", "0",
     ])
-    assert figures["prefill_over_lower_bound"] == 1.0
-    assert figures["reference_equality"]["deterministic"]["tokens_and_logprobs_equal"] == 2
-    assert set(figures["runs"]) == {"engine (default)", "engine (deterministic)"}
+    shared = figures["workloads"]["shared"]
+    assert shared["prefill_over_lower_bound"] == 1.0
+    assert shared["reference_equality"]["engine (deterministic)"]["tokens_and_logprobs_equal"] == 2
+    assert set(shared["runs"]) == {"engine (default)", "engine (deterministic)"}
+
+
+def test_distinct_workload_and_a_static_batch_peer_agree_on_greedy_tokens():
+    figures = bench.main([
+        "--model", "tiny", "--workload", "both", "--groups", "2", "--prompts-per-group", "2",
+        "--system-tokens", "20", "--question-tokens", "4", "--output-tokens", "3", "--peers", "static",
+        "--no-deterministic", "--repeats", "1", "--warmup-rounds", "0",
+    ])
+    distinct = figures["workloads"]["distinct"]
+    assert distinct["prefill_lower_bound"] == 4 * 24 and distinct["prefill_over_lower_bound"] == 1.0
+    for name in ("shared", "distinct"):
+        assert figures["workloads"][name]["greedy_tokens_equal_to_engine"] == {
+            "transformers generate (static batch)": "4/4"
+        }
