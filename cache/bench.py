@@ -30,6 +30,7 @@ from pathlib import Path
 
 from cache.blocks import BlockAllocator
 from cache.radix import RadixCache
+from harness.workloads import read_mooncake
 
 PROMPT_TOKENS = 4096
 TAIL_TOKENS = 64
@@ -162,12 +163,7 @@ def ratio_of(by_size: dict, numerator: int, denominator: int) -> float | None:
 
 # -------------------------------------------------------------- fragmentation
 def mooncake_lengths(path: Path, scale: float) -> list[int]:
-    lengths = []
-    with path.open() as trace:
-        for line in trace:
-            row = json.loads(line)
-            lengths.append(max(1, round((row["input_length"] + row["output_length"]) * scale)))
-    return lengths
+    return [max(1, round((row.num_prompt_tokens + row.num_output_tokens) * scale)) for row in read_mooncake(path)]
 
 
 def chat_lengths(num_sequences: int, seed: int) -> list[int]:

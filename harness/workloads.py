@@ -1,16 +1,20 @@
-"""Load-test workloads as token sessions (pure; seeded).
+"""The workloads, one module for the simulator (router/workload.py), the load
+test, chaos and the benchmarks (worker/bench.py, cache/bench.py). Pure
+Python; every draw comes from the caller's seeded ``rng``.
 
-A :class:`Session` is a conversation: a fixed prefix, then turns; turn ``k``'s
-prompt is the prefix + every earlier question and *actual* answer + question
-``k``. Single-shot workloads are sessions of one turn.
+- **Mooncake traces**: :func:`read_mooncake` reads rows ``{timestamp (ms),
+  input_length, output_length, hash_ids}``; each hash id names one 512-token
+  block, chained (equal ids ⇒ equal prefix). :meth:`TraceRow.chained_keys`
+  chains the ids as ``cache.block_hashes`` chains blocks of tokens;
+  :class:`TraceBlocks` turns a row into tokens, one fixed random block per id.
+- **Shared-prefix groups** (SGLang's generated-shared-prefix):
+  :func:`shared_prefix_prompts`, G groups × P prompts, a system prompt of S
+  tokens + a question of Q tokens, shuffled.
+- **Multi-turn chats**: :func:`multi_turn_chats`, C chats × T turns on one
+  system prompt of S tokens; each turn appends the answer and a new question.
 
-- ``shared-prefix`` (SGLang's generated-shared-prefix): G groups × P prompts,
-  a system prompt of S tokens + a question of Q tokens, shuffled.
-- ``multi-turn``: C chats × T turns, each turn appends the answer and a new
-  question of Q tokens to a system prompt of S tokens.
-- ``mooncake``: a Mooncake-format trace; each ``hash_id`` becomes one fixed
-  random block of ``tokens_per_block`` tokens (scaled down from 512), so equal
-  ids give equal prefixes; arrival times from the trace.
+The load test's sessions (:class:`Session`, :func:`build_workload`) are built
+from these at the end of the module.
 """
 
 from __future__ import annotations
@@ -18,11 +22,149 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
+from cache import chain_block_keys
+
+MOONCAKE_BLOCK_TOKENS = 512
 # Printable-ASCII ids: valid for the byte-level tiny-llama and clear of its specials.
-_TOKEN_LOW, _TOKEN_HIGH = 32, 127
+PRINTABLE_TOKENS = (32, 127)
 
 
+def random_tokens(rng: random.Random, n: int, tokens: tuple[int, int] = PRINTABLE_TOKENS) -> tuple[int, ...]:
+    """``n`` token ids drawn uniformly from ``[tokens[0], tokens[1])``."""
+    low, high = tokens
+    return tuple(rng.randrange(low, high) for _ in range(n))
+
+
+# ------------------------------------------------------------------ Mooncake
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One Mooncake request. ``num_output_tokens`` is the trace's (may be 0)."""
+
+    arrival_s: float
+    hash_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def last_block_tokens(self) -> int:
+        """Tokens in the last block (the others hold 512 each)."""
+        return self.num_prompt_tokens - MOONCAKE_BLOCK_TOKENS * (len(self.hash_ids) - 1)
+
+    def chained_keys(self) -> tuple[int, ...]:
+        """One chained key per FULL block, as ``cache.block_hashes`` gives per block of tokens."""
+        is_last_full = self.num_prompt_tokens == MOONCAKE_BLOCK_TOKENS * len(self.hash_ids)
+        num_full = len(self.hash_ids) if is_last_full else len(self.hash_ids) - 1
+        return tuple(chain_block_keys(self.hash_ids[:num_full]))
+
+
+def read_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """The first ``limit`` rows (all when None) in file order; ValueError naming the line of a bad row."""
+    rows = []
+    with open(path) as handle:
+        for line_number, line in enumerate(handle, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids = tuple(int(h) for h in row["hash_ids"])
+                num_prompt, num_output = int(row["input_length"]), int(row["output_length"])
+                arrival_s = float(row["timestamp"]) / 1000.0
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"{path}:{line_number}: not a Mooncake trace row ({error})") from None
+            if not ids or num_prompt <= 0 or num_prompt > MOONCAKE_BLOCK_TOKENS * len(ids):
+                raise ValueError(f"{path}:{line_number}: input_length {num_prompt} does not fit {len(ids)} blocks")
+            rows.append(TraceRow(arrival_s, ids, num_prompt, num_output))
+    return rows
+
+
+class TraceBlocks:
+    """Hash id → one fixed random block of ``tokens_per_block`` tokens (scaled
+    down from 512), drawn from ``rng`` the first time the id is seen, so equal
+    ids give equal prefixes."""
+
+    def __init__(self, rng: random.Random, tokens_per_block: int, tokens: tuple[int, int] = PRINTABLE_TOKENS) -> None:
+        self._rng = rng
+        self._tokens_per_block = tokens_per_block
+        self._token_range = tokens
+        self._id_to_block: dict[int, tuple[int, ...]] = {}
+
+    def prompt(self, row: TraceRow) -> tuple[int, ...]:
+        """The row's prompt; its last block is cut in proportion (at least one token)."""
+        prompt: list[int] = []
+        for index, hash_id in enumerate(row.hash_ids):
+            if hash_id not in self._id_to_block:
+                self._id_to_block[hash_id] = random_tokens(self._rng, self._tokens_per_block, self._token_range)
+            block = self._id_to_block[hash_id]
+            if index == len(row.hash_ids) - 1:  # the last block is partial in the trace
+                block = block[: max(1, round(self._tokens_per_block * row.last_block_tokens / MOONCAKE_BLOCK_TOKENS))]
+            prompt.extend(block)
+        return tuple(prompt)
+
+
+# ---------------------------------------------------- shared prefix, chats
+@dataclass(frozen=True, slots=True)
+class PrefixedPrompt:
+    system: tuple[int, ...]
+    question: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.system + self.question
+
+
+def shared_prefix_prompts(rng: random.Random, num_groups: int, prompts_per_group: int, system_tokens: int,
+                          question_tokens: int, tokens: tuple[int, int] = PRINTABLE_TOKENS) -> list[PrefixedPrompt]:
+    """G groups × P prompts (a group's system prompt, then each prompt's question), shuffled."""
+    prompts = []
+    for _ in range(num_groups):
+        system = random_tokens(rng, system_tokens, tokens)
+        prompts.extend(PrefixedPrompt(system, random_tokens(rng, question_tokens, tokens)) for _ in range(prompts_per_group))
+    rng.shuffle(prompts)
+    return prompts
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """``arrival_s``: 0.0 unless arrivals were drawn; ``answer``: empty unless
+    answers were drawn (a live server writes its own)."""
+
+    arrival_s: float
+    question: tuple[int, ...]
+    answer: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Chat:
+    system: tuple[int, ...]
+    turns: tuple[ChatTurn, ...]
+
+
+def multi_turn_chats(rng: random.Random, num_chats: int, num_turns: int, system_tokens: int, question_tokens: int, *,
+                     answer_tokens: int = 0, rate_per_s: float | None = None, think_s: float | None = None,
+                     tokens: tuple[int, int] = PRINTABLE_TOKENS) -> list[Chat]:
+    """Chats on one shared system prompt. With ``rate_per_s``, chats start as
+    a Poisson process; with ``think_s``, a turn follows the previous one after
+    ``think_s × U(0.5, 1.5)`` seconds."""
+    system = random_tokens(rng, system_tokens, tokens)
+    chats, start = [], 0.0
+    for _ in range(num_chats):
+        if rate_per_s is not None:
+            start += rng.expovariate(rate_per_s)
+        now, turns = start, []
+        for _ in range(num_turns):
+            question = random_tokens(rng, question_tokens, tokens)
+            turns.append(ChatTurn(now, question, random_tokens(rng, answer_tokens, tokens)))
+            if think_s is not None:
+                now += think_s * (0.5 + rng.random())
+        chats.append(Chat(system, tuple(turns)))
+    return chats
+
+
+# ------------------------------------------------- the load test's sessions
 @dataclass(frozen=True, slots=True)
 class Turn:
     question: tuple[int, ...]
@@ -31,59 +173,36 @@ class Turn:
 
 @dataclass(frozen=True, slots=True)
 class Session:
+    """A conversation for the load test: a fixed prefix, then turns; turn
+    ``k``'s prompt is the prefix + every earlier question and *actual* answer
+    + question ``k``. Single-shot workloads are sessions of one turn."""
+
     prefix: tuple[int, ...]
     turns: tuple[Turn, ...]
     arrival_s: float = 0.0
     salt: str | None = None
 
 
-def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(_TOKEN_LOW, _TOKEN_HIGH) for _ in range(n))
-
-
 def shared_prefix(rng: random.Random, num_groups: int, prompts_per_group: int, system_tokens: int,
                   question_tokens: int, output_tokens: int) -> list[Session]:
-    sessions = []
-    for _ in range(num_groups):
-        system = _tokens(rng, system_tokens)
-        for _ in range(prompts_per_group):
-            sessions.append(Session(system, (Turn(_tokens(rng, question_tokens), output_tokens),)))
-    rng.shuffle(sessions)
-    return sessions
+    prompts = shared_prefix_prompts(rng, num_groups, prompts_per_group, system_tokens, question_tokens)
+    return [Session(p.system, (Turn(p.question, output_tokens),)) for p in prompts]
 
 
 def multi_turn(rng: random.Random, num_chats: int, num_turns: int, system_tokens: int,
                question_tokens: int, output_tokens: int) -> list[Session]:
-    system = _tokens(rng, system_tokens)
-    return [
-        Session(system, tuple(Turn(_tokens(rng, question_tokens), output_tokens) for _ in range(num_turns)))
-        for _ in range(num_chats)
-    ]
+    chats = multi_turn_chats(rng, num_chats, num_turns, system_tokens, question_tokens)
+    return [Session(c.system, tuple(Turn(t.question, output_tokens) for t in c.turns)) for c in chats]
 
 
 def mooncake(rng: random.Random, trace_path: str, tokens_per_block: int, max_requests: int,
              max_prompt_tokens: int, max_output_tokens: int) -> list[Session]:
     """Trace rows → one-turn sessions; prompts truncated to ``max_prompt_tokens``."""
-    id_to_block: dict[int, tuple[int, ...]] = {}
+    blocks = TraceBlocks(rng, tokens_per_block)
     sessions = []
-    with open(trace_path) as file:
-        for line in file:
-            if len(sessions) >= max_requests:
-                break
-            row = json.loads(line)
-            hash_ids = row["hash_ids"]
-            last_block_tokens = row["input_length"] - 512 * (len(hash_ids) - 1)
-            prompt: list[int] = []
-            for index, hash_id in enumerate(hash_ids):
-                if hash_id not in id_to_block:
-                    id_to_block[hash_id] = _tokens(rng, tokens_per_block)
-                block = id_to_block[hash_id]
-                if index == len(hash_ids) - 1:  # the last block is partial in the trace
-                    block = block[: max(1, round(tokens_per_block * last_block_tokens / 512))]
-                prompt.extend(block)
-            prompt = prompt[:max_prompt_tokens]
-            output = max(1, min(row["output_length"], max_output_tokens))
-            sessions.append(Session(tuple(prompt), (Turn((), output),), arrival_s=row["timestamp"] / 1000.0))
+    for row in read_mooncake(trace_path, limit=max_requests):
+        output = max(1, min(row.num_output_tokens, max_output_tokens))
+        sessions.append(Session(blocks.prompt(row)[:max_prompt_tokens], (Turn((), output),), arrival_s=row.arrival_s))
     return sessions
 
 

@@ -1,17 +1,22 @@
-"""Request streams for the simulator: a Mooncake trace, shared-prefix groups,
-multi-turn chats."""
+"""The simulator's requests for the workloads of ``harness/workloads.py``
+(which generates them): a Mooncake trace, shared-prefix groups, multi-turn
+chats."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache import block_hashes, chain_block_keys
-
-MOONCAKE_BLOCK_TOKENS = 512
+from cache import block_hashes
+from harness.workloads import (
+    MOONCAKE_BLOCK_TOKENS,
+    multi_turn_chats,
+    random_tokens,
+    read_mooncake,
+    shared_prefix_prompts,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,40 +64,25 @@ class Workload:
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> Workload:
-    """Rows ``{timestamp (ms), input_length, output_length, hash_ids}``; each
-    hash id names one 512-token block, chained (equal ids ⇒ equal prefix)."""
-    requests = []
-    with open(path) as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ids = tuple(int(h) for h in row["hash_ids"])
-                num_prompt, num_output = int(row["input_length"]), int(row["output_length"])
-                arrival_s = float(row["timestamp"]) / 1000.0
-            except (KeyError, TypeError, ValueError) as error:
-                raise ValueError(f"{path}:{line_number}: not a Mooncake trace row ({error})") from None
-            if not ids or num_prompt <= 0 or num_prompt > MOONCAKE_BLOCK_TOKENS * len(ids):
-                raise ValueError(f"{path}:{line_number}: input_length {num_prompt} does not fit {len(ids)} blocks")
-            num_full = len(ids) if num_prompt == MOONCAKE_BLOCK_TOKENS * len(ids) else len(ids) - 1
-            requests.append(SimRequest(
-                arrival_s=arrival_s,
-                units=ids,
-                unit_tokens=MOONCAKE_BLOCK_TOKENS,
-                num_prompt_tokens=num_prompt,
-                num_output_tokens=max(num_output, 1),
-                block_hashes=tuple(chain_block_keys(ids[:num_full])),
-                cache_units=ids,
-            ))
-            if limit is not None and len(requests) >= limit:
-                break
+    """A Mooncake trace (``harness.workloads.read_mooncake``) as simulator
+    requests, one unit per 512-token hash-id block, by arrival time."""
+    requests = [
+        SimRequest(
+            arrival_s=row.arrival_s,
+            units=row.hash_ids,
+            unit_tokens=MOONCAKE_BLOCK_TOKENS,
+            num_prompt_tokens=row.num_prompt_tokens,
+            num_output_tokens=max(row.num_output_tokens, 1),
+            block_hashes=row.chained_keys(),
+            cache_units=row.hash_ids,
+        )
+        for row in read_mooncake(path, limit)
+    ]
     requests.sort(key=lambda r: r.arrival_s)
     return Workload(tuple(requests), MOONCAKE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS, "mooncake")
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1, 32000) for _ in range(n)]
+_SIM_TOKENS = (1, 32000)
 
 
 def _token_request(arrival_s: float, prompt: list[int], answer: list[int], block_tokens: int) -> SimRequest:
@@ -111,18 +101,15 @@ def shared_prefix(
     num_groups: int = 16, prompts_per_group: int = 16, system_tokens: int = 1024, question_tokens: int = 64,
     output_tokens: int = 64, block_tokens: int = 64, rate_per_s: float = 10.0, seed: int = 0,
 ) -> Workload:
-    """G groups × P prompts: a per-group system prompt + a question, shuffled,
-    Poisson arrivals (SGLang's generated-shared-prefix bench, scaled down)."""
+    """``harness.workloads.shared_prefix_prompts`` with Poisson arrivals and
+    random answers (SGLang's generated-shared-prefix bench, scaled down)."""
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(num_groups):
-        system = _tokens(rng, system_tokens)
-        prompts.extend(system + _tokens(rng, question_tokens) for _ in range(prompts_per_group))
-    rng.shuffle(prompts)
+    prompts = shared_prefix_prompts(rng, num_groups, prompts_per_group, system_tokens, question_tokens, _SIM_TOKENS)
     now, requests = 0.0, []
     for prompt in prompts:
         now += rng.expovariate(rate_per_s)
-        requests.append(_token_request(now, prompt, _tokens(rng, output_tokens), block_tokens))
+        answer = list(random_tokens(rng, output_tokens, _SIM_TOKENS))
+        requests.append(_token_request(now, list(prompt.token_ids), answer, block_tokens))
     return Workload(tuple(requests), 1, block_tokens, "shared-prefix")
 
 
@@ -130,20 +117,17 @@ def multi_turn(
     num_conversations: int = 64, num_turns: int = 6, system_tokens: int = 512, question_tokens: int = 128,
     output_tokens: int = 128, block_tokens: int = 64, rate_per_s: float = 4.0, think_s: float = 5.0, seed: int = 0,
 ) -> Workload:
-    """Chats that all share one system prompt (every request shares its first
-    blocks); each turn appends the answer and a new question."""
-    rng = random.Random(seed)
-    system = _tokens(rng, system_tokens)
-    requests, start = [], 0.0
-    for _ in range(num_conversations):
-        start += rng.expovariate(rate_per_s)
-        history, now = list(system), start
-        for _ in range(num_turns):
-            prompt = history + _tokens(rng, question_tokens)
-            answer = _tokens(rng, output_tokens)
-            requests.append(_token_request(now, prompt, answer, block_tokens))
-            history = prompt + answer
-            now += think_s * (0.5 + rng.random())
+    """``harness.workloads.multi_turn_chats`` (every request shares the system
+    prompt's blocks); each turn's prompt is the history plus its question."""
+    chats = multi_turn_chats(random.Random(seed), num_conversations, num_turns, system_tokens, question_tokens,
+                             answer_tokens=output_tokens, rate_per_s=rate_per_s, think_s=think_s, tokens=_SIM_TOKENS)
+    requests = []
+    for chat in chats:
+        history = list(chat.system)
+        for turn in chat.turns:
+            prompt = history + list(turn.question)
+            requests.append(_token_request(turn.arrival_s, prompt, list(turn.answer), block_tokens))
+            history = prompt + list(turn.answer)
     requests.sort(key=lambda r: r.arrival_s)
     return Workload(tuple(requests), 1, block_tokens, "multi-turn")
 

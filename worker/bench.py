@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from harness.workloads import shared_prefix_prompts
 from worker import reference
 from worker.bench_peers import ContinuousBatchingSystem, Outcome, PlainGenerateSystem, StaticBatchSystem, VllmSystem
 from worker.config import EngineConfig
@@ -69,12 +70,9 @@ class Workload:
 def shared_prefix_workload(
     groups: int, prompts_per_group: int, system_tokens: int, question_tokens: int, output_tokens: int, seed: int
 ) -> Workload:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(groups):
-        system = [rng.randrange(3, 259) for _ in range(system_tokens)]
-        prompts += [system + [rng.randrange(3, 259) for _ in range(question_tokens)] for _ in range(prompts_per_group)]
-    rng.shuffle(prompts)
+    """``harness.workloads.shared_prefix_prompts`` over the tokenizer's byte ids."""
+    shared = shared_prefix_prompts(random.Random(seed), groups, prompts_per_group, system_tokens, question_tokens, (3, 259))
+    prompts = [list(p.token_ids) for p in shared]
     return Workload(prompts, output_tokens, groups, prompts_per_group, system_tokens, question_tokens)
 
 
