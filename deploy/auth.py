@@ -98,3 +98,28 @@ def header_bytes(scope: Mapping, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def install_keyed_docs(app, dependencies: list) -> None:
+    """``/openapi.json``, ``/docs`` and ``/redoc`` as routes behind ``dependencies``
+    (the app is built with FastAPI's own docs switched off). A browser's docs
+    page cannot send the key by itself: read the schema with the key
+    (``curl -H "Authorization: Bearer $KEY" .../openapi.json``)."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+    from fastapi.responses import JSONResponse
+
+    @app.get("/openapi.json", dependencies=dependencies, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=dependencies, include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/docs/oauth2-redirect", dependencies=dependencies, include_in_schema=False)
+    async def docs_redirect():
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", dependencies=dependencies, include_in_schema=False)
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")

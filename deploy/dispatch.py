@@ -60,9 +60,9 @@ class Dispatcher:
                 async for item in stream:
                     now = time.monotonic()
                     if num_events == 0:
-                        self.metrics.ttft_s.labels(replica=item.replica_id or "unknown").observe(now - start)
+                        self.metrics.observe_ttft(item.replica_id or "unknown", now - start)
                     elif isinstance(item, TokenEvent):
-                        self.metrics.itl_s.observe(now - last)
+                        self.metrics.observe_itl(now - last)
                     last, num_events = now, num_events + 1
                     if isinstance(item, GenerationResult):
                         self.metrics.observe_result(item, now - start, ttft_seen=True)

@@ -8,7 +8,6 @@ Routes format requests and responses. A request runs one way: route →
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -18,6 +17,8 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from deploy.admission import Admission, AdmissionGuard
+from deploy.auth import KeyRing, Tenant, compose_salt, header_bytes, install_keyed_docs
 from deploy.dispatch import Dispatcher
 from deploy.errors import APIError, error_body, install_error_handlers
 from deploy.metrics import IngressMetrics
@@ -111,26 +112,27 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
                    metrics: IngressMetrics | None = None) -> FastAPI:
     """The ingress app over ``client``; ``tokenizer`` for the OpenAI routes'
     text; ``builder`` checks prompts against the model's bounds."""
-    metrics = metrics or IngressMetrics()
+    metrics = metrics or IngressMetrics(model_name=config.model_name if config.vllm_metrics else None)
     dispatcher = Dispatcher(client, metrics, config.router_block_size, config.retry_after_s)
     openai = OpenAIRoutes(config.model_name, tokenizer, builder, dispatcher)
-    app = FastAPI(title="kvroute", version="0.1.0")
+    keyring = KeyRing(config.api_keys, config.cache_namespaces)
+    no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if keyring.is_enabled else {}
+    app = FastAPI(title="kvroute", version="0.1.0", **no_docs)
     install_error_handlers(app)
     app.add_middleware(BodyGuard, max_bytes=config.limits.max_body_bytes, timeout_s=config.body_timeout_s)
 
-    def authorize(authorization: str | None = Header(default=None)) -> None:
-        if not config.api_keys:
-            return
-        token = (authorization or "").removeprefix("Bearer ").strip()
-        if not any(hmac.compare_digest(token, key) for key in config.api_keys):
-            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
+    def authorize(request: Request) -> Tenant:
+        """The sender's tenant, from the raw ``Authorization`` bytes (401 otherwise)."""
+        return keyring.authenticate(header_bytes(request.scope, b"authorization"))
 
     auth = [Depends(authorize)]
+    if keyring.is_enabled:
+        install_keyed_docs(app, auth)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
-        metrics.requests.labels(route=request.url.path, status=str(response.status_code)).inc()
+        metrics.count_request(request.url.path, response.status_code)
         return response
 
     @app.get("/health")
@@ -143,18 +145,21 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
             {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvroute", "max_model_len": builder.bounds.max_model_len}
         ]}
 
-    @app.post("/generate", dependencies=auth)
-    async def generate(body: GenerateRequest, x_cache_salt: str | None = Header(default=None)):
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, x_cache_salt: str | None = Header(default=None),
+                       tenant: Tenant = Depends(authorize)):
         token_ids = builder.check_prompt(body.prompt_token_ids, body.max_new_tokens, param="prompt_token_ids")
         params = _token_params(builder, body)
-        request = builder.request(token_ids, params, body.cache_salt or x_cache_salt)
+        request = builder.request(token_ids, params, compose_salt(tenant.namespace, body.cache_salt or x_cache_salt))
         if body.stream:
             events = await _primed(dispatcher.stream(request))  # overload before any token: a real 429/503
             return StreamingResponse(_token_events(events), media_type="text/event-stream", headers=_SSE_HEADERS)
         return _generate_output(await dispatcher.run(request), body.logprobs)
 
-    @app.post("/generate_batch", dependencies=auth)
-    async def generate_batch(body: GenerateBatchRequest, x_cache_salt: str | None = Header(default=None)) -> dict:
+    @app.post("/generate_batch")
+    async def generate_batch(body: GenerateBatchRequest, x_cache_salt: str | None = Header(default=None),
+                             tenant: Tenant = Depends(authorize)) -> dict:
+        salt = compose_salt(tenant.namespace, body.cache_salt or x_cache_salt)
         if len(body.prompts) > config.limits.max_batch_prompts:
             raise APIError(400, f"{len(body.prompts)} prompts is over the limit of {config.limits.max_batch_prompts}", param="prompts")
         params = _token_params(builder, body)
@@ -162,15 +167,16 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         for index, prompt in enumerate(body.prompts):
             try:
                 token_ids = builder.check_prompt(prompt, body.max_new_tokens, param=f"prompts[{index}]")
-                items.append(builder.request(token_ids, params, body.cache_salt or x_cache_salt))
+                items.append(builder.request(token_ids, params, salt))
             except APIError as error:
                 items.append(error)
         outputs = await dispatcher.run_batch(items)
         return {"outputs": [o.body() if isinstance(o, APIError) else _generate_output(o, body.logprobs) for o in outputs]}
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(default=None)):
-        pairs = openai.completion_requests(body, x_cache_salt)
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(default=None),
+                          tenant: Tenant = Depends(authorize)):
+        pairs = openai.completion_requests(body, x_cache_salt, tenant.namespace)
         with_logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -179,9 +185,10 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         states = await openai.collect(pairs)
         return openai.completion_body(states, pairs, int(time.time()), f"cmpl-{uuid.uuid4().hex}", with_logprobs)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest, x_cache_salt: str | None = Header(default=None)):
-        pairs = openai.chat_requests(body, x_cache_salt)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, x_cache_salt: str | None = Header(default=None),
+                               tenant: Tenant = Depends(authorize)):
+        pairs = openai.chat_requests(body, x_cache_salt, tenant.namespace)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             deltas = await _primed(openai.deltas(pairs))
@@ -201,10 +208,19 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         return {"model": config.model_name, "router": config.router,
                 "replicas": {replica_id: s.to_dict() for replica_id, s in replicas.items()}, "totals": totals}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth if config.metrics_require_key else [])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(await client.stats()), media_type="text/plain; version=0.0.4")
 
+    metrics.route_templates = frozenset(route.path for route in app.routes)  # every other path: "unmatched"
+    admission = Admission(config.max_in_flight_per_worker)
+
+    async def count_workers() -> int:
+        return len(await client.stats())
+
+    app.add_middleware(AdmissionGuard, admission=admission, retry_after_s=config.retry_after_s,  # outermost
+                       count_workers=count_workers,
+                       on_refused=lambda: metrics.rejected.labels(reason="ingress_admission").inc())
     return app
 
 

@@ -4,9 +4,19 @@ Two sources: latencies this ingress measured itself (TTFT, inter-token
 latency, end-to-end latency, labelled by the replica that served), and each
 Worker replica's engine counters as posted to the stats board (at most a
 couple of stats periods old).
+
+Every label's values are bounded by the configuration, never by clients:
+``route`` is a route template of this app or ``unmatched``; ``status`` an
+HTTP status; ``replica`` a live Worker replica; ``reason`` one of a fixed
+set. With ``vllm_metrics`` the Workers' figures are also exported under
+vLLM's (v1) names with a ``model_name`` label (and ``engine`` = the replica),
+so dashboards and autoscalers built for vLLM read kvroute unchanged
+(deploy/README.md lists them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,25 +24,69 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from worker.results import GenerationResult, ReplicaStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+UNMATCHED_ROUTE = "unmatched"
 
-# engine stat key -> (metric name, help, is_counter)
+# engine stat key -> (metric name, help, is_counter); Prometheus adds _total to counters
 _REPLICA_METRICS = {
-    "hits": ("kvroute_cache_hits", "Requests that reused >= 1 cached token", True),
-    "misses": ("kvroute_cache_misses", "Requests that reused no cached token", True),
-    "tokens_saved": ("kvroute_tokens_saved", "Prompt tokens reused from the prefix cache", True),
-    "prefill_tokens": ("kvroute_prefill_tokens", "Prompt tokens run through the model", True),
-    "decode_tokens": ("kvroute_decode_tokens", "Tokens generated", True),
+    "hits": ("kvroute_cache_hit_requests", "Requests that reused at least one cached prompt token", True),
+    "misses": ("kvroute_cache_miss_requests", "Requests that reused no cached prompt token", True),
+    "tokens_saved": ("kvroute_cache_saved_tokens",
+                     "Prompt tokens reused from the prefix cache instead of prefilled (first admissions)", True),
+    "prefill_tokens": ("kvroute_prefill_tokens", "Tokens run through the model in prefill", True),
+    "decode_tokens": ("kvroute_generated_tokens", "Tokens generated (decode steps)", True),
     "preemptions": ("kvroute_preemptions", "Requests preempted for KV space", True),
-    "cache_num_tokens": ("kvroute_cache_num_tokens", "Unique token positions the radix cache holds now", False),
-    "num_waiting": ("kvroute_queue_depth", "Requests waiting for admission", False),
-    "num_running": ("kvroute_running_requests", "Requests running", False),
-    "kv_blocks_free": ("kvroute_kv_free_blocks", "Free KV blocks", False),
+    "cache_num_tokens": ("kvroute_cache_tokens", "Unique token positions the prefix cache holds now", False),
+    "cache_budget_tokens": ("kvroute_cache_budget_tokens", "Token positions the prefix cache may hold", False),
+    "num_waiting": ("kvroute_queue_depth", "Requests waiting for admission to the engine", False),
+    "num_running": ("kvroute_running_requests", "Requests running in the engine", False),
+    "kv_blocks_free": ("kvroute_kv_free_blocks", "Free KV blocks in the pool", False),
     "kv_blocks_total": ("kvroute_kv_blocks", "KV blocks in the pool", False),
 }
 
 
+def _number(stats: dict, key: str) -> float | None:
+    value = stats.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _vllm_figures(stats: dict) -> dict[str, float]:
+    """vLLM's figures from one engine's stats. Prefix-cache queries and hits
+    count tokens, as vLLM's do: queries = prompt positions looked up at
+    admission (reused + prefilled), hits = reused."""
+    figures: dict[str, float] = {}
+    for name, key in (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"),
+                      ("generation_tokens", "decode_tokens"), ("num_preemptions", "preemptions")):
+        value = _number(stats, key)
+        if value is not None:
+            figures[name] = value
+    free, total = _number(stats, "kv_blocks_free"), _number(stats, "kv_blocks_total")
+    if free is not None and total:
+        figures["kv_cache_usage_perc"] = 1.0 - free / total
+    saved = (_number(stats, "tokens_saved") or 0.0) + (_number(stats, "readmission_tokens_saved") or 0.0)
+    prefill = _number(stats, "prefill_tokens")
+    if prefill is not None:
+        figures["prefix_cache_hits"] = saved
+        figures["prefix_cache_queries"] = saved + prefill
+        figures["prompt_tokens"] = saved + prefill
+    return figures
+
+
+# vLLM name -> (help, is_counter)
+_VLLM_METRICS = {
+    "num_requests_running": ("Number of requests in model execution batches", False),
+    "num_requests_waiting": ("Number of requests waiting to be processed", False),
+    "kv_cache_usage_perc": ("KV-cache usage: fraction of KV blocks in use (0-1)", False),
+    "prefix_cache_queries": ("Prefix cache queries, in tokens", True),
+    "prefix_cache_hits": ("Prefix cache hits, in tokens", True),
+    "prompt_tokens": ("Prefill tokens processed (computed or reused from the prefix cache)", True),
+    "generation_tokens": ("Generation tokens processed", True),
+    "num_preemptions": ("Cumulative number of preemptions", True),
+}
+
+
 class _ReplicaCollector:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str | None) -> None:
+        self.model_name = model_name  # None: no vLLM names
         self.replica_to_stats: dict[str, dict] = {}
 
     def collect(self):
@@ -42,15 +96,32 @@ class _ReplicaCollector:
             families[key] = family_class(name, help_text, labels=["replica"])
         for replica_id, stats in sorted(self.replica_to_stats.items()):
             for key, family in families.items():
-                value = stats.get(key)
-                if isinstance(value, (int, float)):
+                value = _number(stats, key)
+                if value is not None:
                     family.add_metric([replica_id], value)
+        yield from families.values()
+        if self.model_name is not None:
+            yield from self._vllm_families()
+
+    def _vllm_families(self):
+        families = {}
+        for name, (help_text, is_counter) in _VLLM_METRICS.items():
+            family_class = CounterMetricFamily if is_counter else GaugeMetricFamily
+            families[name] = family_class(f"vllm:{name}", help_text, labels=["model_name", "engine"])
+        for replica_id, stats in sorted(self.replica_to_stats.items()):
+            for name, value in _vllm_figures(stats).items():
+                families[name].add_metric([self.model_name, replica_id], value)
         yield from families.values()
 
 
 class IngressMetrics:
-    def __init__(self) -> None:
+    """``route_templates``: the app's route paths (every other path is
+    counted as ``unmatched``); ``model_name``: set to also export vLLM's names."""
+
+    def __init__(self, route_templates: Iterable[str] = (), model_name: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.route_templates = frozenset(route_templates)
+        self.model_name = model_name
         self.ttft_s = Histogram(
             "kvroute_ttft_seconds", "Time to first token", ["replica"], buckets=_LATENCY_BUCKETS_S, registry=self.registry
         )
@@ -61,17 +132,48 @@ class IngressMetrics:
             "kvroute_request_latency_seconds", "End-to-end latency", ["replica"], buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.requests = Counter("kvroute_requests", "HTTP requests", ["route", "status"], registry=self.registry)
-        self.rejected = Counter("kvroute_rejected", "Requests shed under overload", ["reason"], registry=self.registry)
+        self.requests = Counter("kvroute_requests", "HTTP requests answered, by route template and status",
+                                ["route", "status"], registry=self.registry)
+        self.rejected = Counter("kvroute_rejected", "Requests shed under overload, by where", ["reason"],
+                                registry=self.registry)
         self.retries = Counter("kvroute_replica_retries", "Requests re-dispatched after a replica failure", registry=self.registry)
-        self._replicas = _ReplicaCollector()
+        self._vllm_histograms = None
+        if model_name is not None:
+            self._vllm_histograms = {
+                name: Histogram(f"vllm:{name}", help_text, ["model_name"], buckets=_LATENCY_BUCKETS_S,
+                                registry=self.registry).labels(model_name=model_name)
+                for name, help_text in (
+                    ("time_to_first_token_seconds", "Histogram of time to first token in seconds"),
+                    ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds"),
+                    ("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds"),
+                )
+            }
+        self._replicas = _ReplicaCollector(model_name)
         self.registry.register(self._replicas)
+
+    def route_label(self, path: str) -> str:
+        return path if path in self.route_templates else UNMATCHED_ROUTE
+
+    def count_request(self, path: str, status: int) -> None:
+        self.requests.labels(route=self.route_label(path), status=str(int(status))).inc()
+
+    def observe_ttft(self, replica: str, ttft_s: float) -> None:
+        self.ttft_s.labels(replica=replica).observe(ttft_s)
+        if self._vllm_histograms:
+            self._vllm_histograms["time_to_first_token_seconds"].observe(ttft_s)
+
+    def observe_itl(self, itl_s: float) -> None:
+        self.itl_s.observe(itl_s)
+        if self._vllm_histograms:
+            self._vllm_histograms["inter_token_latency_seconds"].observe(itl_s)
 
     def observe_result(self, result: GenerationResult, latency_s: float, ttft_seen: bool = False) -> None:
         replica = result.replica_id or "unknown"
         self.latency_s.labels(replica=replica).observe(latency_s)
+        if self._vllm_histograms:
+            self._vllm_histograms["e2e_request_latency_seconds"].observe(latency_s)
         if not ttft_seen and result.ttft_s is not None:
-            self.ttft_s.labels(replica=replica).observe(result.ttft_s)
+            self.observe_ttft(replica, result.ttft_s)
 
     def render(self, replica_to_stats: dict[str, ReplicaStats]) -> bytes:
         self._replicas.replica_to_stats = {replica_id: s.engine for replica_id, s in replica_to_stats.items()}

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from deploy.auth import compose_salt
 from deploy.dispatch import Dispatcher
 from deploy.errors import APIError
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
@@ -87,14 +88,17 @@ class OpenAIRoutes:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self._encode(text)
 
-    def _requests(self, prompts: list[list[int]], body, max_tokens: int) -> list[tuple[WorkerRequest, ChoiceState]]:
+    def _requests(self, prompts: list[list[int]], body, max_tokens: int,
+                  namespace: str | None = None) -> list[tuple[WorkerRequest, ChoiceState]]:
+        """One (worker request, state) per prompt × choice; ``namespace``: the
+        API key's cache namespace, composed with the client's ``cache_salt``."""
         builder = self.builder
         if body.n > self.limits.max_n:
             raise APIError(400, f"n={body.n} is over the limit of {self.limits.max_n}", param="n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop strings are allowed", param="stop")
-        salt = body.cache_salt
+        salt = compose_salt(namespace, body.cache_salt)
         pairs = []
         for prompt_index, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{prompt_index}]"
@@ -112,7 +116,7 @@ class OpenAIRoutes:
                 pairs.append((builder.request(token_ids, params, salt), state))
         return pairs
 
-    def completion_requests(self, body: CompletionRequest, salt_header: str | None):
+    def completion_requests(self, body: CompletionRequest, salt_header: str | None, namespace: str | None = None):
         self._check_model(body.model)
         self._check_unsupported(body)
         if body.echo:
@@ -129,9 +133,9 @@ class OpenAIRoutes:
         if len(prompts) * body.n > self.limits.max_batch_prompts:
             raise APIError(400, "too many prompts × choices in one request", param="prompt")
         body = body.model_copy(update={"cache_salt": body.cache_salt or salt_header})
-        return self._requests(prompts, body, body.max_tokens or 16)
+        return self._requests(prompts, body, body.max_tokens or 16, namespace)
 
-    def chat_requests(self, body: ChatCompletionRequest, salt_header: str | None):
+    def chat_requests(self, body: ChatCompletionRequest, salt_header: str | None, namespace: str | None = None):
         self._check_model(body.model)
         self._check_unsupported(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -140,7 +144,7 @@ class OpenAIRoutes:
         prompt = self._chat_prompt(body)
         max_tokens = min(max_tokens, max(1, self.builder.bounds.max_model_len - len(prompt)))
         body = body.model_copy(update={"cache_salt": body.cache_salt or salt_header})
-        return self._requests([prompt], body, max_tokens)
+        return self._requests([prompt], body, max_tokens, namespace)
 
     # -------------------------------------------------------------- running
     async def _run_choice(self, request: WorkerRequest, state: ChoiceState, incremental: bool) -> AsyncIterator[Delta]:
@@ -214,13 +218,23 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------ responses
     def usage(self, states: list[ChoiceState], pairs) -> dict:
-        prompt_tokens = sum({id(r.prompt_token_ids): r.num_prompt_tokens for r, _ in pairs}.values())
+        """Token counts, each prompt counted once however many choices it has:
+        its cached tokens are the fewest any of its choices found cached (what
+        the cache held for it before this request), so ``cached_tokens`` never
+        exceeds ``prompt_tokens``."""
+        prompt_to_tokens: dict[int, int] = {}
+        prompt_to_cached: dict[int, int] = {}
+        for request, state in pairs:
+            key = id(request.prompt_token_ids)  # the choices of one prompt share its tuple
+            prompt_to_tokens[key] = request.num_prompt_tokens
+            prompt_to_cached[key] = min(prompt_to_cached.get(key, state.cached_tokens), state.cached_tokens)
+        prompt_tokens = sum(prompt_to_tokens.values())
         completion_tokens = sum(len(s.token_ids) for s in states)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
+            "prompt_tokens_details": {"cached_tokens": sum(prompt_to_cached.values())},
         }
 
     def completion_body(self, states, pairs, created: int, completion_id: str, with_logprobs: bool) -> dict:

@@ -8,13 +8,12 @@ more on its side of the boundary (``Engine.validate``).
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache import block_hashes
 from deploy.errors import APIError
+from deploy.request_ids import new_request_id
 from deploy.settings import Limits
 from worker import SamplingParams
 from worker.messages import WorkerRequest
@@ -37,8 +36,6 @@ class RequestBuilder:
         self.limits = limits
         self.bounds = bounds
         self.router_block_size = router_block_size
-        self._request_ids = itertools.count()
-        self._id_prefix = f"{os.getpid():x}"
 
     def check_prompt(self, token_ids: Sequence[int], max_new_tokens: int, param: str = "prompt") -> tuple[int, ...]:
         limits, vocab_size = self.limits, self.bounds.vocab_size
@@ -81,7 +78,7 @@ class RequestBuilder:
     def request(self, token_ids: tuple[int, ...], params: SamplingParams, salt: str | None) -> WorkerRequest:
         """A worker request for a prompt :meth:`check_prompt` passed."""
         return WorkerRequest(
-            request_id=f"req-{self._id_prefix}-{next(self._request_ids)}",
+            request_id=new_request_id(),  # unique across ingress replicas and nodes
             prompt_token_ids=token_ids,
             params=params,
             salt=salt,

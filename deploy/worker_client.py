@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from deploy.errors import APIError
+from deploy.errors import APIError, internal_error
 from worker.messages import WorkerBatch, WorkerRequest
 from worker import EngineOverloaded
 from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
@@ -66,8 +66,7 @@ def engine_error(error: BaseException, retry_after_s: int) -> APIError:
         return Busy("engine_queue_full", str(error), retry_after_s)
     if isinstance(error, ValueError):
         return APIError(400, str(error))
-    logger.error("unexpected worker failure", exc_info=error)
-    return APIError(500, f"internal error: {type(error).__name__}: {error}")
+    return internal_error(error)  # the traceback goes to the log, the body names its id
 
 
 def item_error(error: ItemError) -> APIError:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import resource
 import sys
 import time
 from collections import Counter
@@ -229,6 +231,23 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, *, headers
         return outcomes, time.monotonic() - start
 
 
+def _cpu_s(pids) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _memory(app, headers: dict | None) -> dict:
     workers = {replica: faults.rss_bytes(pid) for replica, pid in faults.replica_pids(app.url, headers).items()}
     return {"workers_mib": {r: round((v or 0) / 2**20, 1) for r, v in sorted(workers.items())},
@@ -263,18 +282,24 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
         return [body for _, body in pairs]
 
     await closed_loop(app.url, bodies(2 * concurrency, 0), concurrency, headers=headers)  # warm-up
+    cluster_cpu_s, own_cpu_s = _cpu_s(app.ray_pids()), _own_cpu_s()
     probe, probe_s = await closed_loop(app.url, bodies(4 * concurrency, 1), concurrency, headers=headers)
     capacity_rps = sum(o.ok for o in probe) / probe_s
+    served_cpu_s = (_cpu_s(app.ray_pids()) - cluster_cpu_s) / max(1, sum(o.ok for o in probe))
     baseline = [o.latency_s for o in probe if o.ok]
     pids_before = faults.replica_pids(app.url, headers)
     memory = [_memory(app, headers)]
     figures: dict = {"capacity_rps": round(capacity_rps, 1), "offered_rps": round(factor * capacity_rps, 1),
                      "stream": stream, "baseline_latency_p50_s": percentile(baseline, 50),
                      "baseline_latency_p99_s": percentile(baseline, 99),
-                     "probe_errors": dict(Counter(o.final.kind for o in probe if not o.ok)), "rounds": []}
+                     "probe_errors": dict(Counter(o.final.kind for o in probe if not o.ok)),
+                     "cluster_cpu_s_per_served_request": round(served_cpu_s, 4),
+                     "generator_cpu_share_at_capacity": round((_own_cpu_s() - own_cpu_s) / probe_s / 2, 3),
+                     "generator_niceness": os.getpriority(os.PRIO_PROCESS, 0), "rounds": []}
     for round_index in range(rounds):
         offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
         start = time.monotonic()
+        cluster_cpu_s, own_cpu_s = _cpu_s(app.ray_pids()), _own_cpu_s()
         done = asyncio.Event()
         depths = asyncio.ensure_future(_max_engine_depths(app.url, headers, done))
         try:
@@ -283,8 +308,12 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
         finally:
             done.set()
         wall_s = time.monotonic() - start
+        round_cluster_cpu_s, round_own_cpu_s = _cpu_s(app.ray_pids()) - cluster_cpu_s, _own_cpu_s() - own_cpu_s
         admitted = [o.latency_s for o in outcomes if o.ok]
         rejected = [o for o in outcomes if not o.ok]
+        # What a refusal cost the cluster: its CPU in the round beyond what the
+        # served requests cost at capacity, per refusal (the 2 cores are shared).
+        refusal_cpu_s = (round_cluster_cpu_s - len(admitted) * served_cpu_s) / max(1, len(rejected))
         memory.append(_memory(app, headers))
         figures["rounds"].append({
             "num_sent": len(outcomes), "num_ok": len(admitted), "wall_s": round(wall_s, 2),
@@ -295,6 +324,12 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
             "admitted_latency_p50_s": percentile(admitted, 50), "admitted_latency_p99_s": percentile(admitted, 99),
             "admitted_latency_max_s": max(admitted, default=None),
             "rejection_latency_p99_s": percentile([o.latency_s for o in rejected], 99),
+            "goodput_of_capacity": round(len(admitted) / wall_s / capacity_rps, 2),
+            "admitted_p99_of_baseline_p99": (round(percentile(admitted, 99) / figures["baseline_latency_p99_s"], 2)
+                                             if admitted else None),
+            "cluster_cpu_cores": round(round_cluster_cpu_s / wall_s, 2),
+            "generator_cpu_cores": round(round_own_cpu_s / wall_s, 2),
+            "refusal_cpu_ms": round(1000 * refusal_cpu_s, 2),
             **await depths,
         })
     figures["memory"] = memory
@@ -303,15 +338,18 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
 
 
 # ------------------------------------------------------------------- CLI
-# Small queues, so that overload shows in seconds on a CPU: each Worker runs 8
-# requests and queues 8 more (then 429); Serve keeps at most 24 calls on a
-# replica and 16 waiting for one (then 503); the Ingress holds 96 requests and
-# Serve's proxy queues 32 more for it (then 503 from the proxy).
+# Small queues, so that overload shows in seconds on a CPU: the ingress admits
+# 10 generation requests per Worker in flight and answers the rest at once
+# (429 JSON + Retry-After, deploy/admission.py); each Worker runs 8 requests and
+# queues 8 more (then 429); Serve keeps at most 24 calls on a replica and 16
+# waiting for one (then 503); the Ingress takes 1024 at once, so Serve's proxy
+# (its own plain-text 503) is never the limit that trips.
 OVERLOAD_APP = dict(
-    args_overrides={"stats_period_s": 0.5, "engine": {"max_num_seqs": 8, "max_queued_requests": 8,
-                                                      "max_batch_tokens": 512, "num_threads": 1}},
+    args_overrides={"stats_period_s": 0.5, "max_in_flight_per_worker": 10,
+                    "engine": {"max_num_seqs": 8, "max_queued_requests": 8, "max_batch_tokens": 512,
+                               "num_threads": 1}},
     deployment_overrides={"Worker": {"max_ongoing_requests": 24, "max_queued_requests": 16},
-                          "Ingress": {"max_ongoing_requests": 96, "max_queued_requests": 32,
+                          "Ingress": {"max_ongoing_requests": 1024, "max_queued_requests": 256,
                                       "backpressure_config": {"retry_after_s": 1}}},
 )
 
@@ -328,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=6.0, help="overload: seconds per round")
     parser.add_argument("--stream", action="store_true", help="overload: streamed requests")
     parser.add_argument("--rounds", type=int, default=2, help="overload: rounds (memory is sampled after each)")
+    parser.add_argument("--nice", type=int, default=10,
+                        help="overload: the load generator's niceness once the cluster is up (it shares the cores)")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--requests", type=int, default=300)
@@ -347,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.scenario == "overload":
         with _app(args, num_cpus=2, **OVERLOAD_APP) as app:
             app.deploy()
+            os.nice(args.nice)  # this process only: the cluster started above keeps its priority
             figures = asyncio.run(overload(app, factor=args.factor, duration_s=args.duration_s, stream=args.stream,
                                            rounds=args.rounds, seed=args.seed))
     text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)

@@ -131,13 +131,13 @@ def test_prometheus_metrics_per_replica(live_app):
     deadline = time.time() + 15  # the workers' figures reach the board once a stats period
     while True:
         text = httpx.get(live_app.url + "/metrics", trust_env=False).text
-        if text.count('kvroute_cache_hits_total{replica="SERVE_REPLICA::') == 2 or time.time() > deadline:
+        if text.count('kvroute_cache_hit_requests_total{replica="SERVE_REPLICA::') == 2 or time.time() > deadline:
             break
         time.sleep(0.2)
-    for name in ("kvroute_cache_hits_total", "kvroute_tokens_saved_total", "kvroute_prefill_tokens_total",
+    for name in ("kvroute_cache_hit_requests_total", "kvroute_cache_saved_tokens_total", "kvroute_prefill_tokens_total",
                  "kvroute_queue_depth", "kvroute_ttft_seconds_bucket", "kvroute_request_latency_seconds_count"):
         assert name in text, name
-    assert text.count('kvroute_cache_hits_total{replica="SERVE_REPLICA::') == 2
+    assert text.count('kvroute_cache_hit_requests_total{replica="SERVE_REPLICA::') == 2
 
 
 # ------------------------------------------------------------- shutdown (last)

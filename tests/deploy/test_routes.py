@@ -75,10 +75,10 @@ def test_health_models_stats_and_metrics(http):
     assert {"hits", "misses", "tokens_saved", "prefill_tokens", "cache_num_tokens", "pid", "age_s"} <= set(replica)
     assert stats["totals"]["prefill_tokens"] == replica["prefill_tokens"] > 0
     text = http.get("/metrics").text
-    for name in ("kvroute_cache_hits_total", "kvroute_tokens_saved_total", "kvroute_prefill_tokens_total",
+    for name in ("kvroute_cache_hit_requests_total", "kvroute_cache_saved_tokens_total", "kvroute_prefill_tokens_total",
                  "kvroute_queue_depth", "kvroute_ttft_seconds_bucket", "kvroute_request_latency_seconds_count"):
         assert name in text, name
-    assert 'kvroute_cache_hits_total{replica="local"}' in text
+    assert 'kvroute_cache_hit_requests_total{replica="local"}' in text
 
 
 def test_generate_returns_contract_fields_and_hits_on_repeat(http):

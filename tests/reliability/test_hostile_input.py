@@ -5,6 +5,8 @@ starving anyone else."""
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import time
 
 import httpx
@@ -31,7 +33,7 @@ def test_schema_fuzzing_finds_no_5xx(core_app, mode):
     """Every operation in the app's own OpenAPI schema, with schema-valid
     (``positive``) and schema-violating (``negative``) inputs: never a 5xx,
     every error an OpenAI-style body; afterwards every replica's audit is clean."""
-    openapi = httpx.get(core_app.url + "/openapi.json", trust_env=False).json()
+    openapi = httpx.get(core_app.url + "/openapi.json", headers=AUTH, trust_env=False).json()
     schema = schemathesis.openapi.from_dict(openapi)
     session = requests.Session()
     session.trust_env = False
@@ -81,6 +83,117 @@ def test_fan_out_requests_complete(core_app):
     choices = httpx.post(core_app.url + "/v1/completions", headers=AUTH, timeout=30, trust_env=False, json={
         "model": "tiny-llama", "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})
     assert choices.status_code == 200 and len(choices.json()["choices"]) == 9, choices.text
+
+
+# ------------------------------------------- headers, paths and raw bodies
+_PATHS = ["/generate", "/generate_batch", "/v1/completions", "/v1/chat/completions", "/v1/models", "/stats",
+          "/metrics", "/health", "/docs", "/openapi.json"]
+_CONTENT_TYPES = [b"application/json", b"text/plain", b"application/x-www-form-urlencoded",
+                  b"multipart/form-data; boundary=x", b"application/json; charset=utf-16", b"", b"\xff\xfe/\x00",
+                  b"application/json" + b";a=b" * 200]
+
+
+def hostile_requests(seed: int, count: int) -> list[bytes]:
+    """Raw HTTP/1.1 requests: arbitrary bytes in Authorization (sometimes a
+    valid key with garbage around it), odd content types, oversized headers,
+    random paths (percent-encoded bytes, dot segments, huge), random bodies."""
+    rng = random.Random(seed)
+    requests_ = []
+    for index in range(count):
+        if index % 10 == 0:  # a valid request now and then: the server must keep serving
+            body = b'{"prompt_token_ids": [72, 105, %d], "max_new_tokens": 2}' % rng.randrange(35, 130)
+            requests_.append(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + API_KEY.encode()
+                             + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                             + b"\r\nConnection: close\r\n\r\n" + body)
+            continue
+        path = rng.choice(_PATHS)
+        roll = rng.random()
+        if roll < 0.25:
+            path = "/" + "".join(rng.choice("abc/%..~-_") for _ in range(rng.randrange(1, 40)))
+        elif roll < 0.35:
+            path = "/" + "".join(f"%{rng.randrange(256):02X}" for _ in range(rng.randrange(1, 30)))
+        elif roll < 0.4:
+            path = "/v1/" + "x" * rng.choice([100, 5000, 20000])
+        method = rng.choice([b"POST", b"POST", b"GET", b"PUT", b"DELETE", b"OPTIONS", b"HEAD"])
+        key = API_KEY.encode()
+        auth = rng.choice([
+            b"Bearer " + key, b"Bearer " + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 80))),
+            "Bearer sécret".encode(), b"Bearer " + key + b"\xff", bytes(rng.randrange(128, 256) for _ in range(20)),
+            b"Bearer " + b"A" * rng.choice([1000, 16000]), b"Basic " + key, b"",
+        ]).replace(b"\r", b"").replace(b"\n", b"")
+        body = rng.choice([
+            b'{"prompt_token_ids": [72, 105], "max_new_tokens": 2}',
+            b'{"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2}',
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}',
+            bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300))),
+            b'{"prompt_token_ids": [' + b"1," * rng.randrange(0, 2000) + b'1]}', b"{" * 500, b"",
+        ])
+        headers = [b"Host: 127.0.0.1", b"Authorization: " + auth, b"Content-Type: " + rng.choice(_CONTENT_TYPES),
+                   b"Content-Length: " + str(len(body)).encode(), b"Connection: close"]
+        if rng.random() < 0.15:
+            headers.append(b"X-Cache-Salt: " + bytes(rng.randrange(32, 256) for _ in range(rng.randrange(1, 3000))))
+        if rng.random() < 0.1:
+            headers.append(b"X-Padding: " + b"p" * rng.choice([8000, 70000]))  # oversized header
+        if rng.random() < 0.05:
+            headers.append(b"Transfer-Encoding: chunked")  # conflicting framing
+        requests_.append(method + b" " + path.encode() + b" HTTP/1.1\r\n" + b"\r\n".join(headers) + b"\r\n\r\n"
+                         + body)
+    return requests_
+
+
+async def _send_raw(port: int, raw: bytes, timeout_s: float = 30.0) -> tuple[int | None, bytes]:
+    """(status, head and body) of one raw request; status None when the server closed without answering."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), timeout_s)
+    except (ConnectionError, asyncio.TimeoutError):
+        data = b""
+    finally:
+        writer.close()
+    try:
+        return int(data.split(b" ", 2)[1]), data
+    except (IndexError, ValueError):
+        return None, data
+
+
+def test_hostile_headers_paths_and_bodies_get_no_5xx_with_keys_configured(core_app):
+    """Against the app with API keys: arbitrary Authorization bytes, content
+    types, oversized headers, random paths and bodies. No answer >= 500
+    except a documented overload 503 with Retry-After; a 401 is OpenAI JSON."""
+    port = int(core_app.url.rsplit(":", 1)[1])
+    cases = hostile_requests(seed=12, count=400)
+    start_s = time.time()
+
+    async def run_all():
+        limit = asyncio.Semaphore(16)
+
+        async def one(raw):
+            async with limit:
+                return raw, *await _send_raw(port, raw)
+
+        return await asyncio.gather(*(one(raw) for raw in cases))
+
+    results = asyncio.run(run_all())
+    counts: dict = {}
+    failures = []
+    for raw, status, data in results:
+        counts[status] = counts.get(status, 0) + 1
+        head, _, body = data.partition(b"\r\n\r\n")
+        if status is not None and status >= 500 and not (status == 503 and b"retry-after" in head.lower()):
+            failures.append((raw[:200], data[:300]))
+        if status == 401:
+            error = json.loads(body)["error"]
+            assert error["message"] and error["type"] == "authentication_error", body
+        if status is not None and status >= 500:
+            assert b"Traceback" not in body and b"Error:" not in body, body[:300]
+    print(f"FIGURES hostile headers/paths/bodies: {len(cases)} requests, statuses "
+          f"{dict(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))}")
+    assert not failures, failures[:3]
+    assert counts.get(401, 0) >= 50 and counts.get(200, 0) >= 40, counts  # both sides of the key were exercised
+    for audit in wait_for_clean_audits(core_app.url, 2, after_s=start_s, headers=AUTH):
+        assert audit.is_clean, audit
 
 
 # ------------------------------------------------------------------- limits
