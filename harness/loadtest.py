@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 import httpx
 
 from harness.loadstats import RequestRecord, summarize
+from harness.sse import DONE, sse_event
 from harness.workloads import WORKLOADS, Session, build_workload, shared_prefix
 
 
@@ -63,9 +64,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, prompt: list[int], m
                 record.end_s = time.perf_counter()
                 return record, tokens
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                event = sse_event(line)
+                if event is None or event == DONE:
                     continue
-                event = json.loads(line[6:])
                 if "error" in event:
                     record.status, record.error = 500, str(event["error"])[:200]
                 elif event.get("done"):

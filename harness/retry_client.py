@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from harness.sse import DONE, sse_event
+
 RETRIABLE_STATUSES = (429, 503)
 RETRIABLE_CODES = ("replica_failed", "overloaded", "engine_overloaded")
 DEFAULT_RETRY_S = 0.5  # for a mid-stream error event (no header to read)
@@ -165,13 +167,12 @@ async def _streamed(client, url, body, headers, timeout_s, attempt: Attempt, out
                 attempt.error = text[:200]
             return
         async for raw in response.content:
-            line = raw.decode().rstrip("\r\n")
-            if not line.startswith("data: "):
+            event = sse_event(raw.decode())
+            if event is None:
                 continue
-            if line == "data: [DONE]":
+            if event == DONE:
                 finished = True
                 break
-            event = json.loads(line[6:])
             if "error" in event:
                 _error_fields(attempt, event)
             elif event.get("done"):

@@ -5,8 +5,6 @@ then 503), failures mid-stream and in a batch group. A scripted
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -15,6 +13,7 @@ from deploy.http_app import build_http_app
 from deploy.request_builder import ModelBounds, RequestBuilder
 from deploy.settings import AppConfig
 from deploy.worker_client import Busy, ReplicaFailed
+from harness.sse import DONE, sse_events
 from worker.model import load_tokenizer
 from worker.results import GenerationResult, ItemError, TokenEvent
 
@@ -94,7 +93,7 @@ def test_a_dead_replica_is_retried_twice_then_503(stream):
     with serve(ScriptedClient(ReplicaFailed(2), ReplicaFailed(2))) as http:
         response = http.post("/generate", json={**BODY, "stream": stream})
         assert response.status_code == 200
-        replica_ids = {json.loads(d)["replica_id"] for d in _data(response)[:-1]} if stream else {response.json()["replica_id"]}
+        replica_ids = {e["replica_id"] for e in sse_events(response.text)[:-1]} if stream else {response.json()["replica_id"]}
         assert replica_ids == {"r3"} and metric(http, "kvroute_replica_retries_total") == 2.0
     with serve(ScriptedClient(*[ReplicaFailed(2)] * 3)) as http:
         response = http.post("/generate", json={**BODY, "stream": stream})
@@ -106,12 +105,12 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event():
     with serve(client) as http:
         response = http.post("/generate", json={**BODY, "stream": True})
         assert response.status_code == 200
-        data = _data(response)
-        assert json.loads(data[0])["token_id"] == 7
-        assert json.loads(data[1])["error"]["code"] == "replica_failed" and data[2] == "[DONE]"
+        events = sse_events(response.text)
+        assert events[0]["token_id"] == 7
+        assert events[1]["error"]["code"] == "replica_failed" and events[2] == DONE
         assert client.num_calls == 1  # tokens were sent: not re-dispatched
-        chunks = [json.loads(d) for d in _data(http.post("/v1/completions", json={
-            "model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}))[:-1]]
+        chunks = sse_events(http.post("/v1/completions", json={
+            "model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}).text)[:-1]
         assert chunks[-1]["error"]["code"] == "replica_failed"
 
 
@@ -124,7 +123,3 @@ def test_batch_failures_stay_in_place():
     assert [o.get("error", {}).get("type") for o in outputs[:1] + outputs[3:]] == ["internal_error"] * 2
     assert outputs[1]["error"]["type"] == "rate_limit_error" and outputs[1]["error"]["message"] == "queue full"
     assert "vocabulary" in outputs[2]["error"]["message"]
-
-
-def _data(response) -> list[str]:
-    return [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]

@@ -8,7 +8,6 @@ equals the plain reference, bit for bit (deterministic mode)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from harness.faults import replica_stats, wait_for_clean_audits
+from harness.sse import DONE, sse_event
 from harness.serving import config_engine_args
 from tests.reliability.conftest import AUTH, CORE_ENGINE, tokens
 from worker import Engine, EngineConfig, reference
@@ -45,9 +45,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, leave_after: 
     async with client.stream("POST", url + "/generate", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            event = sse_event(line)
+            if event is None or event == DONE:
                 continue
-            event = json.loads(line[6:])
             assert "error" not in event, event
             if event.get("done"):
                 return token_ids, logprobs
