@@ -25,6 +25,7 @@ from collections import deque
 
 from cache import block_hashes
 from cache.summary import CacheSummary
+from harness.loadstats import percentile
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
 
@@ -50,11 +51,6 @@ def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> lis
         out.append(RoutingRequest(tuple(block_hashes(tokens, block_tokens)), len(tokens), num_output_tokens=128,
                                   token_ids=tuple(tokens)))
     return out
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int) -> dict:
@@ -92,11 +88,11 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
     summary_ms = (time.perf_counter_ns() - started) / 1e6
     return {
         "num_replicas": num_replicas,
-        "decision_us_p50": _percentile(timings_us, 0.50),
-        "decision_us_p99": _percentile(timings_us, 0.99),
+        "decision_us_p50": percentile(timings_us, 50),
+        "decision_us_p99": percentile(timings_us, 99),
         "decision_us_max": max(timings_us),
-        "wall_us_p50": _percentile(wall_us, 0.50),
-        "wall_us_p99": _percentile(wall_us, 0.99),
+        "wall_us_p50": percentile(wall_us, 50),
+        "wall_us_p99": percentile(wall_us, 99),
         "summary_blocks": len(summary.block_hashes),
         "apply_summary_ms": summary_ms,
     }
