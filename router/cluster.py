@@ -1,7 +1,24 @@
-"""Simulated replicas: a real radix cache each, a FIFO queue, a cost model."""
+"""Simulated FIFO replicas: a real radix cache each, one request at a time, a cost model.
+
+Every simulated replica (this one and :class:`router.batching.BatchingReplica`)
+offers the same small surface to the simulator:
+
+- ``submit(number, request, now)``: a request arrives;
+- ``advance(until) -> list[Completion]``: run to ``until``; the requests that
+  finished by then, in time order;
+- ``summary(version, now, unit_tokens, units_per_block) -> CacheSummary``:
+  what a live worker would report — cached block hashes, prompt tokens not
+  yet prefilled, tokens of running sequences, counts, the mean output length
+  of recently finished requests. Never a request's future or its real
+  output length before it finished;
+- ``outcomes``: ``number -> Outcome`` (cached tokens, time to first token);
+- ``queue_len(now)``, ``active_tokens(now)``, ``match_units(units)``,
+  ``radix``, ``busy_s``: what the peers' rules read (observable counts).
+"""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -10,11 +27,12 @@ from cache import RadixCache
 from cache.summary import CacheSummary, cached_block_hashes
 from router.workload import SimRequest
 
+OUTPUT_WINDOW = 64  # finished requests a replica's mean output length covers (as the live worker)
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Time a replica spends on a request, as in a continuous-batching engine
-    where decode is cheap next to prefill.
+    """Time a FIFO replica spends on a request.
 
     ``service_s = computed_prompt_tokens / prefill_tokens_per_s
     + num_output_tokens * decode_s_per_token``; one request at a time per
@@ -39,26 +57,64 @@ class CostModel:
     def service_s(self, num_computed_tokens: int, num_output_tokens: int) -> float:
         return num_computed_tokens / self.prefill_tokens_per_s + num_output_tokens * self.decode_s_per_token
 
+    def prefill_s(self, num_computed_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Prefill time of ``num_computed_tokens`` on an idle replica."""
+        return num_computed_tokens / self.prefill_tokens_per_s
+
 
 @dataclass(frozen=True, slots=True)
-class Served:
+class Outcome:
     """What happened to one request."""
 
-    replica: int
     cached_tokens: int
     ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    number: int
     finish_s: float
 
 
-class SimReplica:
-    """One worker: a simulated-mode :class:`cache.RadixCache` over the
-    workload's units under ``budget_units``, and a FIFO server.
+@dataclass(slots=True)
+class _Job:
+    number: int
+    start_s: float
+    prefill_end_s: float
+    finish_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
 
-    A request is matched and inserted when it is routed: in a FIFO queue the
+
+class OutputWindow:
+    """Mean output length of the last ``OUTPUT_WINDOW`` finished requests (0.0 when none)."""
+
+    def __init__(self) -> None:
+        self._lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)
+        self._sum = 0
+
+    def add(self, num_output_tokens: int) -> None:
+        if len(self._lengths) == self._lengths.maxlen:
+            self._sum -= self._lengths[0]
+        self._lengths.append(num_output_tokens)
+        self._sum += num_output_tokens
+
+    @property
+    def mean(self) -> float:
+        return self._sum / len(self._lengths) if self._lengths else 0.0
+
+
+class SimReplica:
+    """One FIFO worker: a simulated-mode :class:`cache.RadixCache` over the
+    workload's units under ``budget_units``, one request served at a time.
+
+    A request is matched and inserted when it arrives: in a FIFO queue the
     cache state it meets when it starts is exactly what the requests ahead of
     it leave, so doing it at arrival gives the same hits (and requests that
     share a prefix while queued compute it once, as the engine's in-flight
-    sharing does).
+    sharing does). Its outcome is therefore known at once; :meth:`advance`
+    only releases completions, and :meth:`summary` reads the state a worker
+    would see at ``now`` (who waits, who runs, how far it decoded).
     """
 
     def __init__(self, replica_id: str, budget_units: int, cost: CostModel) -> None:
@@ -67,43 +123,69 @@ class SimReplica:
         self.cost = cost
         self.free_at_s = 0.0
         self.busy_s = 0.0
-        self._in_flight: deque[tuple[float, int]] = deque()  # (finish_s, active tokens)
-        self._active_tokens = 0
+        self.outcomes: dict[int, Outcome] = {}
+        self._jobs: deque[_Job] = deque()  # not yet finished, in start order
+        self._completions: list[tuple[float, int, int]] = []  # heap of (finish_s, number, output tokens)
+        self._outputs = OutputWindow()
+        self._time_s = 0.0
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
-    def queue_len(self, now: float) -> int:
-        self._expire(now)
-        return len(self._in_flight)
-
-    def active_tokens(self, now: float) -> int:
-        """Tokens (prompt + output) of requests queued or running here."""
-        self._expire(now)
-        return self._active_tokens
-
-    def pending_work_s(self, now: float) -> float:
-        return max(0.0, self.free_at_s - now)
-
-    def serve(self, request: SimRequest, now: float) -> Served:
+    def submit(self, number: int, request: SimRequest, now: float) -> Outcome:
         num_units = self.radix.match(request.units, touch=True).num_tokens
         cached = request.cached_tokens(num_units)
-        self._expire(now)
         start = max(now, self.free_at_s)
         prefill_s = (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
         service_s = prefill_s + request.num_output_tokens * self.cost.decode_s_per_token
         self.free_at_s = start + service_s
         self.busy_s += service_s
-        active = request.num_prompt_tokens + request.num_output_tokens
-        self._in_flight.append((self.free_at_s, active))
-        self._active_tokens += active
+        self._jobs.append(_Job(number, start, start + prefill_s, self.free_at_s, request.num_prompt_tokens,
+                               request.num_output_tokens))
+        heapq.heappush(self._completions, (self.free_at_s, number, request.num_output_tokens))
         self.radix.insert(request.cache_units)
-        return Served(-1, cached, start - now + prefill_s, self.free_at_s)
+        outcome = Outcome(cached, start - now + prefill_s)
+        self.outcomes[number] = outcome
+        return outcome
+
+    def advance(self, until: float) -> list[Completion]:
+        done = []
+        while self._completions and self._completions[0][0] <= until:
+            finish_s, number, num_output = heapq.heappop(self._completions)
+            self._outputs.add(num_output)
+            done.append(Completion(number, finish_s))
+        while self._jobs and self._jobs[0].finish_s <= until:
+            self._jobs.popleft()
+        self._time_s = max(self._time_s, until)
+        return done
+
+    def _state(self, now: float) -> tuple[int, int, int, int]:
+        """``(waiting, running, queued prompt tokens, running tokens)`` at ``now``."""
+        num_waiting = num_running = queued = running = 0
+        for job in self._jobs:
+            if job.finish_s <= now:
+                continue
+            if now < job.start_s:
+                num_waiting += 1
+                queued += job.num_prompt_tokens
+            else:
+                num_running += 1
+                decoded = 0 if now < job.prefill_end_s else min(
+                    job.num_output_tokens, 1 + int((now - job.prefill_end_s) / self.cost.decode_s_per_token))
+                running += job.num_prompt_tokens + decoded
+        return num_waiting, num_running, queued, running
+
+    def queue_len(self, now: float) -> int:
+        num_waiting, num_running, _, _ = self._state(now)
+        return num_waiting + num_running
+
+    def active_tokens(self, now: float) -> int:
+        """Tokens of the requests queued (prompt) or running (prompt + output so far) here."""
+        _, _, queued, running = self._state(now)
+        return queued + running
 
     def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:
-        """What the worker would report: cached block hashes at the router's
-        block size and its load (pending work, in prefill-token equivalents)."""
-        load_tokens = int(self.pending_work_s(now) * self.cost.prefill_tokens_per_s)
+        num_waiting, num_running, queued, running = self._state(now)
         return CacheSummary(
             replica_id=self.replica_id,
             version=version,
@@ -112,10 +194,9 @@ class SimReplica:
             block_hashes=frozenset(cached_block_hashes(self.radix, units_per_block)),
             num_cached_tokens=self.radix.num_tokens * unit_tokens,
             budget_tokens=self.radix.budget_tokens * unit_tokens,
-            num_queued_tokens=load_tokens,
-            num_running=self.queue_len(now),
+            num_queued_tokens=queued,
+            num_running_tokens=running,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            mean_output_tokens=self._outputs.mean,
         )
-
-    def _expire(self, now: float) -> None:
-        while self._in_flight and self._in_flight[0][0] <= now:
-            self._active_tokens -= self._in_flight.popleft()[1]

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import struct
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 
 import xxhash
 
@@ -15,6 +13,7 @@ from cache.hashing import salt_seed
 from cache.summary import CacheSummary
 from router.load import LoadTracker
 from router.partial_blocks import PartialBlockIndex
+from router.policy_config import PolicyConfig
 from router.prefix_index import PrefixIndex
 from router.request import RoutingRequest
 from router.ring import HashRing
@@ -22,59 +21,6 @@ from router.ring import HashRing
 logger = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
 _MASK_64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    """Knobs of :class:`PrefixAffinityPolicy` (the rule, defaults and reasons
-    are in its docstring). Token counts are in tokens, times in seconds."""
-
-    block_size: int = 64  # tokens per routing block; ingress and workers use the same
-    sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4; 0: off
-    load_factor: float = 1.25  # c: recent work of a replica <= c x mean (+ one request + chance)
-    load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
-    affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
-    load_window_s: float = 120.0  # decay time of the recent-work counters
-    num_ring_candidates: int = 2  # ring nodes from the prompt's key that compete
-    max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete
-    decode_token_cost: float = 40.0  # prefill-token equivalents per expected output token
-    virtual_nodes: int = 128  # ring points per replica
-    max_blocks_per_replica: int = 1 << 18  # index entries per replica (memory bound)
-    learned_grace_s: float = 5.0  # own decisions a summary may not reflect yet
-    in_flight_timeout_s: float = 600.0  # forget in-flight work never reported complete
-    reservation_timeout_s: float = 5.0  # forget a decision never reported sent
-    max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
-    num_ranked: int = 3  # replicas returned, best first
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
-                     "max_blocks_per_replica", "num_ranked", "max_partial_entries"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
-                          ("learned_grace_s", 0.0), ("load_slack_sd", 0.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < low:
-                raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
-        for name in ("load_window_s", "in_flight_timeout_s", "reservation_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        grain = self.sub_block_tokens
-        if grain is not None and (type(grain) is not int or grain < 0 or (
-                grain and (self.block_size % grain or grain >= self.block_size))):
-            raise ValueError(f"sub_block_tokens must be None, 0 or a divisor of block_size {self.block_size} "
-                             f"below it, got {grain!r}")
-
-    @property
-    def within_block_tokens(self) -> int:
-        """The within-block match grain in force: ``sub_block_tokens``, or a
-        quarter block when that is None (0 where 4 does not divide the block)."""
-        if self.sub_block_tokens is not None:
-            return self.sub_block_tokens
-        return self.block_size // 4 if self.block_size % 4 == 0 else 0
 
 
 class PrefixAffinityPolicy:
@@ -208,6 +154,8 @@ class PrefixAffinityPolicy:
         self._partial = (PartialBlockIndex(self.config.block_size, grain, self.config.max_partial_entries)
                          if grain else None)
         self._summary_versions: dict[str, int] = {}
+        self._mean_output: dict[str, float] = {}  # replica -> its reported mean output length (> 0 only)
+        self._fleet_mean_output = 0.0  # mean of _mean_output's values (0.0: none reported)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
 
     # ------------------------------------------------------------------ replicas
@@ -245,6 +193,8 @@ class PrefixAffinityPolicy:
         self._index.remove_replica(replica_id)
         self._loads.remove_replica(replica_id)
         self._summary_versions.pop(replica_id, None)
+        self._mean_output.pop(replica_id, None)
+        self._fleet_mean_output = _mean(self._mean_output.values())
 
     # ------------------------------------------------------------------ reports
     def on_summary(self, summary: CacheSummary) -> bool:
@@ -261,8 +211,32 @@ class PrefixAffinityPolicy:
         self._summary_versions[replica_id] = summary.version
         capacity = summary.budget_tokens // summary.block_size or None
         self._index.apply_summary(replica_id, summary.block_hashes, self._clock(), capacity)
-        self._loads.on_report(replica_id, summary.load_tokens)
+        if summary.mean_output_tokens > 0:
+            self._mean_output[replica_id] = summary.mean_output_tokens
+            self._fleet_mean_output = _mean(self._mean_output.values())
+        self._loads.on_report(replica_id, self._reported_work(summary))
         return True
+
+    def _reported_work(self, summary: CacheSummary) -> float:
+        """A report in the units of :meth:`_work_tokens`: the queued prompt
+        tokens, plus the expected decode of every waiting request and half of
+        every running one's (on average it is half done)."""
+        expected = self._expected_output(None, summary.replica_id)
+        decode = self.config.decode_token_cost * expected * (summary.num_waiting + 0.5 * summary.num_running)
+        return summary.num_queued_tokens + decode
+
+    def _expected_output(self, request: RoutingRequest | None, replica_id: str | None = None) -> float:
+        """Expected output tokens of ``request`` on ``replica_id``: the mean
+        output length that replica reports (its prefixes' requests; outputs
+        differ by application), else the fleet's mean, capped by the
+        request's ``max_tokens`` (``num_output_tokens``, an upper bound).
+        Before any replica reports: ``min(max_tokens, prior_output_tokens)``
+        (0 when the request gives no ``max_tokens``)."""
+        cap = float(request.num_output_tokens) if request is not None else 0.0
+        mean = self._mean_output.get(replica_id) or self._fleet_mean_output
+        if not mean:
+            return min(cap, float(self.config.prior_output_tokens)) if request is not None else 0.0
+        return min(cap, mean) if cap else mean
 
     def on_routing_stats(self, replica_id: str, stats: object) -> bool:
         """Apply Ray Serve routing stats (a ``CacheSummary.to_dict()``); never raises."""
@@ -339,7 +313,7 @@ class PrefixAffinityPolicy:
         depth = self._index.depth(replica_id, hashes)
         within = self._within_block(routing, depth)
         within_tokens = within[1] if within is not None and within[0] == replica_id else 0
-        work = self._work_tokens(routing, self._cached_tokens(routing, depth, within_tokens))
+        work = self._work_tokens(routing, self._cached_tokens(routing, depth, within_tokens), replica_id)
         self._typical_work += (work - self._typical_work) / 64  # moving average
         add(request_id, replica_id, work, now)
         self._index.learn(replica_id, hashes, now)
@@ -384,17 +358,19 @@ class PrefixAffinityPolicy:
         chance_sd = loads.chance_sd(now)
         key_bytes = _U64.pack(key & _MASK_64)
         num_prompt = request.num_prompt_tokens
+        balance = config.balance_weight
         scored = []
         for replica_id in candidates:
             cached = self._cached_tokens(request, depths.get(replica_id, 0),
                                          within_tokens if replica_id == within_replica else 0)
             weight = 1.0 + (config.affinity_weight - 1.0) * cached / max(num_prompt, 1)
-            cost = loads.load(replica_id) + num_prompt - weight * cached
             recent = loads.recent_work(replica_id, now)
-            is_over = recent > self._bound(request, mean_recent, cached, chance_sd)
+            cost = loads.load(replica_id) + num_prompt - weight * cached + balance * (recent - mean_recent)
+            is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
             tiebreak = xxhash.xxh3_64_intdigest(key_bytes + replica_id.encode())
-            scored.append((is_over, cost, recent, rank, tiebreak, replica_id))
+            tie = recent if config.tie_by_recent_work else 0.0
+            scored.append((is_over, cost, tie, rank, tiebreak, replica_id))
         scored.sort()
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring
@@ -406,24 +382,27 @@ class PrefixAffinityPolicy:
             ranked.extend(entry[-1] for entry in scored)  # then the rest, by cost
         return ranked[: config.num_ranked]
 
-    def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float) -> float:
+    def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float,
+               replica_id: str | None = None) -> float:
         """Most recent work a replica may hold and still take ``request``:
         c × the mean after adding it, plus one request (the +1 of consistent
         hashing with bounded loads, so a lightly loaded fleet is never full),
         plus ``load_slack_sd`` chance deviations scaled by the share of the
         prompt cached there (moving a cached prefix costs its re-prefill;
         placing a cold one elsewhere costs nothing)."""
-        work_here = self._work_tokens(request, cached)
+        work_here = self._work_tokens(request, cached, replica_id)
         num_replicas = max(len(self._ring), 1)
         share = cached / max(request.num_prompt_tokens, 1)
         slack = self.config.load_slack_sd * share * chance_sd
-        return self.config.load_factor * (mean_recent + work_here / num_replicas) + self._work_tokens(request, 0) + slack
+        return (self.config.load_factor * (mean_recent + work_here / num_replicas)
+                + self._work_tokens(request, 0, replica_id) + slack)
 
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))
 
-    def _work_tokens(self, request: RoutingRequest, cached: int) -> float:
-        return request.num_prompt_tokens - cached + self.config.decode_token_cost * request.num_output_tokens
+    def _work_tokens(self, request: RoutingRequest, cached: int, replica_id: str | None = None) -> float:
+        expected = self._expected_output(request, replica_id)
+        return request.num_prompt_tokens - cached + self.config.decode_token_cost * expected
 
     def _within_block(self, request: RoutingRequest, depth: int) -> tuple[str, int] | None:
         """``(replica, tokens)`` of block ``depth`` an earlier prompt's partial
@@ -456,3 +435,8 @@ class PrefixAffinityPolicy:
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
         assert set(self._index.replica_ids) <= nodes, "index knows a replica off the ring"
         assert set(self._summary_versions) <= nodes, "summary version of a replica off the ring"
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

@@ -2,12 +2,17 @@
 
     python -m router.simulate --trace FILE --replicas N --budget-tokens B --json OUT [--plot PNG]
     python -m router.simulate --workload shared-prefix|multi-turn --replicas N --budget-tokens B --json OUT
+        [--replica-model fifo|cb] [--profile PROFILE.json] [--max-tokens N] [--routers K]
 
-Cost model: :class:`router.cluster.CostModel` (prefill time ∝ tokens
-computed, a decode time per output token, one FIFO queue per replica).
+Replica models: ``fifo`` (:class:`router.cluster.CostModel`: prefill time ∝
+tokens computed, a decode time per output token, one request at a time) and
+``cb`` (:class:`router.batching.BatchingReplica`: continuous batching with
+chunked prefill under a step profile, e.g. one ``python -m router.calibrate``
+measured). Honest inputs: ours sees each request's ``max_tokens`` (never its
+output length), the summaries a live worker fills, and completion events.
 Arrivals are rescaled so round robin with no cache hits would keep the
 replicas ``--utilisation`` busy: ``factor = no-hit work / (N × utilisation ×
-trace span)``. Writes ``{"global_lru_hit_rate", "infinite_hit_rate",
+trace span)``, a request's work being its time alone on a replica. Writes ``{"global_lru_hit_rate", "infinite_hit_rate",
 "policies": {NAME: {"hit_rate", "load_imbalance", "ttft_p50_s",
 "ttft_p99_s", ...}}, "setup": {...}}``. Hit rates count prompt tokens.
 """
@@ -15,8 +20,8 @@ trace span)``. Writes ``{"global_lru_hit_rate", "infinite_hit_rate",
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
+import math
 import random
 import sys
 import time
@@ -24,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from cache import RadixCache
 from router.baselines import DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RoundRobin, SGLangCacheAware
+from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
 from router.cluster import CostModel, SimReplica
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
@@ -34,6 +40,13 @@ POLICY_NAMES = ("ours", "round_robin", "pow2", "ray_prefix_affinity", "sglang_ca
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
+    """One simulation's setup. ``replica_model``: ``"fifo"`` (:class:`CostModel`,
+    one request at a time) or ``"cb"`` (continuous batching under ``profile``).
+    ``max_tokens``: the ``max_tokens`` every request is sent with, the only
+    output length a router sees (None: the workload's longest output, which
+    is the generated workloads' fixed length). ``num_routers``: independent
+    routers for ours, each taking every ``num_routers``-th request."""
+
     num_replicas: int
     budget_tokens: int
     utilisation: float = 0.9
@@ -41,6 +54,10 @@ class SimConfig:
     summary_period_s: float = 1.0
     seed: int = 0
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # block size/decode cost set from the workload
+    replica_model: str = "fifo"
+    profile: StepProfile = H100_LLAMA_8B
+    max_tokens: int | None = None
+    num_routers: int = 1
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -51,59 +68,88 @@ class SimConfig:
             raise ValueError(f"utilisation must be in (0, 10], got {self.utilisation!r}")
         if not self.summary_period_s > 0:
             raise ValueError(f"summary_period_s must be > 0, got {self.summary_period_s!r}")
+        if self.replica_model not in REPLICA_MODELS:
+            raise ValueError(f"replica_model must be one of {REPLICA_MODELS}, got {self.replica_model!r}")
+        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be None or a positive int, got {self.max_tokens!r}")
+        if type(self.num_routers) is not int or self.num_routers <= 0:
+            raise ValueError(f"num_routers must be a positive int, got {self.num_routers!r}")
+
+    @property
+    def timing(self) -> CostModel | StepProfile:
+        """What prices a request's work: the FIFO cost model or the step profile."""
+        return self.cost if self.replica_model == "fifo" else self.profile
+
+
+REPLICA_MODELS = ("fifo", "cb")
+TRACE_MAX_TOKENS = 2048  # a trace's requests carry no max_tokens; a chat default (its outputs reach 893)
+
+
+def make_replicas(config: SimConfig, budget_units: int) -> list:
+    if config.replica_model == "fifo":
+        return [SimReplica(f"replica-{i}", budget_units, config.cost) for i in range(config.num_replicas)]
+    return [BatchingReplica(f"replica-{i}", budget_units, config.profile) for i in range(config.num_replicas)]
 
 
 class Ours:
-    """:class:`PrefixAffinityPolicy` driven as a router would: it learns from
-    its own decisions, hears completions when they happen and a summary from
-    every replica each ``summary_period_s``; it never reads a replica's cache."""
+    """:class:`PrefixAffinityPolicy` driven as live routers are. Its only inputs
+    are :class:`RoutingRequest` (``num_output_tokens`` = the request's
+    ``max_tokens``), the :class:`CacheSummary` each replica reports every
+    ``summary_period_s`` (what a live worker fills: :meth:`summary` of the
+    simulated replica) and completion events; it never reads a replica.
+    With ``num_routers > 1`` each router takes every ``num_routers``-th
+    request and sees only its own decisions and completions, plus every
+    summary."""
 
     name = "ours"
 
-    def __init__(self, workload: Workload, replicas: list[SimReplica], config: SimConfig) -> None:
+    def __init__(self, workload: Workload, replicas: list, config: SimConfig) -> None:
         self.now = 0.0
-        policy_config = replace(
-            config.policy, block_size=workload.router_block_tokens, decode_token_cost=config.cost.decode_token_cost
-        )
-        self.policy = PrefixAffinityPolicy(policy_config, clock=lambda: self.now)
-        self.policy.set_replicas(r.replica_id for r in replicas)
+        policy_config = replace(config.policy, block_size=workload.router_block_tokens,
+                                decode_token_cost=config.timing.decode_token_cost)
+        self.routers = [PrefixAffinityPolicy(policy_config, clock=lambda: self.now)
+                        for _ in range(config.num_routers)]
+        for router in self.routers:
+            router.set_replicas(r.replica_id for r in replicas)
         self._index_of = {r.replica_id: i for i, r in enumerate(replicas)}
-        self._workload, self._replicas = workload, replicas
-        self._period_s = config.summary_period_s
-        self._next_summary_s = workload.requests[0].arrival_s if workload.requests else 0.0
-        self._version = 0
-        self._completions: list[tuple[float, str]] = []
-        self._routing = {id(r): _routing_request(r) for r in workload.requests}
+        self._max_tokens = config.max_tokens or max((r.num_output_tokens for r in workload.requests), default=1)
+        self._router_of: dict[str, PrefixAffinityPolicy] = {}
 
-    def advance(self, now: float) -> None:
-        while self._completions and self._completions[0][0] <= now:
-            finish_s, request_id = heapq.heappop(self._completions)
-            self.now = finish_s
-            self.policy.on_completed(request_id)
-        while self._next_summary_s <= now:
-            self.now = self._next_summary_s
-            self._version += 1
-            for replica in self._replicas:
-                summary = replica.summary(
-                    self._version, self.now, self._workload.unit_tokens, self._workload.units_per_block)
-                self.policy.on_summary(summary)
-            self._next_summary_s += self._period_s
+    def routing_request(self, request) -> RoutingRequest:
+        """What the ingress knows: block hashes, prompt length, token ids, max_tokens."""
+        token_ids = request.units if request.unit_tokens == 1 else ()  # a trace has no tokens
+        return RoutingRequest(request.block_hashes, request.num_prompt_tokens,
+                              num_output_tokens=self._max_tokens, token_ids=token_ids)
+
+    def on_summary(self, summary, now: float) -> None:
         self.now = now
+        for router in self.routers:
+            router.on_summary(summary)
 
-    def choose(self, request, replicas, now: float) -> int:
-        ranked = self.policy.rank(self._routing[id(request)])
-        return self._index_of[ranked[0]]
+    def on_completed(self, number: int, now: float) -> None:
+        self.now = now
+        router = self._router_of.pop(str(number), None)
+        if router is not None:
+            router.on_completed(str(number))
 
-    def on_served(self, number: int, request, replica: int, finish_s: float) -> None:
-        request_id = str(number)
-        self.policy.on_routed(self._routing[id(request)], self._replicas[replica].replica_id, request_id)
-        heapq.heappush(self._completions, (finish_s, request_id))
+    def choose(self, number: int, request, now: float) -> int:
+        self.now = now
+        router = self.routers[number % len(self.routers)]
+        routing = self.routing_request(request)
+        replica_id = router.rank(routing)[0]
+        router.on_routed(routing, replica_id, str(number))
+        self._router_of[str(number)] = router
+        return self._index_of[replica_id]
 
 
-def _routing_request(request) -> RoutingRequest:
-    token_ids = request.units if request.unit_tokens == 1 else ()  # a trace has no tokens
-    return RoutingRequest(request.block_hashes, request.num_prompt_tokens,
-                          num_output_tokens=request.num_output_tokens, token_ids=token_ids)
+class _Peer:
+    """A baseline's ``choose(request, replicas, now)`` behind the driver's interface."""
+
+    def __init__(self, rule, replicas: list) -> None:
+        self.name, self._rule, self._replicas = rule.name, rule, replicas
+
+    def choose(self, number: int, request, now: float) -> int:
+        return self._rule.choose(request, self._replicas, now)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -113,16 +159,16 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[position]
 
 
-def make_policies(names, workload: Workload, replicas: list[SimReplica], config: SimConfig):
+def make_policies(names, workload: Workload, replicas: list, config: SimConfig):
     rng = random.Random(config.seed)
     factories = {
         "ours": lambda: Ours(workload, replicas, config),
-        "round_robin": RoundRobin,
-        "pow2": lambda: PowerOfTwo(rng),
-        "ray_prefix_affinity": RayPrefixAffinity,
-        "sglang_cache_aware": SGLangCacheAware,
-        "dynamo_kv": lambda: DynamoKV(workload.router_block_tokens, rng),
-        "llm_d": lambda: LlmdScorers(rng),
+        "round_robin": lambda: _Peer(RoundRobin(), replicas),
+        "pow2": lambda: _Peer(PowerOfTwo(rng), replicas),
+        "ray_prefix_affinity": lambda: _Peer(RayPrefixAffinity(), replicas),
+        "sglang_cache_aware": lambda: _Peer(SGLangCacheAware(), replicas),
+        "dynamo_kv": lambda: _Peer(DynamoKV(workload.router_block_tokens, rng), replicas),
+        "llm_d": lambda: _Peer(LlmdScorers(rng), replicas),
     }
     unknown = [n for n in names if n not in factories]
     if unknown:
@@ -131,42 +177,69 @@ def make_policies(names, workload: Workload, replicas: list[SimReplica], config:
 
 
 def replay(workload: Workload, config: SimConfig, name: str, progress: bool = False) -> dict:
-    """Run one policy over ``workload`` (already scaled); returns its figures."""
+    """Run one policy over ``workload`` (already scaled); returns its figures.
+
+    Time moves from arrival to arrival; before each, the replicas run up to
+    every summary tick in between (ours hears each completion at its time and
+    each summary at its tick), then up to the arrival."""
     budget_units = config.budget_tokens // workload.unit_tokens
-    replicas = [SimReplica(f"replica-{i}", budget_units, config.cost) for i in range(config.num_replicas)]
+    replicas = make_replicas(config, budget_units)
     (policy,) = make_policies([name], workload, replicas, config)
-    advance = getattr(policy, "advance", None)
-    on_served = getattr(policy, "on_served", None)
-    cached_total = prompt_total = num_hits = 0
-    ttfts, waits, decision_us = [], [], []
+    hears = isinstance(policy, Ours)
+    next_summary_s = workload.requests[0].arrival_s if workload.requests else 0.0
+    version = 0
+    decision_us = []
+
+    def run_to(until: float) -> None:
+        completions = [c for r in replicas for c in r.advance(until)]
+        if hears:
+            for completion in sorted(completions, key=lambda c: c.finish_s):
+                policy.on_completed(completion.number, completion.finish_s)
+
     requests = workload.requests
     if progress:
         from tqdm import tqdm
         requests = tqdm(requests, desc=f"{name:>20}", unit="req", leave=False, file=sys.stderr)
     for number, request in enumerate(requests):
         now = request.arrival_s
-        if advance is not None:
-            advance(now)
-        started = time.perf_counter()
-        index = policy.choose(request, replicas, now)
-        decision_s = time.perf_counter() - started
-        served = replicas[index].serve(request, now)
-        if on_served is not None:
-            started = time.perf_counter()
-            on_served(number, request, index, served.finish_s)
-            decision_s += time.perf_counter() - started
-        decision_us.append(decision_s * 1e6)
-        cached_total += served.cached_tokens
+        while next_summary_s <= now:
+            run_to(next_summary_s)
+            version += 1
+            if hears:
+                for replica in replicas:
+                    policy.on_summary(replica.summary(version, next_summary_s, workload.unit_tokens,
+                                                      workload.units_per_block), next_summary_s)
+            next_summary_s += config.summary_period_s
+        run_to(now)
+        started = time.thread_time()  # CPU time: other processes on a shared machine do not count
+        index = policy.choose(number, request, now)
+        decision_us.append((time.thread_time() - started) * 1e6)
+        replicas[index].submit(number, request, now)
+    run_to(math.inf)
+    return _figures(workload, config, replicas, decision_us)
+
+
+def _figures(workload: Workload, config: SimConfig, replicas: list, decision_us: list[float]) -> dict:
+    outcomes = {}
+    for replica in replicas:
+        outcomes.update(replica.outcomes)
+    timing = config.timing
+    cached_total = prompt_total = num_hits = 0
+    ttfts, waits = [], []
+    for number, request in enumerate(workload.requests):
+        outcome = outcomes[number]
+        cached_total += outcome.cached_tokens
         prompt_total += request.num_prompt_tokens
-        num_hits += served.cached_tokens > 0
-        ttfts.append(served.ttft_s)
-        waits.append(served.ttft_s - (request.num_prompt_tokens - served.cached_tokens) / config.cost.prefill_tokens_per_s)
+        num_hits += outcome.cached_tokens > 0
+        ttfts.append(outcome.ttft_s)
+        own_s = timing.prefill_s(request.num_prompt_tokens - outcome.cached_tokens, outcome.cached_tokens)
+        waits.append(outcome.ttft_s - own_s)
     ttfts.sort()
     waits.sort()
     decision_us.sort()
     busy = [r.busy_s for r in replicas]
     mean_busy = sum(busy) / len(busy)
-    return {
+    figures = {
         "hit_rate": cached_total / max(prompt_total, 1),
         "request_hit_rate": num_hits / max(len(ttfts), 1),
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
@@ -178,9 +251,15 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         "decision_us_p99": _percentile(decision_us, 0.99),
         "busy_s": busy,
     }
+    if config.replica_model == "cb":
+        num_steps = sum(r.num_steps for r in replicas)
+        decode_tokens = sum(r.num_output_tokens for r in workload.requests)
+        figures["mean_decode_batch"] = decode_tokens / max(num_steps, 1)
+        figures["num_preemptions"] = sum(r.num_preemptions for r in replicas)
+    return figures
 
 
-def cache_bound(workload: Workload, budget_units: int | None, cost: CostModel) -> tuple[float, float]:
+def cache_bound(workload: Workload, budget_units: int | None, cost) -> tuple[float, float]:
     """One LRU radix cache of ``budget_units`` (None: unbounded) seeing every
     request: ``(token hit rate, p99 of the prefill time it leaves)``. With an
     unbounded cache the second is a floor under any policy's TTFT p99: each
@@ -194,7 +273,7 @@ def cache_bound(workload: Workload, budget_units: int | None, cost: CostModel) -
         hit = request.cached_tokens(radix.match(request.units).num_tokens)
         cached += hit
         total += request.num_prompt_tokens
-        prefill_s.append((request.num_prompt_tokens - hit) / cost.prefill_tokens_per_s)
+        prefill_s.append(cost.prefill_s(request.num_prompt_tokens - hit, hit))
         radix.insert(request.cache_units)
     prefill_s.sort()
     return cached / max(total, 1), _percentile(prefill_s, 0.99)
@@ -207,7 +286,7 @@ def cache_bound_hit_rate(workload: Workload, budget_units: int | None) -> float:
 def arrival_scale(workload: Workload, config: SimConfig) -> float:
     """Factor that makes no-hit round robin run at ``config.utilisation``."""
     requests = workload.requests
-    work_s = sum(config.cost.service_s(r.num_prompt_tokens, r.num_output_tokens) for r in requests)
+    work_s = sum(config.timing.service_s(r.num_prompt_tokens, r.num_output_tokens) for r in requests)
     span_s = requests[-1].arrival_s - requests[0].arrival_s
     if span_s <= 0:
         raise ValueError("workload spans no time; cannot scale arrivals")
@@ -224,7 +303,7 @@ def simulate(
     factor = arrival_scale(workload, config)
     scaled = scale_arrivals(workload, factor)
     budget_units = config.budget_tokens // workload.unit_tokens
-    infinite_hit_rate, ttft_floor_s = cache_bound(scaled, None, config.cost)
+    infinite_hit_rate, ttft_floor_s = cache_bound(scaled, None, config.timing)
     result = {
         "global_lru_hit_rate": cache_bound_hit_rate(scaled, budget_units * config.num_replicas),
         "infinite_hit_rate": infinite_hit_rate,
@@ -240,6 +319,10 @@ def simulate(
             "prefill_tokens_per_s": config.cost.prefill_tokens_per_s,
             "decode_s_per_token": config.cost.decode_s_per_token,
             "summary_period_s": config.summary_period_s,
+            "replica_model": config.replica_model,
+            "profile": config.profile.to_dict() if config.replica_model == "cb" else None,
+            "max_tokens": config.max_tokens or max((r.num_output_tokens for r in workload.requests), default=1),
+            "num_routers": config.num_routers,
             "router_block_tokens": workload.router_block_tokens,
             "policy_config": asdict(config.policy),
         },
@@ -323,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
                         help='JSON overrides of a generated workload, e.g. {"question_tokens": 100}')
     parser.add_argument("--policy-args", default="{}",
                         help='JSON PolicyConfig overrides for ours, e.g. {"sub_block_tokens": 0}')
+    parser.add_argument("--replica-model", choices=REPLICA_MODELS, default="fifo",
+                        help="fifo: one request at a time (CostModel); cb: continuous batching (--profile)")
+    parser.add_argument("--profile", help="step-profile JSON for --replica-model cb (default: Llama-3.1-8B on H100)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="max_tokens of every request, all a router knows of its output "
+                             "(default: 2048 for a trace, the output length for generated workloads)")
+    parser.add_argument("--routers", type=int, default=1, help="independent routers for ours")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     kind = args.workload or ("mooncake" if args.trace else None)
@@ -344,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         summary_period_s=args.summary_period_s,
         seed=args.seed,
         policy=PolicyConfig(**json.loads(args.policy_args)),
+        replica_model=args.replica_model,
+        profile=StepProfile.load(args.profile) if args.profile else H100_LLAMA_8B,
+        max_tokens=args.max_tokens or (TRACE_MAX_TOKENS if kind == "mooncake" else None),
+        num_routers=args.routers,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     seeds = range(args.seed, args.seed + args.seeds)
@@ -352,12 +446,22 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, handle, indent=2)
     if args.plot:
         plot(result, args.plot)
+    setup = result["setup"]
+    speed = (f"fifo: prefill {setup['prefill_tokens_per_s']:,.0f} tok/s, decode {setup['decode_s_per_token']} s/token"
+             if setup["replica_model"] == "fifo" else
+             f"cb {setup['profile']['name']}: step {setup['profile']['base_s']*1e3:g} ms "
+             f"+ {setup['profile']['prefill_token_s']*1e6:g} us/prefill token "
+             f"+ {setup['profile']['decode_seq_s']*1e6:g} us/decode "
+             f"+ {setup['profile']['context_token_s']*1e9:g} ns/context token")
+    print(f"{speed}; arrivals x{setup['arrival_scale']:.3f}; max_tokens {setup['max_tokens']}")
     print(f"global LRU hit rate {result['global_lru_hit_rate']:.4f}, infinite {result['infinite_hit_rate']:.4f}, "
           f"TTFT p99 floor {result['ttft_p99_floor_s']:.3f} s")
-    print(f"{'policy':>20} {'hit':>7} {'imbal':>6} {'p50 s':>7} {'p99 s':>7} {'wait p99':>8} {'dec p99 us':>10}")
+    print(f"{'policy':>20} {'hit':>7} {'imbal':>6} {'p50 s':>7} {'p99 s':>7} {'wait p99':>8} {'dec p99 us':>10}"
+          f" {'batch':>6}")
     for name, f in result["policies"].items():
         print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
-              f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}")
+              f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}"
+              f" {f.get('mean_decode_batch', 1.0):6.2f}")
     return 0
 
 

@@ -38,6 +38,7 @@ from worker.results import GenerationResult, TokenEvent
 from worker.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+OUTPUT_WINDOW = 64  # finished requests whose output lengths the cache summary averages
 
 
 class EngineOverloaded(RuntimeError):
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._closed = False
         self._step_failed = False
         self._snapshot = self.engine.stats
+        self._output_lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)  # engine thread appends
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._thread.start()
 
@@ -261,6 +263,7 @@ class AsyncEngine:
                 if sink.wants_tokens:
                     deliveries.append((sink, event))
                 if event.result is not None:
+                    self._output_lengths.append(len(event.result.token_ids))
                     sink.is_done = True
                     deliveries.append((sink, event.result))
 
@@ -329,7 +332,13 @@ class AsyncEngine:
                 num_running_tokens=scheduler.running_tokens(),
                 num_running=scheduler.num_running,
                 num_waiting=max(scheduler.num_waiting, num_live - scheduler.num_running),
+                mean_output_tokens=self.mean_output_tokens(),
             )
+
+    def mean_output_tokens(self) -> float:
+        """Mean output length of the last ``OUTPUT_WINDOW`` finished requests; 0.0 when none."""
+        lengths = list(self._output_lengths)
+        return sum(lengths) / len(lengths) if lengths else 0.0
 
     def check_invariants(self) -> None:
         with self._lock:

@@ -21,14 +21,16 @@ def token_request(arrival_s, tokens, num_output_tokens=4):
 def test_cost_model_fifo_queue_and_ttft():
     cost = CostModel(prefill_tokens_per_s=100.0, decode_s_per_token=0.5)
     replica = SimReplica("r", 1000, cost)
-    first = replica.serve(token_request(0.0, range(100), 2), now=0.0)
-    assert (first.cached_tokens, first.ttft_s, first.finish_s) == (0, 1.0, 2.0)
+    first = replica.submit(0, token_request(0.0, range(100), 2), now=0.0)
+    assert (first.cached_tokens, first.ttft_s) == (0, 1.0)
     # Arrives while the first still runs; reuses 99 of 100 tokens (at most T - 1).
-    second = replica.serve(token_request(0.5, range(100), 2), now=0.5)
+    second = replica.submit(1, token_request(0.5, range(100), 2), now=0.5)
     assert second.cached_tokens == 99
     assert second.ttft_s == pytest.approx(1.5 + 0.01)
     assert replica.queue_len(0.5) == 2 and replica.queue_len(2.5) == 1 and replica.queue_len(3.1) == 0
     assert replica.busy_s == pytest.approx(2.0 + 1.01)
+    assert [(c.number, c.finish_s) for c in replica.advance(2.0)] == [(0, 2.0)]
+    assert [c.number for c in replica.advance(10.0)] == [1]
 
 
 def test_mooncake_units_count_the_partial_last_block():
@@ -140,15 +142,16 @@ def test_cli_rejects_an_unknown_policy(tmp_path):
 
 
 # ----------------------------------------------------------------- baselines
-def replicas_with(caches, queues, budget=1000):
+def replicas_with(caches, queues, budget=100_000):
     """Fake cluster state: replica i caches ``caches[i]`` and has ``queues[i]`` requests waiting."""
     replicas = []
     for i, (cached, queue) in enumerate(zip(caches, queues)):
         replica = SimReplica(f"r{i}", budget, CostModel())
         if cached:
             replica.radix.insert(cached)
-        for _ in range(queue):
-            replica.serve(token_request(0.0, [999_000 + i], 1000), now=0.0)
+        for k in range(queue):  # 1000-token prompts, one output token each
+            replica.submit(k, token_request(0.0, range(10**6 * (i + 1) + 1000 * k, 10**6 * (i + 1) + 1000 * (k + 1)), 1),
+                           now=0.0)
         replicas.append(replica)
     return replicas
 
@@ -159,7 +162,7 @@ PROMPT = list(range(100))
 def test_ray_prefix_affinity_takes_the_deepest_match_above_ten_percent():
     replicas = replicas_with([PROMPT[:50], PROMPT[:80], []], [5, 9, 0])
     assert RayPrefixAffinity().choose(token_request(0, PROMPT), replicas, 0.0) == 1  # ignores its queue
-    cold = replicas_with([PROMPT[:5], [], [7] * 30], [0, 3, 0])
+    cold = replicas_with([PROMPT[:5], [], [7] * 30], [0, 0, 0])
     assert RayPrefixAffinity().choose(token_request(0, PROMPT), cold, 0.0) == 1  # the smallest tree
 
 
@@ -175,7 +178,7 @@ def test_sglang_cache_aware_switches_to_least_loaded_when_imbalanced():
 def test_dynamo_trades_prefill_blocks_against_active_blocks():
     replicas = replicas_with([PROMPT[:96], []], [0, 0])
     assert DynamoKV(16, random.Random(0)).choose(token_request(0, PROMPT), replicas, 0.0) == 0
-    busy = replicas_with([PROMPT[:96], []], [2, 0])  # 2 x 1001 active tokens outweigh 96 cached
+    busy = replicas_with([PROMPT[:96], []], [2, 0])  # 2 x 1000 active tokens outweigh 96 cached
     assert DynamoKV(16, random.Random(0)).choose(token_request(0, PROMPT), busy, 0.0) == 1
 
 

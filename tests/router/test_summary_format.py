@@ -76,3 +76,14 @@ def test_not_a_dict(bad):
 def test_constructor_validates_too():
     with pytest.raises(ValueError, match="block_hashes"):
         CacheSummary("r", 1, 0.0, 4, {1, 2})
+
+
+def test_mean_output_tokens_round_trips_and_defaults_to_zero():
+    radix = RadixCache(1000, 4)
+    summary = CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0, mean_output_tokens=37.5)
+    assert CacheSummary.from_dict(summary.to_dict()).mean_output_tokens == 37.5
+    wire = summary.to_dict()
+    del wire["mean_output_tokens"]  # an older worker
+    assert CacheSummary.from_dict(wire).mean_output_tokens == 0.0
+    with pytest.raises(ValueError, match="mean_output_tokens"):
+        CacheSummary("r", 1, 0.0, 4, frozenset(), mean_output_tokens=-1.0)

@@ -1,0 +1,328 @@
+"""Simulated continuous-batching replicas: steps under a token budget, a KV
+capacity, and a step time fitted to an engine (:class:`StepProfile`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cache import RadixCache
+from cache.summary import CacheSummary, cached_block_hashes
+from router.cluster import Completion, Outcome, OutputWindow
+from router.workload import SimRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    """One engine step's time, ``step_s = base_s + prefill_token_s × prefill
+    tokens + decode_seq_s × decoding sequences + context_token_s × context
+    tokens`` (the KV positions the step's sequences attend to), and the
+    engine's limits: ``max_batch_tokens`` (decodes + prefill chunks per step)
+    and ``kv_capacity_tokens`` (KV positions the running sequences may hold).
+    ``name`` and ``source`` say where the figures come from."""
+
+    base_s: float
+    prefill_token_s: float
+    decode_seq_s: float
+    context_token_s: float
+    max_batch_tokens: int
+    kv_capacity_tokens: int
+    name: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "prefill_token_s", "decode_seq_s", "context_token_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.base_s + self.prefill_token_s > 0:
+            raise ValueError("a step must take time: base_s + prefill_token_s > 0")
+        for name in ("max_batch_tokens", "kv_capacity_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepProfile:
+        data = json.loads(Path(path).read_text())
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> float:
+        return (self.base_s + self.prefill_token_s * num_prefill_tokens + self.decode_seq_s * num_decode_seqs
+                + self.context_token_s * num_context_tokens)
+
+    def prefill_s(self, num_computed_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Time to first token of one request alone on an idle replica (chunked prefill)."""
+        total, done, elapsed = num_cached_tokens + num_computed_tokens, num_cached_tokens, 0.0
+        while True:
+            chunk = min(self.max_batch_tokens, total - done)
+            done += chunk
+            elapsed += self.step_s(chunk, 0, done)
+            if done >= total:
+                return elapsed
+
+    def service_s(self, num_computed_tokens: int, num_output_tokens: int) -> float:
+        """Busy time of one request alone: its prefill, then its decode steps."""
+        elapsed = self.prefill_s(num_computed_tokens)
+        num_decode_steps = max(num_output_tokens - 1, 0)
+        context = num_computed_tokens * num_decode_steps + num_decode_steps * (num_decode_steps + 1) // 2
+        return elapsed + num_decode_steps * (self.base_s + self.decode_seq_s) + self.context_token_s * context
+
+    @property
+    def decode_token_cost(self) -> float:
+        """Prefill-token equivalents of one output token on an otherwise idle
+        replica (a step of its own: base + one decode + a 4k context), for the
+        router's work estimate. Batched decodes share the base, so under load
+        this overstates a token's cost; what it prices is how long a decode
+        keeps a replica busy, which is what load balance is measured in."""
+        return (self.base_s + self.decode_seq_s + 4096 * self.context_token_s) / max(self.prefill_token_s, 1e-12)
+
+
+# Llama-3.1-8B (bf16) on one H100 SXM, vLLM-like chunked prefill: ~4 ms fixed per step
+# (kernel launches, sampling, scheduling), ~50 µs per prefill token (~20k prefill tokens/s,
+# near the published 15-25k tok/s prefill throughput of 8B models on H100), ~20 µs per decode
+# sequence (its weights-bound GEMM rows and sampling), ~40 ns per context token read
+# (16 GiB/s-equivalent of KV reads: 128 kB of KV per token at 3.35 TB/s HBM ≈ 38 ns);
+# 8,192-token steps (vLLM's default max_num_batched_tokens for chunked prefill on H100);
+# ~500k KV tokens (80 GB − 16 GB of weights / 128 kB per token). Figures from issue 14,
+# the H100 SXM datasheet (3.35 TB/s) and the Llama-3.1-8B config (32 layers, 8 KV heads × 128).
+H100_LLAMA_8B = StepProfile(
+    base_s=0.004, prefill_token_s=50e-6, decode_seq_s=20e-6, context_token_s=40e-9,
+    max_batch_tokens=8192, kv_capacity_tokens=500_000, name="llama-3.1-8b-h100",
+    source="issue 14 step profile; H100 SXM 3.35 TB/s; Llama-3.1-8B 32 layers x 8 KV heads x 128 dims bf16",
+)
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    number: int
+    request: SimRequest
+    arrival_s: float
+    num_cached: int = 0
+    num_prefilled: int = 0  # prompt positions in KV (cached ones included)
+    num_generated: int = 0
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_prefilled >= self.request.num_prompt_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """KV positions reserved: the whole prompt from admission, plus the output."""
+        return self.request.num_prompt_tokens + self.num_generated
+
+    @property
+    def num_context_tokens(self) -> int:
+        return self.num_prefilled + self.num_generated
+
+
+class BatchingReplica:
+    """One continuous-batching worker (same surface as :class:`router.cluster.SimReplica`).
+
+    Each step, under ``max_batch_tokens``: every running sequence that has
+    its first token decodes one more; the rest of the budget goes to prefill
+    chunks, first-come first-served (the running prefills first, then
+    waiting requests admitted in arrival order while their prompt fits the
+    KV capacity). A request's prefix is matched and its prompt inserted into
+    the radix tree when it is admitted (so requests admitted later share it
+    at once, as the engine's in-flight sharing does); prompt + output is
+    inserted when it finishes. A prefill finishing in a step yields the first
+    token at the step's end (TTFT); a sequence with all its output tokens
+    finishes. When decodes need KV the capacity lacks, the newest admitted
+    sequence is preempted (back to the head of the queue, recomputed).
+    Steps with decodes only are taken in closed form up to the next finish
+    or arrival.
+
+    Invariants: ``kv_used == sum(num_kv_tokens of running)`` ≤ capacity
+    (bar a single sequence larger than it); waiting holds no admitted sequence.
+    """
+
+    def __init__(self, replica_id: str, budget_units: int, profile: StepProfile) -> None:
+        self.replica_id = replica_id
+        self.radix = RadixCache(budget_units, block_size=1)
+        self.profile = profile
+        self.busy_s = 0.0
+        self.outcomes: dict[int, Outcome] = {}
+        self._clock_s = 0.0  # when the next step may start
+        self._running: list[_Seq] = []
+        self._waiting: deque[_Seq] = deque()
+        self._kv_used = 0
+        self._finished: list[Completion] = []  # finished in committed steps, not yet released
+        self._outputs = OutputWindow()
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    def match_units(self, units: tuple[int, ...]) -> int:
+        return self.radix.match(units, touch=False).num_tokens
+
+    def submit(self, number: int, request: SimRequest, now: float) -> None:
+        if not self._running and not self._waiting:
+            self._clock_s = max(self._clock_s, now)
+        self._waiting.append(_Seq(number, request, now))
+
+    def advance(self, until: float) -> list[Completion]:
+        """Run every step that starts before ``until``; release the finishes up to it."""
+        while (self._running or self._waiting) and self._clock_s < until:
+            self._step(until)
+        if not self._running and not self._waiting:
+            self._clock_s = max(self._clock_s, until) if math.isfinite(until) else self._clock_s
+        done = [c for c in self._finished if c.finish_s <= until]
+        self._finished = [c for c in self._finished if c.finish_s > until]
+        return done
+
+    # ----------------------------------------------------------------- steps
+    def _step(self, until: float) -> None:
+        profile = self.profile
+        decoding = [s for s in self._running if s.is_prefilled]
+        if len(decoding) == len(self._running) and not self._can_admit():
+            self._decode_steps(decoding, until)
+            return
+        self._make_room(len(decoding))
+        decoding = [s for s in self._running if s.is_prefilled]
+        budget = profile.max_batch_tokens - len(decoding)
+        context = sum(s.num_context_tokens for s in decoding)
+        chunks: list[tuple[_Seq, int]] = []
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if not seq.is_prefilled:
+                chunk = min(budget, seq.request.num_prompt_tokens - seq.num_prefilled)
+                chunks.append((seq, chunk))
+                budget -= chunk
+        while budget > 0 and self._can_admit():
+            seq = self._admit()
+            chunk = min(budget, seq.request.num_prompt_tokens - seq.num_prefilled)
+            if chunk > 0:
+                chunks.append((seq, chunk))
+                budget -= chunk
+        num_prefill = 0
+        for seq, chunk in chunks:
+            num_prefill += chunk
+            context += seq.num_prefilled + chunk
+        step_s = profile.step_s(num_prefill, len(decoding), context)
+        end_s = self._clock_s + step_s
+        self.busy_s += step_s
+        self.num_steps += 1
+        self._clock_s = end_s
+        for seq in decoding:
+            seq.num_generated += 1
+            self._kv_used += 1
+        for seq, chunk in chunks:
+            seq.num_prefilled += chunk
+            if seq.is_prefilled:  # first token
+                seq.num_generated = 1
+                self._kv_used += 1
+                self.outcomes.setdefault(seq.number, Outcome(seq.num_cached, end_s - seq.arrival_s))
+        self._finish_done(end_s)
+
+    def _decode_steps(self, decoding: list[_Seq], until: float) -> None:
+        """Decode-only steps in closed form: up to the next finish, the KV
+        limit, and the last step starting before ``until``."""
+        profile, n = self.profile, len(decoding)
+        k = min(s.request.num_output_tokens - s.num_generated for s in decoding)
+        room = (profile.kv_capacity_tokens - self._kv_used) // n
+        if room < 1 and len(self._running) > 1:
+            self._make_room(n)
+            return
+        k = min(k, room) if room >= 1 else k  # a lone sequence larger than the capacity runs anyway
+        per_step = profile.base_s + profile.decode_seq_s * n
+        context0 = sum(s.num_context_tokens for s in decoding)
+
+        def elapsed(j: int) -> float:  # time of j steps
+            return j * per_step + profile.context_token_s * (j * context0 + n * j * (j - 1) // 2)
+
+        if math.isfinite(until) and self._clock_s + elapsed(k - 1) >= until:
+            low, high = 1, k  # steps 1..low start before until
+            while high - low > 1:
+                mid = (low + high) // 2
+                if self._clock_s + elapsed(mid - 1) < until:
+                    low = mid
+                else:
+                    high = mid
+            k = low
+        step_s = elapsed(k)
+        self._clock_s += step_s
+        self.busy_s += step_s
+        self.num_steps += k
+        for seq in decoding:
+            seq.num_generated += k
+        self._kv_used += n * k
+        self._finish_done(self._clock_s)
+
+    def _finish_done(self, end_s: float) -> None:
+        still = []
+        for seq in self._running:
+            if seq.num_generated >= seq.request.num_output_tokens and seq.is_prefilled:
+                self._kv_used -= seq.num_kv_tokens
+                self.radix.insert(seq.request.cache_units)
+                self._outputs.add(seq.request.num_output_tokens)
+                self._finished.append(Completion(seq.number, end_s))
+            else:
+                still.append(seq)
+        self._running = still
+
+    def _can_admit(self) -> bool:
+        if not self._waiting:
+            return False
+        need = self._waiting[0].request.num_prompt_tokens
+        return self._kv_used + need <= self.profile.kv_capacity_tokens or not self._running
+
+    def _admit(self) -> _Seq:
+        seq = self._waiting.popleft()
+        request = seq.request
+        seq.num_cached = request.cached_tokens(self.radix.match(request.units, touch=True).num_tokens)
+        seq.num_prefilled, seq.num_generated = seq.num_cached, 0
+        self._kv_used += request.num_prompt_tokens  # the whole prompt's KV is reserved at admission
+        self.radix.insert(request.units)
+        self._running.append(seq)
+        return seq
+
+    def _make_room(self, num_decoding: int) -> None:
+        """Preempt the newest sequences until the decodes' next tokens fit."""
+        while self._running and self._kv_used + num_decoding > self.profile.kv_capacity_tokens \
+                and len(self._running) > 1:
+            seq = self._running.pop()
+            self._kv_used -= seq.num_kv_tokens
+            num_decoding -= seq.is_prefilled
+            seq.num_prefilled = seq.num_generated = 0
+            self._waiting.appendleft(seq)  # re-admitted first, recomputed (it may hit its own prefix)
+            self.num_preemptions += 1
+
+    # ---------------------------------------------------------- observation
+    def queue_len(self, now: float) -> int:
+        return len(self._running) + len(self._waiting)
+
+    def active_tokens(self, now: float) -> int:
+        return sum(s.request.num_prompt_tokens for s in self._waiting) + self._running_tokens()
+
+    def _running_tokens(self) -> int:
+        return sum(s.request.num_prompt_tokens + s.num_generated for s in self._running)
+
+    def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:
+        return CacheSummary(
+            replica_id=self.replica_id,
+            version=version,
+            timestamp_s=now,
+            block_size=unit_tokens * units_per_block,
+            block_hashes=frozenset(cached_block_hashes(self.radix, units_per_block)),
+            num_cached_tokens=self.radix.num_tokens * unit_tokens,
+            budget_tokens=self.radix.budget_tokens * unit_tokens,
+            num_queued_tokens=sum(s.request.num_prompt_tokens for s in self._waiting),
+            num_running_tokens=self._running_tokens(),
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            mean_output_tokens=self._outputs.mean,
+        )
+
+    def check_invariants(self) -> None:
+        assert self._kv_used == sum(s.num_kv_tokens for s in self._running), "kv_used drifted"
+        assert not any(s in self._running for s in self._waiting)
+        assert all(s.num_generated <= s.request.num_output_tokens for s in self._running)

@@ -1,0 +1,64 @@
+"""Knobs of the routing rule (:class:`router.policy.PrefixAffinityPolicy`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs of :class:`PrefixAffinityPolicy` (the rule, defaults and reasons
+    are in its docstring). Token counts are in tokens, times in seconds."""
+
+    block_size: int = 64  # tokens per routing block; ingress and workers use the same
+    sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4; 0: off
+    load_factor: float = 1.25  # c: recent work of a replica <= c x mean (+ one request + chance)
+    load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
+    affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
+    load_window_s: float = 120.0  # decay time of the recent-work counters
+    num_ring_candidates: int = 2  # ring nodes from the prompt's key that compete
+    max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete
+    decode_token_cost: float = 40.0  # prefill-token equivalents per expected output token
+    virtual_nodes: int = 128  # ring points per replica
+    max_blocks_per_replica: int = 1 << 18  # index entries per replica (memory bound)
+    learned_grace_s: float = 5.0  # own decisions a summary may not reflect yet
+    in_flight_timeout_s: float = 600.0  # forget in-flight work never reported complete
+    reservation_timeout_s: float = 5.0  # forget a decision never reported sent
+    max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
+    num_ranked: int = 3  # replicas returned, best first
+    balance_weight: float = 0.1  # beta: cost per token of recent work above the mean (below: a credit)
+    prior_output_tokens: int = 256  # expected output length until a replica reports its mean
+    tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
+                     "max_blocks_per_replica", "num_ranked", "max_partial_entries", "prior_output_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
+                          ("learned_grace_s", 0.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < low:
+                raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
+        for name in ("load_window_s", "in_flight_timeout_s", "reservation_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_by_recent_work, bool):
+            raise ValueError(f"tie_by_recent_work must be a bool, got {self.tie_by_recent_work!r}")
+        grain = self.sub_block_tokens
+        if grain is not None and (type(grain) is not int or grain < 0 or (
+                grain and (self.block_size % grain or grain >= self.block_size))):
+            raise ValueError(f"sub_block_tokens must be None, 0 or a divisor of block_size {self.block_size} "
+                             f"below it, got {grain!r}")
+
+    @property
+    def within_block_tokens(self) -> int:
+        """The within-block match grain in force: ``sub_block_tokens``, or a
+        quarter block when that is None (0 where 4 does not divide the block)."""
+        if self.sub_block_tokens is not None:
+            return self.sub_block_tokens
+        return self.block_size // 4 if self.block_size % 4 == 0 else 0
