@@ -1,0 +1,85 @@
+"""router.batching: the continuous-batching replica model and step profiles."""
+
+import json
+
+import pytest
+
+from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
+from router.workload import SimRequest
+
+PROFILE = StepProfile(base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, context_token_s=0.0,
+                      max_batch_tokens=100, kv_capacity_tokens=10_000)
+
+
+def request(arrival_s, num_prompt, num_output, base=0):
+    units = tuple(range(base, base + num_prompt))
+    return SimRequest(arrival_s, units, 1, num_prompt, num_output, (), units)
+
+
+def test_prefill_is_chunked_and_the_first_token_comes_at_the_end_of_its_step():
+    replica = BatchingReplica("r", 10_000, PROFILE)
+    replica.submit(0, request(0.0, 250, 1), 0.0)
+    done = replica.advance(float("inf"))
+    # chunks of 100, 100, 50 tokens: 3 steps of 0.01 + 0.001 x tokens
+    assert replica.outcomes[0].ttft_s == pytest.approx(3 * 0.01 + 0.250)
+    assert [c.number for c in done] == [0] and done[0].finish_s == pytest.approx(0.28)
+    assert replica.num_steps == 3
+
+
+def test_decodes_share_a_step_with_the_next_prefill():
+    replica = BatchingReplica("r", 10_000, PROFILE)
+    replica.submit(0, request(0.0, 50, 3), 0.0)
+    replica.advance(0.0601)  # step 1: prefill 50 (0.06 s) -> first token of 0
+    replica.submit(1, request(0.0601, 50, 1, base=1000), 0.0601)
+    replica.advance(float("inf"))
+    # step 2 starts at 0.06 (before the arrival): decode only, 0.012 s; step 3: decode + 50 prefill
+    assert replica.outcomes[1].ttft_s == pytest.approx(0.06 + 0.012 + (0.01 + 0.002 + 0.05) - 0.0601)
+    replica.check_invariants()
+
+
+def test_closed_form_decode_equals_step_by_step():
+    profile = StepProfile(0.004, 50e-6, 20e-6, 40e-9, 8192, 100_000)
+    fast = BatchingReplica("a", 10_000, profile)
+    for i in range(3):
+        fast.submit(i, request(0.0, 100 * (i + 1), 50 + 10 * i, base=1000 * i), 0.0)
+    finishes = {c.number: c.finish_s for c in fast.advance(float("inf"))}
+    slow = BatchingReplica("b", 10_000, profile)
+    for i in range(3):
+        slow.submit(i, request(0.0, 100 * (i + 1), 50 + 10 * i, base=1000 * i), 0.0)
+    stepped, t = {}, 0.0
+    while len(stepped) < 3:  # tiny horizons force one step per advance
+        t += 1e-4
+        stepped.update({c.number: c.finish_s for c in slow.advance(t)})
+    assert stepped == pytest.approx(finishes)
+    assert fast.busy_s == pytest.approx(slow.busy_s)
+
+
+def test_a_full_kv_pool_queues_and_preempts():
+    tight = StepProfile(0.01, 0.001, 0.0, 0.0, max_batch_tokens=1000, kv_capacity_tokens=120)
+    replica = BatchingReplica("r", 10_000, tight)
+    replica.submit(0, request(0.0, 60, 30), 0.0)
+    replica.submit(1, request(0.0, 50, 30, base=1000), 0.0)
+    replica.submit(2, request(0.0, 50, 5, base=2000), 0.0)  # does not fit beside the first two
+    replica.advance(0.0001)
+    assert replica.summary(1, 0.0, 1, 4).num_waiting == 1
+    done = replica.advance(float("inf"))
+    assert sorted(c.number for c in done) == [0, 1, 2]
+    assert replica.num_preemptions >= 1  # 110 prompt tokens + 2 x 30 outputs exceed 120
+    replica.check_invariants()
+
+
+def test_the_prefix_of_an_admitted_request_is_shared_at_once():
+    replica = BatchingReplica("r", 10_000, PROFILE)
+    replica.submit(0, request(0.0, 200, 1), 0.0)
+    replica.submit(1, request(0.0, 200, 1), 0.0)
+    replica.advance(float("inf"))
+    assert replica.outcomes[1].cached_tokens == 199  # at most T - 1
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(H100_LLAMA_8B.to_dict()))
+    assert StepProfile.load(path) == H100_LLAMA_8B
+    assert H100_LLAMA_8B.prefill_s(8192) == pytest.approx(0.004 + 8192 * 50e-6 + 8192 * 40e-9)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        StepProfile(0.0, 1e-6, 0.0, 0.0, 0, 10)

@@ -1,0 +1,111 @@
+"""The simulated router sees only what a live router sees: RoutingRequests
+(max_tokens, never the output length), the CacheSummaries a worker fills, and
+completion events."""
+
+from dataclasses import fields
+
+import pytest
+
+import router.simulate as simulate
+from cache.summary import CacheSummary
+from router.batching import BatchingReplica, StepProfile
+from router.cluster import CostModel, SimReplica
+from router.request import RoutingRequest
+from router.simulate import SimConfig, replay
+from router.workload import SimRequest, Workload, shared_prefix
+
+
+class SpyPolicy:
+    """Stands in for PrefixAffinityPolicy and records every call and argument type."""
+
+    calls: list = []
+
+    def __init__(self, config, clock):
+        self._clock, self._replicas = clock, []
+
+    def set_replicas(self, ids):
+        self._replicas = sorted(ids)
+        SpyPolicy.calls.append(("set_replicas", tuple(self._replicas)))
+
+    def rank(self, request, *args, **kwargs):
+        SpyPolicy.calls.append(("rank", request))
+        return self._replicas
+
+    def on_routed(self, request, replica_id, request_id):
+        SpyPolicy.calls.append(("on_routed", request, replica_id, request_id))
+
+    def on_completed(self, request_id):
+        SpyPolicy.calls.append(("on_completed", request_id, self._clock()))
+
+    def on_summary(self, summary):
+        SpyPolicy.calls.append(("on_summary", summary))
+
+
+def workload_with_short_outputs():
+    base = shared_prefix(num_groups=2, prompts_per_group=5, system_tokens=128, question_tokens=16, output_tokens=8)
+    requests = tuple(SimRequest(r.arrival_s, r.units, r.unit_tokens, r.num_prompt_tokens, 1 + i % 5,
+                                r.block_hashes, r.cache_units) for i, r in enumerate(base.requests))
+    return Workload(requests, base.unit_tokens, base.router_block_tokens, base.name)
+
+
+@pytest.mark.parametrize("replica_model", ["fifo", "cb"])
+def test_the_policy_gets_only_routing_requests_summaries_and_completions(monkeypatch, replica_model):
+    monkeypatch.setattr(simulate, "PrefixAffinityPolicy", SpyPolicy)
+    SpyPolicy.calls = []
+    workload = workload_with_short_outputs()
+    config = SimConfig(num_replicas=2, budget_tokens=10_000, max_tokens=512, replica_model=replica_model,
+                       summary_period_s=0.05)
+    replay(workload, config, "ours")
+    kinds = {call[0] for call in SpyPolicy.calls}
+    assert kinds == {"set_replicas", "rank", "on_routed", "on_completed", "on_summary"}
+    for call in SpyPolicy.calls:
+        if call[0] in ("rank", "on_routed"):
+            assert type(call[1]) is RoutingRequest
+            assert call[1].num_output_tokens == 512  # max_tokens, though outputs are 1..5
+        if call[0] == "on_summary":
+            assert type(call[1]) is CacheSummary
+    completions = [c for c in SpyPolicy.calls if c[0] == "on_completed"]
+    assert len(completions) == len(workload.requests)
+    routed = [c[3] for c in SpyPolicy.calls if c[0] == "on_routed"]
+    assert sorted(c[1] for c in completions) == sorted(routed)
+    reported = [c[1] for c in SpyPolicy.calls if c[0] == "on_summary"]
+    assert any(s.mean_output_tokens > 0 for s in reported)
+    assert all(s.mean_output_tokens <= 5 for s in reported)  # learned from finished requests only
+
+
+def test_generated_workloads_send_their_fixed_output_length_as_max_tokens():
+    workload = shared_prefix(num_groups=2, prompts_per_group=2, system_tokens=64, question_tokens=8, output_tokens=8)
+    ours = simulate.Ours(workload, [SimReplica("replica-0", 100, CostModel())], SimConfig(1, 100))
+    assert ours.routing_request(workload.requests[0]).num_output_tokens == 8
+
+
+def request(arrival_s, num_prompt, num_output, base=0):
+    units = tuple(range(base, base + num_prompt))
+    return SimRequest(arrival_s, units, 1, num_prompt, num_output, (), units)
+
+
+def test_a_fifo_summary_is_what_the_worker_observes():
+    replica = SimReplica("r", 10_000, CostModel(prefill_tokens_per_s=100.0, decode_s_per_token=0.5))
+    replica.submit(0, request(0.0, 100, 4), 0.0)  # prefill 0..1 s, decode until 3 s
+    replica.submit(1, request(0.0, 50, 2, base=1000), 0.0)  # waits until 3 s
+    replica.advance(1.6)
+    summary = replica.summary(1, 1.6, 1, 4)
+    # running: 100 prompt tokens + 2 output tokens so far (first at 1.0 s, second by 1.5 s)
+    assert (summary.num_running, summary.num_waiting) == (1, 1)
+    assert (summary.num_running_tokens, summary.num_queued_tokens) == (102, 50)
+    assert summary.mean_output_tokens == 0.0  # nothing finished yet
+    replica.advance(3.0)
+    assert replica.summary(2, 3.0, 1, 4).mean_output_tokens == 4.0
+    names = [f.name for f in fields(CacheSummary)]
+    assert names[-1] == "mean_output_tokens" and names[-2] == "num_waiting"
+
+
+def test_a_batching_summary_counts_prompts_not_yet_admitted_and_running_tokens():
+    profile = StepProfile(0.01, 0.001, 0.0, 0.0, max_batch_tokens=64, kv_capacity_tokens=10_000)
+    replica = BatchingReplica("r", 10_000, profile)
+    replica.submit(0, request(0.0, 100, 3), 0.0)
+    replica.submit(1, request(0.0, 40, 3, base=1000), 0.0)
+    replica.advance(0.01)  # one step: 64 prefill tokens of request 0; request 1 not admitted
+    summary = replica.summary(1, 0.01, 1, 4)
+    assert (summary.num_running, summary.num_waiting) == (1, 1)
+    assert (summary.num_running_tokens, summary.num_queued_tokens) == (100, 40)
