@@ -125,8 +125,23 @@ class Engine:
         request_id: str | None = None,
         arrival_s: float | None = None,
     ) -> str:
+        """Validate (ValueError naming the problem) and queue; returns the request id."""
         params = params or SamplingParams()
         self.validate(prompt_token_ids, params)
+        return self.add_validated(prompt_token_ids, params, salt=salt, request_id=request_id, arrival_s=arrival_s)
+
+    def add_validated(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+    ) -> str:
+        """:meth:`add_request` for a request :meth:`validate` already passed
+        (each prompt is checked once: by ``generate_batch`` before any is
+        queued, by ``AsyncEngine`` on submit)."""
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
         if request_id is None:
@@ -216,7 +231,7 @@ class Engine:
         params = SamplingParams(max_new_tokens=max_new_tokens, logprobs=logprobs)
         for prompt in prompts:
             self.validate(prompt, params)
-        ids = [self.add_request(prompt, params) for prompt in prompts]
+        ids = [self.add_validated(prompt, params) for prompt in prompts]
         results = self.run(ids)
         out = []
         for request_id in ids:
