@@ -9,7 +9,7 @@ which rows go where.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 SeqId = Hashable
@@ -82,6 +82,10 @@ class BlockAllocator:
 
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
+
+    def seq_ids(self) -> Iterator[SeqId]:
+        """The sequences that hold a block table, in allocation order."""
+        return iter(self._seqs)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """A copy of the sequence's block ids, in position order."""

@@ -1,38 +1,39 @@
-"""Continuous batching over the paged pool and the radix prefix cache.
+"""Continuous batching over the KV cache (cache/kv_cache.py).
 
-Each step (:meth:`Scheduler.schedule`) fills a budget of
-``max_batch_tokens`` tokens:
+The scheduler decides who runs and how much; :class:`cache.KVCache` does
+every block and tree operation (matching, locking, eviction, copy-on-write,
+caching) and answers ``None`` when the pool cannot make room. Each step
+(:meth:`Scheduler.schedule`) fills a budget of ``max_batch_tokens`` tokens:
 
 1. Running sequences, oldest admission first: a decoding one feeds its last
-   sampled token (one new slot, reserved with ``allocator.append``, which
-   copies a shared last block first); a prefilling one feeds its next chunk.
-   When the pool is out of blocks: evict unlocked cache entries (LRU), then
-   preempt the youngest running sequence (free its blocks, unlock its path,
-   requeue it at the front; its tokens are recomputed later, mostly from the
-   cache), possibly the one asking.
+   sampled token (one new slot, ``kv.append``, which copies a shared last
+   block first); a prefilling one feeds its next chunk. When the pool is out
+   of blocks even after the KV cache evicted what it could: preempt the
+   youngest running sequence (``kv.release``, requeued at the front; its
+   tokens are recomputed later, mostly from the cache), possibly the one
+   asking.
 2. Waiting sequences, oldest first, while budget and ``max_num_seqs`` allow:
-   match the radix cache on ``tokens[:-1]`` (reuse <= len - 1, so the last
-   position's logits are computed), lock the matched path, share its full
-   blocks and copy a partly matched last block (``allocate_with_prefix``),
-   reserve blocks for the rest of the prompt, and feed a first chunk.
-   *In-flight sharing*: a sequence that shares a prefix of at least one
-   block with a sequence still prefilling (same salt), longer than what the
-   cache holds, waits until that prefill is inserted, so a common prefix is
-   computed once (a chance match shorter than a block never holds anyone).
+   ``kv.admit`` reuses the longest cached prefix of ``tokens[:-1]`` (so the
+   last position's logits are computed) and reserves the rest of the
+   prompt; feed a first chunk. A sequence that does not fit stops admission
+   for this step. *In-flight sharing*: a sequence that shares a prefix of at
+   least one block with a sequence still prefilling (same salt), longer than
+   what the cache holds, waits until that prefill is cached, so a common
+   prefix is computed once (a chance match shorter than a block never holds
+   anyone).
 
 After the forward, :meth:`complete` advances each sequence: a prefilling
-one inserts its newly completed full blocks into the tree (the whole
-prompt when its prefill ends) and moves its lock down the path; a
-sequence whose chunk reached its last token takes the sampled token,
-and on EOS / stop token / ``max_new_tokens`` it finishes: it inserts every
-token with KV (prompt + output but the last), unlocks and frees.
+one caches its newly completed full blocks (the whole prompt when its
+prefill ends, ``kv.cache``); a sequence whose chunk reached its last token
+takes the sampled token, and on EOS / stop token / ``max_new_tokens`` it
+finishes: ``kv.finish`` caches every token with KV (prompt + output but the
+last) and releases it.
 
 Invariants (checked by :meth:`check_invariants`): running sequences are
-exactly the allocator's sequences and each holds one lock on its
-``locked_node``; a running sequence's reserved positions are
-``len(token_ids)`` (or one less, between sampling and its next decode);
-blocks the tree names are never written (only fresh blocks, private COW
-copies and the positions past ``num_inserted`` are).
+exactly the KV cache's sequences; a running sequence's reserved positions
+are ``len(token_ids)`` (or one less, between sampling and its next decode)
+and its cached positions are at most its computed ones; waiting sequences
+hold nothing; plus the KV cache's own invariants.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache import BlockAllocator, OutOfBlocks, RadixCache
+from cache.kv_cache import KVCache
 from worker.sequence import Sequence, Status
 
 
@@ -82,23 +83,25 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(
         self,
-        allocator: BlockAllocator,
-        cache: RadixCache,
+        kv: KVCache,
         *,
         max_batch_tokens: int,
         max_num_seqs: int,
         eos_token_ids: tuple[int, ...],
     ) -> None:
-        self.allocator = allocator
-        self.cache = cache
-        self.block_size = allocator.block_size
+        self.kv = kv
+        self.block_size = kv.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
-        self.watermark_blocks = max(1, allocator.num_blocks // 100)
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Free blocks an admission leaves for running sequences' appends."""
+        return self.kv.watermark_blocks
 
     # ----------------------------------------------------------------- queries
     @property
@@ -132,7 +135,7 @@ class Scheduler:
                 return self._mark_aborted(seq)
         for seq in self.running:
             if seq.request_id == request_id:
-                self._release(seq)
+                self.kv.release(seq.request_id)
                 self.running.remove(seq)
                 return self._mark_aborted(seq)
         return None
@@ -164,23 +167,17 @@ class Scheduler:
 
     def _reserve_decode_slot(self, seq: Sequence, step: ScheduledStep) -> bool:
         """Reserve position ``len(token_ids) - 1``; False if ``seq`` had to be preempted."""
-        if self.allocator.num_tokens(seq.request_id) >= len(seq.token_ids):
+        if self.kv.num_reserved_tokens(seq.request_id) >= len(seq.token_ids):
             return True
         while True:
-            try:
-                copy = self.allocator.append(seq.request_id)
-            except OutOfBlocks:
-                if self._evict_for(1):
-                    continue
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    return False
-                continue
-            if copy is not None:
-                step.copies.append(copy)
-                self.counters.cow_copies += 1
-            return True
+            reserved = self.kv.append(seq.request_id)
+            if reserved is not None:
+                self._copy(step, reserved.copy)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         admitted: list[Sequence] = []
@@ -189,36 +186,29 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs or num_considered >= 2 * self.max_num_seqs:
                 break
             num_considered += 1
-            tokens = seq.token_ids
-            peek = self.cache.match(tokens[:-1], seq.salt, touch=False)
-            if self._should_wait(seq, peek.num_tokens, admitted):
+            if self._should_wait(seq, self.kv.num_reusable_tokens(seq.token_ids, seq.salt), admitted):
                 self.counters.inflight_holds += 1
                 continue
-            self.cache.lock(peek)  # pin the match while making room
-            num_new_blocks = -(-len(tokens) // self.block_size) - peek.num_tokens // self.block_size
-            if not self._make_room(num_new_blocks + self.watermark_blocks):
-                self.cache.unlock(peek)
+            reserved = self.kv.admit(seq.request_id, seq.token_ids, seq.salt)
+            if reserved is None:
                 break
-            match = self.cache.match(tokens[:-1], seq.salt)  # touch: refresh LRU, count lookup
-            self.cache.lock(match)
-            self.cache.unlock(peek)
-            copy = self.allocator.allocate_with_prefix(seq.request_id, len(tokens), match.block_ids, match.num_tokens)
-            if copy is not None:
-                step.copies.append(copy)
-                self.counters.cow_copies += 1
+            self._copy(step, reserved.copy)
             self.waiting.remove(seq)
-            self._start(seq, match.num_tokens, match)
-            num = min(len(tokens) - seq.num_computed, budget)
+            self._start(seq, reserved.num_cached_tokens)
+            num = min(len(seq.token_ids) - seq.num_computed, budget)
             step.chunks.append(ScheduledChunk(seq, seq.num_computed, num))
             budget -= num
             admitted.append(seq)
 
-    def _start(self, seq: Sequence, num_reused: int, node) -> None:
+    def _copy(self, step: ScheduledStep, copy: tuple[int, int] | None) -> None:
+        if copy is not None:
+            step.copies.append(copy)
+            self.counters.cow_copies += 1
+
+    def _start(self, seq: Sequence, num_reused: int) -> None:
         seq.status = Status.RUNNING
         seq.num_computed = num_reused
-        seq.num_inserted = num_reused
         seq.prefill_target = len(seq.token_ids)
-        seq.locked_node = node
         if seq.cached_tokens is None:
             seq.cached_tokens = num_reused
             self.counters.hits += num_reused > 0
@@ -245,29 +235,15 @@ class Scheduler:
                 return True
         return False
 
-    def _make_room(self, num_blocks: int) -> bool:
-        while self.allocator.num_free_blocks < num_blocks:
-            if not self._evict_for(num_blocks - self.allocator.num_free_blocks):
-                return False
-        return True
-
-    def _evict_for(self, num_blocks: int) -> bool:
-        return self.cache.evict(num_blocks * self.block_size) > 0
-
     def _preempt(self, seq: Sequence) -> None:
-        self._release(seq)
+        self.kv.release(seq.request_id)
         self.running.remove(seq)
         seq.status = Status.WAITING
-        seq.num_computed = seq.num_inserted = seq.prefill_target = 0
+        seq.num_computed = seq.prefill_target = 0
         seq.num_preemptions += 1
         seq.refresh_key()
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
-
-    def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.request_id)
-        self.cache.unlock(seq.locked_node)
-        seq.locked_node = None
 
     def _mark_aborted(self, seq: Sequence) -> Sequence:
         seq.status = Status.FINISHED
@@ -311,19 +287,8 @@ class Scheduler:
         return num_tokens // self.block_size * self.block_size
 
     def _insert(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache ``token_ids[:num_tokens]`` (all with KV) and move the lock down the path.
-
-        A prompt longer than the budget is not cached at all, not even its
-        first blocks while it is prefilled, so it flushes nothing."""
-        if num_tokens <= seq.num_inserted or seq.prefill_target > self.cache.budget_tokens:
-            return
-        prefix = seq.token_ids[:num_tokens]
-        self.cache.insert(prefix, self.allocator.block_table(seq.request_id), seq.salt)
-        node = self.cache.match(prefix, seq.salt, touch=False)
-        self.cache.lock(node)
-        self.cache.unlock(seq.locked_node)
-        seq.locked_node = node
-        seq.num_inserted = num_tokens
+        """Cache ``token_ids[:num_tokens]`` (all with KV); the KV cache moves the lock."""
+        self.kv.cache(seq.request_id, seq.token_ids[:num_tokens])
 
     def _finish_reason(self, seq: Sequence, token: int):
         params = seq.params
@@ -334,8 +299,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._insert(seq, seq.num_computed)  # prompt + output but the last token
-        self._release(seq)
+        self.kv.finish(seq.request_id, seq.token_ids[: seq.num_computed])  # prompt + output but the last token
         self.running.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -345,16 +309,12 @@ class Scheduler:
     def check_invariants(self) -> None:
         running_ids = {seq.request_id for seq in self.running}
         assert len(running_ids) == len(self.running), "a request runs twice"
-        allocated = {seq_id for seq_id in self.allocator._seqs}  # noqa: SLF001 (read-only check)
-        assert allocated == running_ids, (allocated, running_ids)
+        assert set(self.kv.seq_ids()) == running_ids, (set(self.kv.seq_ids()), running_ids)
         for seq in self.running:
             assert seq.status is Status.RUNNING
-            reserved = self.allocator.num_tokens(seq.request_id)
+            reserved = self.kv.num_reserved_tokens(seq.request_id)
             assert reserved in (len(seq.token_ids), len(seq.token_ids) - 1), (seq.request_id, reserved)
-            assert seq.num_inserted <= seq.num_computed <= len(seq.token_ids)
-            assert seq.locked_node is not None
+            assert self.kv.num_cached_tokens(seq.request_id) <= seq.num_computed <= len(seq.token_ids)
         for seq in self.waiting:
-            assert seq.status is Status.WAITING and seq.locked_node is None
-            assert seq.request_id not in allocated
-        self.allocator.check_invariants()
-        self.cache.check_invariants()
+            assert seq.status is Status.WAITING and seq.request_id not in self.kv
+        self.kv.check_invariants()

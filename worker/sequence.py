@@ -22,11 +22,11 @@ class Status(enum.Enum):
 class Sequence:
     """Prompt + generated tokens and where their KV stands.
 
-    Invariants while RUNNING (checked by the scheduler): the allocator holds
+    Invariants while RUNNING (checked by the scheduler): the KV cache holds
     ``len(token_ids)`` or ``len(token_ids) - 1`` reserved positions for
     ``request_id``; ``num_computed <= len(token_ids)`` positions have KV in
-    those blocks; ``num_inserted <= num_computed`` of them are in the radix
-    tree; ``locked_node`` is the tree node this sequence keeps locked.
+    them, of which the KV cache has cached its first
+    ``kv.num_cached_tokens(request_id)`` (and keeps their tree path locked).
     A preempted sequence goes back to WAITING with ``num_computed = 0`` and
     keeps its generated tokens (they are recomputed as prompt).
     """
@@ -41,8 +41,6 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     prefill_target: int = 0  # len(token_ids) at admission; prefilling while num_computed < this
-    num_inserted: int = 0
-    locked_node: object | None = None
     cached_tokens: int | None = None  # reuse at first admission
     num_preemptions: int = 0
     output_logprobs: list[float] = field(default_factory=list)

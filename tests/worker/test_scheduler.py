@@ -1,5 +1,6 @@
-"""Scheduler logic on the real allocator and radix cache, no model: sampled
-tokens are supplied by the test. Exact chunks, blocks, holds and preemptions."""
+"""Scheduler logic on the real KV cache (allocator + radix tree), no model:
+sampled tokens are supplied by the test. Exact chunks, blocks, holds and
+preemptions. The scheduler reaches blocks only through ``kv``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from cache import BlockAllocator, RadixCache
+from cache.kv_cache import KVCache
 from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence, Status
@@ -16,10 +17,8 @@ BS = 4
 
 
 def make(num_blocks=64, budget=64, max_batch_tokens=16, max_num_seqs=4):
-    allocator = BlockAllocator(num_blocks, BS)
-    cache = RadixCache(budget, BS, allocator=allocator)
-    scheduler = Scheduler(allocator, cache, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, eos_token_ids=(1,))
-    return scheduler
+    kv = KVCache(num_blocks, BS, budget)
+    return Scheduler(kv, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, eos_token_ids=(1,))
 
 
 def seq(request_id, tokens, max_new_tokens=3, salt=None):
@@ -65,12 +64,12 @@ def test_full_blocks_enter_the_tree_while_prefill_runs():
     a = seq("a", range(10, 24))  # 14 tokens
     s.add(a)
     run_step(s)  # computed 6 -> one full block (4) inserted
-    assert s.cache.num_tokens == 4 and a.num_inserted == 4
+    assert s.kv.radix.num_tokens == 4 and s.kv.num_cached_tokens("a") == 4
     run_step(s)  # computed 12 -> 3 full blocks
-    assert s.cache.num_tokens == 12
+    assert s.kv.radix.num_tokens == 12
     run_step(s)  # prefill done: the whole prompt (partial last block too)
-    assert s.cache.num_tokens == 14 and a.num_inserted == 14
-    assert s.cache.match(list(range(10, 24))).num_tokens == 14
+    assert s.kv.radix.num_tokens == 14 and s.kv.num_cached_tokens("a") == 14
+    assert s.kv.radix.match(list(range(10, 24)), touch=False).num_tokens == 14
 
 
 def test_reuse_is_capped_at_len_minus_one_and_counts_a_hit():
@@ -94,9 +93,9 @@ def test_partly_matched_block_is_copied_not_shared():
     step = s.schedule()
     assert b.cached_tokens == 6
     (copy,) = step.copies
-    table_a_block1 = s.cache.match(list(range(10, 20))).block_ids[1]
-    assert copy[0] == table_a_block1 and copy[1] == s.allocator.block_table("b")[1]
-    assert s.allocator.block_table("b")[0] == s.cache.match(list(range(10, 20))).block_ids[0]
+    table_a_block1 = s.kv.radix.match(list(range(10, 20)), touch=False).block_ids[1]
+    assert copy[0] == table_a_block1 and copy[1] == s.kv.allocator.block_table("b")[1]
+    assert s.kv.allocator.block_table("b")[0] == s.kv.radix.match(list(range(10, 20)), touch=False).block_ids[0]
 
 
 def test_decode_never_writes_a_block_the_tree_holds():
@@ -104,11 +103,11 @@ def test_decode_never_writes_a_block_the_tree_holds():
     a = seq("a", range(10, 16), max_new_tokens=4)  # 6 tokens: last block half full
     s.add(a)
     run_step(s)  # prefill: the prompt, partial block included, enters the tree
-    shared = s.allocator.block_table("a")[1]
-    assert s.allocator.ref_count(shared) == 2
+    shared = s.kv.allocator.block_table("a")[1]
+    assert s.kv.allocator.ref_count(shared) == 2
     step, _ = run_step(s)  # first decode must copy that block
-    assert step.copies == [(shared, s.allocator.block_table("a")[1])]
-    assert s.allocator.block_table("a")[1] != shared
+    assert step.copies == [(shared, s.kv.allocator.block_table("a")[1])]
+    assert s.kv.allocator.block_table("a")[1] != shared
 
 
 def test_inflight_sharing_holds_back_until_the_prefix_is_cached():
@@ -154,8 +153,8 @@ def test_preemption_frees_the_youngest_and_recomputes_it():
     assert s.counters.preemptions >= 1
     assert a.num_output == 6 and b.num_output == 6
     assert a.status is b.status is Status.FINISHED
-    s.cache.clear()
-    assert s.allocator.num_free_blocks == 7
+    s.kv.evict_all()
+    assert s.kv.allocator.num_free_blocks == 7
 
 
 def test_abort_releases_blocks_and_locks():
@@ -166,8 +165,8 @@ def test_abort_releases_blocks_and_locks():
     assert s.abort("a") is a and a.status is Status.FINISHED
     s.check_invariants()
     assert s.abort("a") is None
-    s.cache.clear()
-    assert s.allocator.num_free_blocks == s.allocator.num_blocks
+    s.kv.evict_all()
+    assert s.kv.allocator.num_free_blocks == s.kv.allocator.num_blocks
 
 
 def test_random_workload_keeps_invariants():
@@ -187,5 +186,5 @@ def test_random_workload_keeps_invariants():
         run_step(s, token=rng.randrange(2, 50))
     drain(s)
     assert all(r.status is Status.FINISHED for r in live)
-    s.cache.clear()
-    assert s.allocator.num_free_blocks == s.allocator.num_blocks
+    s.kv.evict_all()
+    assert s.kv.allocator.num_free_blocks == s.kv.allocator.num_blocks
