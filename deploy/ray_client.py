@@ -30,8 +30,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from deploy.errors import APIError
 from deploy.worker_client import Busy, ReplicaFailed, engine_error
 from worker.messages import WorkerBatch, WorkerRequest
-from worker import EngineOverloaded
-from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
+from worker.results import EngineOverloaded, GenerationResult, ItemError, ReplicaStats, TokenEvent
 from worker.stats_board import get_board
 
 logger = logging.getLogger("kvroute.ingress")

@@ -21,8 +21,7 @@ from typing import Protocol
 
 from deploy.errors import APIError, internal_error
 from worker.messages import WorkerBatch, WorkerRequest
-from worker import EngineOverloaded
-from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
+from worker.results import EngineOverloaded, GenerationResult, ItemError, ReplicaStats, TokenEvent
 
 logger = logging.getLogger("kvroute.ingress")
 

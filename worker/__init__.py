@@ -14,7 +14,7 @@ _EXPORTS = {
     "TokenEvent": "worker.results",
     "Engine": "worker.engine",
     "AsyncEngine": "worker.async_engine",
-    "EngineOverloaded": "worker.async_engine",
+    "EngineOverloaded": "worker.results",
     "TinyLlamaSpec": "worker.model",
 }
 

@@ -34,15 +34,12 @@ from dataclasses import dataclass, field
 from cache.summary import CacheSummary, cached_block_hashes
 from worker.config import EngineConfig
 from worker.engine import Engine
-from worker.results import GenerationResult, TokenEvent
+from worker.results import EngineOverloaded, GenerationResult, TokenEvent
 from worker.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 OUTPUT_WINDOW = 64  # finished requests whose output lengths the cache summary averages
-
-
-class EngineOverloaded(RuntimeError):
-    """Too many requests are waiting; retry later (the app answers 429/503)."""
+__all__ = ["AsyncEngine", "EngineOverloaded"]
 
 
 @dataclass(slots=True, eq=False)
@@ -181,7 +178,7 @@ class AsyncEngine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         params = params if params is not None else SamplingParams()
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params)  # the engine side's one check; the thread queues without another
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
         if request_id is not None and not isinstance(request_id, str):
@@ -249,7 +246,7 @@ class AsyncEngine:
             if sink is None or sink.is_done:  # cancelled before it was queued
                 continue
             try:
-                self.engine.add_request(prompt, params, salt=salt, request_id=request_id, arrival_s=arrival_s)
+                self.engine.add_validated(prompt, params, salt=salt, request_id=request_id, arrival_s=arrival_s)
             except ValueError as error:
                 sink.is_done = True
                 deliveries.append((sink, error))

@@ -76,6 +76,10 @@ class TokenEvent:
         return {"request_id": self.request_id, "token_id": self.token_id, "logprob": self.logprob, "index": self.index}
 
 
+class EngineOverloaded(RuntimeError):
+    """Too many requests are waiting; retry later (the app answers 429/503)."""
+
+
 ItemErrorKind = Literal["invalid", "overloaded", "internal"]
 
 
@@ -90,8 +94,6 @@ class ItemError:
 
     @classmethod
     def from_exception(cls, error: BaseException) -> ItemError:
-        from worker.async_engine import EngineOverloaded  # that module imports this one
-
         if isinstance(error, EngineOverloaded):
             return cls(str(error), "overloaded")
         return cls(str(error), "invalid" if isinstance(error, ValueError) else "internal")

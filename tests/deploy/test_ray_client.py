@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from deploy.errors import APIError
 from deploy.ray_client import as_api_error, own_call
 from deploy.worker_client import Busy, ReplicaFailed
-from worker import EngineOverloaded
+from worker.results import EngineOverloaded
 
 
 def remote_error(cause: BaseException) -> BaseException:

@@ -38,3 +38,18 @@ def test_add_request_checks_its_prompt(make_engine):
     assert calls == [(1, 2, 3)]
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([], SamplingParams())
+
+
+def test_the_async_engine_checks_on_submit_and_its_thread_queues_without_another(make_async_engine):
+    import asyncio
+
+    async def main():
+        engine = make_async_engine()
+        calls = counting_validate(engine.engine)
+        result = await engine.generate([4, 5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert len(result.token_ids) == 2 and calls == [(4, 5, 6)]
+        with pytest.raises(ValueError, match="prompt token 1"):
+            await engine.generate([4, -1], SamplingParams())
+        await engine.shutdown()
+
+    asyncio.run(main())
