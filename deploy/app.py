@@ -6,6 +6,7 @@ config (ours: ``router/serve.py``) → Worker replicas, each with an engine.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from ray import serve
@@ -14,7 +15,8 @@ from ray.serve.config import RequestRouterConfig
 from deploy.http_app import build_http_app
 from deploy.ray_client import RayWorkerClient
 from deploy.request_builder import ModelBounds, RequestBuilder
-from deploy.settings import AppConfig
+from deploy.settings import ROUTERS, AppConfig
+from router.policy_config import PolicyConfig
 from worker import EngineConfig
 from worker.model import load_tokenizer, model_info
 from worker.replica import Worker
@@ -39,9 +41,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application for ``args`` (the config file's ``args`` block)."""
     config = AppConfig.from_args(args)
     engine_config = EngineConfig(model=config.model, **config.engine)
-    router_kwargs = dict(config.router_kwargs)
-    if config.router == "kvroute":
-        router_kwargs.setdefault("block_size", config.router_block_size)
+    router_kwargs = checked_router_kwargs(config)
     worker = Worker.options(
         request_router_config=RequestRouterConfig(
             request_router_class=config.router_class_path,
@@ -50,3 +50,22 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ),
     ).bind(engine_config, config.router_block_size, config.stats_period_s)
     return Ingress.bind(worker, config)
+
+
+def checked_router_kwargs(config: AppConfig) -> dict:
+    """The request router's kwargs. For ours, its ``PolicyConfig`` is built
+    here, so an unknown key, a bad value or a routing block size other than
+    ``router_block_size`` fails the app's start-up, not its first request."""
+    kwargs = dict(config.router_kwargs)
+    if config.router_class_path != ROUTERS["kvroute"]:
+        return kwargs
+    kwargs.setdefault("block_size", config.router_block_size)
+    if kwargs["block_size"] != config.router_block_size:
+        raise ValueError(f"router_kwargs.block_size {kwargs['block_size']!r} differs from router_block_size "
+                         f"{config.router_block_size}: the ingress and the workers hash blocks of router_block_size")
+    known = {f.name for f in fields(PolicyConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown router_kwargs {unknown} for the kvroute router; known: {sorted(known)}")
+    PolicyConfig(**kwargs)  # ValueError naming a bad value
+    return kwargs

@@ -1,0 +1,34 @@
+"""``build_app`` checks the whole config before Serve starts anything: the
+kvroute router's PolicyConfig is built at build time (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.app import build_app, checked_router_kwargs
+from deploy.settings import AppConfig
+
+
+def test_the_router_block_size_defaults_to_the_apps():
+    assert checked_router_kwargs(AppConfig(router_block_size=32)) == {"block_size": 32}
+    assert checked_router_kwargs(AppConfig(router_kwargs={"load_factor": 1.5})) == {"load_factor": 1.5, "block_size": 64}
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"router_kwargs": {"nope": 1}}, r"unknown router_kwargs \['nope'\] for the kvroute router"),
+    ({"router_block_size": 64, "router_kwargs": {"block_size": 32}}, "differs from router_block_size 64"),
+    ({"router_kwargs": {"load_factor": 0.5}}, "load_factor must be a finite number >= 1.0"),
+    ({"router": "router.serve:KVRouteRouter", "router_kwargs": {"nope": 1}}, "unknown router_kwargs"),
+])
+def test_a_bad_router_config_fails_the_build_with_a_clear_error(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_app(args)
+
+
+def test_other_routers_get_their_kwargs_unchecked():
+    assert checked_router_kwargs(AppConfig(router="pow2", router_kwargs={"anything": 1})) == {"anything": 1}
+
+
+def test_a_good_config_builds_without_a_cluster():
+    app = build_app({"router_kwargs": {"load_factor": 1.5}})
+    assert type(app).__name__ == "Application"
