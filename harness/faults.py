@@ -29,6 +29,20 @@ def replica_pids(url: str, headers: dict | None = None) -> dict[str, int]:
     return {replica_id: stats["pid"] for replica_id, stats in replica_stats(url, headers).items() if "pid" in stats}
 
 
+def wait_until_replicas_busy(url: str, num_replicas: int, *, timeout_s: float = 30.0,
+                             headers: dict | None = None) -> None:
+    """Until ``num_replicas`` replicas report a running request (as the stats
+    board shows them, at most a stats period late); TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    busy: list[str] = []
+    while time.monotonic() < deadline:
+        busy = [replica for replica, stats in replica_stats(url, headers).items() if stats.get("num_running", 0) > 0]
+        if len(busy) >= num_replicas:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"only {len(busy)} of {num_replicas} replicas were running a request after {timeout_s} s")
+
+
 def kill_replica(app, replica_id: str, headers: dict | None = None) -> int:
     """SIGKILL one Worker replica's process (as if the machine under it failed).
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harness import chaos
-from harness.faults import replica_pids
+from harness.faults import replica_pids, wait_until_replicas_busy
 from harness.retry_client import RETRIABLE_CODES
 from tests.reliability.conftest import start_app
 
@@ -74,7 +74,7 @@ def test_scaling_down_lets_in_flight_requests_finish(app):
     bodies = _long_streams(app, 12, seed=7)
 
     def scale_down():
-        time.sleep(1.0)  # every replica is mid-stream now
+        wait_until_replicas_busy(app.url, len(before))  # every replica is mid-stream now
         app.deployment_overrides["Worker"] = {"num_replicas": 2}
         app.deploy()
 
@@ -90,4 +90,6 @@ def test_scaling_down_lets_in_flight_requests_finish(app):
 
 def test_zz_shutdown_lets_in_flight_requests_finish(app):
     bodies = _long_streams(app, 8, seed=8)
-    _streams_during(app, bodies, lambda: (time.sleep(1.0), app.shutdown_app()), "drain + shutdown")
+    num_replicas = len(replica_pids(app.url))
+    _streams_during(app, bodies, lambda: (wait_until_replicas_busy(app.url, num_replicas), app.shutdown_app()),
+                    "drain + shutdown")
