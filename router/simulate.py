@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from cache import RadixCache
+from harness.loadstats import percentile
 from router.baselines import DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RoundRobin, SGLangCacheAware
 from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
 from router.cluster import CostModel, SimReplica
@@ -152,13 +153,6 @@ class _Peer:
         return self._rule.choose(request, self._replicas, now)
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    position = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[position]
-
-
 def make_policies(names, workload: Workload, replicas: list, config: SimConfig):
     rng = random.Random(config.seed)
     factories = {
@@ -243,12 +237,12 @@ def _figures(workload: Workload, config: SimConfig, replicas: list, decision_us:
         "hit_rate": cached_total / max(prompt_total, 1),
         "request_hit_rate": num_hits / max(len(ttfts), 1),
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
-        "ttft_p50_s": _percentile(ttfts, 0.50),
-        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
         "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
-        "wait_p99_s": _percentile(waits, 0.99),
-        "decision_us_p50": _percentile(decision_us, 0.50),
-        "decision_us_p99": _percentile(decision_us, 0.99),
+        "wait_p99_s": percentile(waits, 99),
+        "decision_us_p50": percentile(decision_us, 50),
+        "decision_us_p99": percentile(decision_us, 99),
         "busy_s": busy,
     }
     if config.replica_model == "cb":
@@ -276,7 +270,7 @@ def cache_bound(workload: Workload, budget_units: int | None, cost) -> tuple[flo
         prefill_s.append(cost.prefill_s(request.num_prompt_tokens - hit, hit))
         radix.insert(request.cache_units)
     prefill_s.sort()
-    return cached / max(total, 1), _percentile(prefill_s, 0.99)
+    return cached / max(total, 1), percentile(prefill_s, 99)
 
 
 def cache_bound_hit_rate(workload: Workload, budget_units: int | None) -> float:
