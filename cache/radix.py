@@ -1,15 +1,9 @@
 """Token radix tree over cached KV blocks, under a token budget with LRU eviction.
 
-A node's edge holds absolute positions ``[start, end)`` and names the blocks
-for block indices ``start // block_size .. (end - 1) // block_size`` (layout:
-cache/radix_node.py). A node's first block may begin before ``start``; its rows
-before ``start`` hold the KV of the same tokens (the path above), so every
-block a node names is valid from the block's first position up to ``end``.
-That rule makes token-exact reuse work: block ``j`` of a match is taken from
-the node holding the match's last position in block ``j``.
-
-With no allocator the tree runs in *simulated* mode: the same structure and
-eviction, no block ids. The router's simulator replays traces through it.
+Token-exact reuse: block ``j`` of a match is taken from the node holding the
+match's last position in block ``j`` (the node layout that makes this valid is
+in cache/radix_node.py). With no allocator the tree runs in *simulated* mode:
+the same structure and eviction, no block ids (the router's simulator).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The radix tree's node, and the pure helpers on edges. Private to cache/radix.py.
+"""The radix tree's node and namespace root, and the pure helpers on edges: the
+tree's internals (cache/radix.py and its namespaces and records); no other module reads them.
 
 Layout of a node: its edge ``tokens`` holds absolute positions
 ``[start, end)``; its ``block_ids`` hold the physical blocks for block indices

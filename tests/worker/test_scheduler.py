@@ -16,8 +16,8 @@ from worker.sequence import Sequence, Status
 BS = 4
 
 
-def make(num_blocks=64, budget=64, max_batch_tokens=16, max_num_seqs=4):
-    kv = KVCache(num_blocks, BS, budget)
+def make(num_blocks=64, budget=64, max_batch_tokens=16, max_num_seqs=4, max_namespaces=1024):
+    kv = KVCache(num_blocks, BS, budget, max_namespaces=max_namespaces)
     return Scheduler(kv, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, eos_token_ids=(1,))
 
 
@@ -141,6 +141,28 @@ def test_different_salts_never_share():
     s.add(b)
     drain(s)
     assert b.cached_tokens == 0
+
+
+def test_a_tenant_past_the_namespace_cap_is_served_uncached_then_cached_once_room_frees():
+    s = make(max_batch_tokens=64, max_namespaces=2)
+    a = seq("a", range(10, 22), max_new_tokens=5, salt="t1")
+    b = seq("b", range(10, 22), max_new_tokens=5, salt="t2")
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prompts cached in their namespaces, both running: t1 and t2 locked
+    assert s.kv.radix.num_namespaces == 2
+    c = seq("c", range(40, 48), max_new_tokens=1, salt="t3")
+    s.add(c)
+    run_step(s)  # admitted and finished, nothing cached for t3, nobody failed
+    assert c.status is Status.FINISHED and c.num_output == 1
+    assert s.kv.radix.stats.uncached_inserts >= 1 and s.kv.radix.num_namespaces == 2
+    drain(s)
+    again = seq("c2", range(40, 48), salt="t3")
+    s.add(again)
+    drain(s)  # t1 (least recently used, unlocked now) evicted whole for t3
+    assert again.cached_tokens == 0 and s.kv.num_reusable_tokens(list(range(40, 48)), "t3") == 7
+    assert s.kv.radix.stats.evicted_namespaces == 1
+    assert s.kv.num_reusable_tokens(list(range(10, 22)), "t1") == 0
 
 
 def test_preemption_frees_the_youngest_and_recomputes_it():
