@@ -5,13 +5,14 @@ tested in process, without Ray: tests/deploy/test_routes.py."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
 import httpx
 import openai
 import pytest
+
+from harness.sse import DONE, sse_event
 
 pytestmark = pytest.mark.ray
 
@@ -64,9 +65,8 @@ def test_streamed_generate_sends_each_token_then_summary(live_app):
     prompt = tokens(5, 20)
     body = {"prompt_token_ids": prompt, "max_new_tokens": 5, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", live_app.url + "/generate", json=body, timeout=60, trust_env=False) as response:
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    events = [json.loads(line[6:]) for line in lines[:-1]]
+        events = [e for e in map(sse_event, response.iter_lines()) if e is not None]
+    assert events.pop() == DONE
     token_events = [e for e in events if "token_id" in e and not e.get("done")]
     done = [e for e in events if e.get("done")]
     assert len(token_events) == 5 and len(done) == 1

@@ -16,6 +16,7 @@ from deploy.http_app import build_http_app
 from deploy.request_builder import ModelBounds, RequestBuilder
 from deploy.settings import AppConfig, Limits
 from harness.engine_client import EngineClient
+from harness.sse import DONE, sse_events
 from worker import AsyncEngine, EngineConfig
 from worker.model import load_tokenizer
 
@@ -59,10 +60,6 @@ def assert_error(response, status: int) -> dict:
     return error
 
 
-def sse_data(response) -> list[str]:
-    return [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-
-
 # ------------------------------------------------------------------ basics
 def test_health_models_stats_and_metrics(http):
     assert http.get("/health").json() == {"status": "ok"}
@@ -96,9 +93,8 @@ def test_streamed_generate_sends_each_token_then_summary(http):
     body = {"prompt_token_ids": tokens(5, 20), "max_new_tokens": 5, "stream": True, "ignore_eos": True}
     response = http.post("/generate", json=body)
     assert response.headers["content-type"].startswith("text/event-stream")
-    lines = sse_data(response)
-    assert lines[-1] == "[DONE]"
-    events = [json.loads(line) for line in lines[:-1]]
+    events = sse_events(response.text)
+    assert events.pop() == DONE
     assert [e["index"] for e in events[:-1]] == [0, 1, 2, 3, 4]
     assert all(e["replica_id"] == "local" for e in events)
     done = events[-1]
