@@ -14,7 +14,7 @@ import math
 import sys
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cache.hashing import continue_block_hashes, salt_seed
 from cache.radix import RadixCache
@@ -83,6 +83,15 @@ class CacheSummary:
       mean_output_tokens: mean output length (tokens) of the requests this
         replica finished recently (a small rolling window); 0.0 when none. The
         router's estimate of decode work, in place of ``max_tokens``.
+      epoch: names the replica process's stream of summaries ("" for none); a
+        new epoch (a restart) starts its versions afresh and drops what the
+        router held for the replica.
+      snapshot_version / removed_hashes: 0 (or ``version``) for a full
+        snapshot. Otherwise a *delta*: ``block_hashes`` holds the blocks added
+        and ``removed_hashes`` those dropped since the snapshot of that
+        version in the same epoch (cumulative, so a router that missed the
+        deltas in between loses nothing; one that missed the snapshot knows it
+        and waits for the next). :class:`SummaryStream` makes them.
 
     ``load_tokens = num_queued_tokens + num_running_tokens`` is the load term
     the router compares.
@@ -115,6 +124,9 @@ class CacheSummary:
     num_running: int = 0
     num_waiting: int = 0
     mean_output_tokens: float = 0.0
+    epoch: str = ""
+    snapshot_version: int = 0
+    removed_hashes: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -132,6 +144,19 @@ class CacheSummary:
         mean = self.mean_output_tokens
         if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean < 0:
             raise ValueError(f"mean_output_tokens must be a finite number >= 0, got {mean!r}")
+        if not isinstance(self.epoch, str):
+            raise ValueError(f"epoch must be a str, got {self.epoch!r}")
+        _check_count("snapshot_version", self.snapshot_version)
+        if self.snapshot_version > self.version:
+            raise ValueError(f"snapshot_version {self.snapshot_version} is after version {self.version}")
+        if not isinstance(self.removed_hashes, frozenset):
+            raise ValueError(f"removed_hashes must be a frozenset, got {type(self.removed_hashes).__name__}")
+        if self.removed_hashes and not self.is_delta:
+            raise ValueError("a full snapshot has no removed_hashes")
+
+    @property
+    def is_delta(self) -> bool:
+        return self.snapshot_version not in (0, self.version)
 
     @property
     def load_tokens(self) -> int:
@@ -169,9 +194,7 @@ class CacheSummary:
         )
 
     def to_dict(self) -> dict:
-        packed = array("Q", sorted(self.block_hashes))
-        if sys.byteorder != "little":
-            packed.byteswap()
+        packed = _pack(self.block_hashes)
         out = {
             "format": SUMMARY_FORMAT,
             "replica_id": self.replica_id,
@@ -184,6 +207,12 @@ class CacheSummary:
         for name in _COUNT_FIELDS:
             out[name] = getattr(self, name)
         out["mean_output_tokens"] = float(self.mean_output_tokens)
+        if self.epoch:
+            out["epoch"] = self.epoch
+        if self.is_delta:
+            removed = _pack(self.removed_hashes)
+            out.update(snapshot_version=self.snapshot_version, num_removed=len(removed),
+                       removed_hashes=base64.b64encode(removed.tobytes()).decode("ascii"))
         return out
 
     @classmethod
@@ -197,21 +226,8 @@ class CacheSummary:
                    if k not in data]
         if missing:
             raise ValueError(f"cache summary misses {', '.join(missing)}")
-        num_blocks = data["num_blocks"]
-        _check_count("num_blocks", num_blocks)
-        encoded = data["block_hashes"]
-        if not isinstance(encoded, str):
-            raise ValueError(f"block_hashes must be a base64 str, got {type(encoded).__name__}")
-        try:
-            raw = base64.b64decode(encoded, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError(f"block_hashes is not valid base64 ({len(encoded)} chars)") from None
-        if len(raw) != 8 * num_blocks:
-            raise ValueError(f"block_hashes holds {len(raw)} bytes, expected 8 x num_blocks = {8 * num_blocks}")
-        hashes = array("Q")
-        hashes.frombytes(raw)
-        if sys.byteorder != "little":
-            hashes.byteswap()
+        hashes = _unpack(data, "block_hashes", "num_blocks")
+        removed = _unpack(data, "removed_hashes", "num_removed") if "removed_hashes" in data else ()
         timestamp_s = data["timestamp_s"]
         if not isinstance(timestamp_s, (int, float)) or isinstance(timestamp_s, bool):
             raise ValueError(f"timestamp_s must be a number, got {timestamp_s!r}")
@@ -227,7 +243,83 @@ class CacheSummary:
             block_hashes=frozenset(hashes),
             **counts,
             mean_output_tokens=float(mean_output_tokens),
+            epoch=data.get("epoch", ""),
+            snapshot_version=data.get("snapshot_version", 0),
+            removed_hashes=frozenset(removed),
         )
+
+
+def _pack(hashes: frozenset[int]) -> array:
+    packed = array("Q", sorted(hashes))
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed
+
+
+def _unpack(data: Mapping, key: str, count_key: str) -> array:
+    if count_key not in data:
+        raise ValueError(f"cache summary misses {count_key}")
+    count = data[count_key]
+    _check_count(count_key, count)
+    encoded = data[key]
+    if not isinstance(encoded, str):
+        raise ValueError(f"{key} must be a base64 str, got {type(encoded).__name__}")
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{key} is not valid base64 ({len(encoded)} chars)") from None
+    if len(raw) != 8 * count:
+        raise ValueError(f"{key} holds {len(raw)} bytes, expected 8 x {count_key} = {8 * count}")
+    hashes = array("Q")
+    hashes.frombytes(raw)
+    if sys.byteorder != "little":
+        hashes.byteswap()
+    return hashes
+
+
+class SummaryStream:
+    """Turns a replica's successive full summaries into what it sends: a full
+    snapshot now and then, cumulative deltas against it in between.
+
+    A snapshot goes out first, then whenever ``max_periods`` summaries have
+    passed since the last one, or the cumulative delta (added + removed)
+    exceeds ``max_delta_ratio`` of the snapshot's size (so a delta never costs
+    more than a fraction of a snapshot). In between, each summary carries only
+    the blocks added and removed since the snapshot. Bytes per period
+    ``≈ snapshot / max_periods + churn × periods since the snapshot``;
+    a router that missed the snapshot waits at most ``max_periods`` periods
+    (its own decisions keep routing meanwhile). ``epoch`` names this process:
+    a restarted replica starts a new stream, and its first snapshot replaces
+    whatever a router held for it.
+    """
+
+    def __init__(self, epoch: str, max_periods: int = 30, max_delta_ratio: float = 0.25) -> None:
+        if not isinstance(epoch, str) or not epoch:
+            raise ValueError(f"epoch must be a non-empty str, got {epoch!r}")
+        if type(max_periods) is not int or max_periods <= 0:
+            raise ValueError(f"max_periods must be a positive int, got {max_periods!r}")
+        if not 0 < max_delta_ratio <= 1:
+            raise ValueError(f"max_delta_ratio must be in (0, 1], got {max_delta_ratio!r}")
+        self.epoch = epoch
+        self.max_periods = max_periods
+        self.max_delta_ratio = max_delta_ratio
+        self._snapshot: frozenset[int] | None = None
+        self._snapshot_version = 0
+        self._periods = 0
+
+    def encode(self, full: CacheSummary) -> CacheSummary:
+        """What to send for ``full`` (a full summary with this replica's next version)."""
+        if full.is_delta:
+            raise ValueError("encode takes a full summary")
+        if self._snapshot is not None and self._periods < self.max_periods:
+            added = full.block_hashes - self._snapshot
+            removed = self._snapshot - full.block_hashes
+            if len(added) + len(removed) <= self.max_delta_ratio * max(len(self._snapshot), 64):
+                self._periods += 1
+                return replace(full, epoch=self.epoch, snapshot_version=self._snapshot_version,
+                               block_hashes=frozenset(added), removed_hashes=frozenset(removed))
+        self._snapshot, self._snapshot_version, self._periods = full.block_hashes, full.version, 0
+        return replace(full, epoch=self.epoch, snapshot_version=full.version)
 
 
 def _check_count(name: str, value: object) -> None:

@@ -86,6 +86,15 @@ class StepProfile:
         return (self.base_s + self.decode_seq_s + 4096 * self.context_token_s) / max(self.prefill_token_s, 1e-12)
 
 
+    @property
+    def queue_token_cost(self) -> float:
+        """Prefill-token equivalents of the delay one decoding sequence adds to
+        a queued request's time to first token per output token: its row and
+        its 4k-token context in each step, not the step's base (the queued
+        prefill runs in the same steps)."""
+        return (self.decode_seq_s + 4096 * self.context_token_s) / max(self.prefill_token_s, 1e-12)
+
+
 # Llama-3.1-8B (bf16) on one H100 SXM, vLLM-like chunked prefill: ~4 ms fixed per step
 # (kernel launches, sampling, scheduling), ~50 µs per prefill token (~20k prefill tokens/s,
 # near the published 15-25k tok/s prefill throughput of 8B models on H100), ~20 µs per decode

@@ -54,6 +54,11 @@ class CostModel:
     def decode_token_cost(self) -> float:
         return self.decode_s_per_token * self.prefill_tokens_per_s
 
+    @property
+    def queue_token_cost(self) -> float:
+        """An output token delays the requests behind it as long as it keeps the replica busy."""
+        return self.decode_token_cost
+
     def service_s(self, num_computed_tokens: int, num_output_tokens: int) -> float:
         return num_computed_tokens / self.prefill_tokens_per_s + num_output_tokens * self.decode_s_per_token
 

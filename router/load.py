@@ -13,8 +13,9 @@ _REBASE_WINDOWS = 50.0  # rescale the recent-work counters before exp() overflow
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     replica_id: str
-    num_tokens: float
+    num_tokens: float  # its queued work (load)
     routed_at: float
+    recent_tokens: float  # its share of recent work
 
 
 class LoadTracker:
@@ -170,14 +171,17 @@ class LoadTracker:
             del self._in_flight[request_id]
             self._reserved.pop(request_id, None)
 
-    def on_routed(self, request_id: str, replica_id: str, num_tokens: float, now: float) -> None:
-        """This router sent ``num_tokens`` of work to ``replica_id``. A reused
-        id replaces its old entry (queued and recent work)."""
-        self._add(request_id, replica_id, num_tokens, now)
+    def on_routed(self, request_id: str, replica_id: str, num_tokens: float, now: float,
+                  recent_tokens: float | None = None) -> None:
+        """This router sent ``num_tokens`` of queued work to ``replica_id``
+        (``recent_tokens`` of recent work; default the same). A reused id
+        replaces its old entry (queued and recent work)."""
+        self._add(request_id, replica_id, num_tokens, now, recent_tokens)
 
-    def reserve(self, request_id: str, replica_id: str, num_tokens: float, now: float) -> None:
+    def reserve(self, request_id: str, replica_id: str, num_tokens: float, now: float,
+                recent_tokens: float | None = None) -> None:
         """This router chose ``replica_id`` for the request and has not sent it yet."""
-        self._add(request_id, replica_id, num_tokens, now)
+        self._add(request_id, replica_id, num_tokens, now, recent_tokens)
         self._reserved[request_id] = now
 
     def refresh(self, request_id: str, replica_id: str, now: float) -> bool:
@@ -199,21 +203,25 @@ class LoadTracker:
         del self._reserved[request_id]
         return True
 
-    def _add(self, request_id: str, replica_id: str, num_tokens: float, now: float) -> None:
+    def _add(self, request_id: str, replica_id: str, num_tokens: float, now: float,
+             recent_tokens: float | None = None) -> None:
         if not num_tokens >= 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        recent_tokens = num_tokens if recent_tokens is None else recent_tokens
+        if not recent_tokens >= 0:
+            raise ValueError(f"recent_tokens must be >= 0, got {recent_tokens!r}")
         self.expire(now)
         self._forget(request_id)
         if replica_id not in self._local:  # routed to before set_replicas named it
             self._track(replica_id, 0.0)
-        self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now)
+        self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now, float(recent_tokens))
         self._local[replica_id] += num_tokens
         self._total += num_tokens
         if self._base_s is None:
             self._base_s = now
         elif now - self._base_s > _REBASE_WINDOWS * self.window_s:
             self._rebase(now)
-        scaled = num_tokens * math.exp((now - self._base_s) / self.window_s)
+        scaled = recent_tokens * math.exp((now - self._base_s) / self.window_s)
         self._recent[replica_id] += scaled
         self._recent_total += scaled
         self._recent_sq[replica_id] += scaled * scaled
@@ -265,7 +273,7 @@ class LoadTracker:
         if entry is None or entry.replica_id not in self._recent or self._base_s is None:
             return
         replica_id = entry.replica_id
-        scaled = entry.num_tokens * math.exp((entry.routed_at - self._base_s) / self.window_s)
+        scaled = entry.recent_tokens * math.exp((entry.routed_at - self._base_s) / self.window_s)
         kept = max(0.0, self._recent[replica_id] - scaled)
         self._recent_total = max(0.0, self._recent_total - (self._recent[replica_id] - kept))
         self._recent[replica_id] = kept

@@ -42,19 +42,33 @@ class PrefixAffinityPolicy:
        block, so prompts sharing it meet on one replica, and every router
        agrees on where. The first ``num_ring_candidates`` distinct nodes from
        ``k`` compete, and so does the least loaded replica (O(log N) heap).
-    3. **Score** (lowest wins): ``cost(r) = load(r) + T - w(r) * cached(r)``
+    3. **Score** (lowest wins): ``cost(r) = load(r) + T - w(r) * cached(r)
+       + balance_weight * (recent(r) - mean recent)``
        with ``cached(r) = min(depth(r) * block_size + within(r), T - 1)`` and
        ``w(r) = 1 + (affinity_weight - 1) * cached(r) / T``. ``load`` is the
        work queued there (this router's in-flight requests, each weighing
-       its uncached tokens + ``decode_token_cost`` per expected output token,
-       plus what the replica last reported beyond that). With ``w = 1`` the
+       its uncached tokens + ``queue_decode_token_cost`` per expected output
+       token, plus what the replica last reported beyond that). The expected
+       output is what the replicas observe, never the request's real length:
+       the mean output length ``r`` reports in its summaries (its prefixes'
+       applications), else the fleet's, capped by the request's
+       ``max_tokens`` (``num_output_tokens``); ``prior_output_tokens`` until
+       anyone reports. With ``w = 1`` the
        cost is the request's own time to first token; a deep match weighs up
        to ``affinity_weight`` times more, because keeping a conversation where
        its cache is saves that prefill for every later turn too, while a
-       near-cold match (a few shared blocks) is placed by load. Ties (idle
-       replicas for a cold prompt) go to the replica with the least recent
-       work, then in ring order from ``k`` (so a fresh fleet sends a cold
-       prefix to its home), then by a rendezvous hash of (k, replica).
+       near-cold match (a few shared blocks) is placed by load. The balance
+       term (recent work in busy-time units, ``decode_token_cost`` per output
+       token) pulls cold and lightly cached requests towards replicas whose
+       share of recent work is below the mean: a replica whose prefixes are
+       unpopular would otherwise idle (with output lengths only estimated, a
+       replica serving short-output applications got 40 % less work on the
+       Mooncake trace). Ties (idle
+       replicas for a cold prompt) go in ring order from ``k`` (a pure
+       function of the replica set, so every router homes a cold prefix on the
+       same replica and cold prefixes spread by hash), then by a rendezvous
+       hash of (k, replica); ``tie_by_recent_work`` puts this router's recent
+       work first (the old rule: routers with different histories disagree).
        ``within(r)``: given the prompt's token ids, the first
        ``sub_block_tokens`` multiples of block ``m`` (the first block no
        replica is known to hold) that an earlier prompt's *partial last
@@ -154,6 +168,8 @@ class PrefixAffinityPolicy:
         self._partial = (PartialBlockIndex(self.config.block_size, grain, self.config.max_partial_entries)
                          if grain else None)
         self._summary_versions: dict[str, int] = {}
+        self._epochs: dict[str, str] = {}  # replica -> epoch of the summaries applied
+        self._snapshots: dict[str, tuple[int, frozenset[int]]] = {}  # replica -> (version, hashes) of its snapshot
         self._mean_output: dict[str, float] = {}  # replica -> its reported mean output length (> 0 only)
         self._fleet_mean_output = 0.0  # mean of _mean_output's values (0.0: none reported)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
@@ -193,12 +209,18 @@ class PrefixAffinityPolicy:
         self._index.remove_replica(replica_id)
         self._loads.remove_replica(replica_id)
         self._summary_versions.pop(replica_id, None)
+        self._epochs.pop(replica_id, None)
+        self._snapshots.pop(replica_id, None)
         self._mean_output.pop(replica_id, None)
         self._fleet_mean_output = _mean(self._mean_output.values())
 
     # ------------------------------------------------------------------ reports
     def on_summary(self, summary: CacheSummary) -> bool:
-        """Apply a replica's report; False if stale, unknown or at another block size."""
+        """Apply a replica's report; False if stale, unknown, at another block
+        size, or a delta against a snapshot this router does not hold (it
+        waits for the next snapshot; its own decisions keep routing). A new
+        epoch (the replica restarted) is applied whatever its version, and
+        drops even the entries this router learned within the grace period."""
         replica_id = summary.replica_id
         if replica_id not in self._ring:
             return False
@@ -206,11 +228,21 @@ class PrefixAffinityPolicy:
             logger.warning("summary from %s at block size %d, router uses %d; ignored",
                            replica_id, summary.block_size, self.config.block_size)
             return False
-        if summary.version <= self._summary_versions.get(replica_id, -1):
+        is_new_epoch = replica_id in self._epochs and summary.epoch != self._epochs[replica_id]
+        if not is_new_epoch and summary.version <= self._summary_versions.get(replica_id, -1):
             return False
+        hashes = summary.block_hashes
+        if summary.is_delta:
+            base = self._snapshots.get(replica_id)
+            if is_new_epoch or base is None or base[0] != summary.snapshot_version:
+                return False
+            hashes = (base[1] | hashes) - summary.removed_hashes
+        elif summary.epoch:
+            self._snapshots[replica_id] = (summary.version, hashes)
+        self._epochs[replica_id] = summary.epoch
         self._summary_versions[replica_id] = summary.version
         capacity = summary.budget_tokens // summary.block_size or None
-        self._index.apply_summary(replica_id, summary.block_hashes, self._clock(), capacity)
+        self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=not is_new_epoch)
         if summary.mean_output_tokens > 0:
             self._mean_output[replica_id] = summary.mean_output_tokens
             self._fleet_mean_output = _mean(self._mean_output.values())
@@ -222,7 +254,7 @@ class PrefixAffinityPolicy:
         tokens, plus the expected decode of every waiting request and half of
         every running one's (on average it is half done)."""
         expected = self._expected_output(None, summary.replica_id)
-        decode = self.config.decode_token_cost * expected * (summary.num_waiting + 0.5 * summary.num_running)
+        decode = self.config.queue_token_cost * expected * (summary.num_waiting + 0.5 * summary.num_running)
         return summary.num_queued_tokens + decode
 
     def _expected_output(self, request: RoutingRequest | None, replica_id: str | None = None) -> float:
@@ -243,7 +275,8 @@ class PrefixAffinityPolicy:
         if not stats:
             return False  # the replica has not reported yet
         version = stats.get("version") if isinstance(stats, dict) else None
-        if type(version) is int and version <= self._summary_versions.get(replica_id, -1):
+        if type(version) is int and version <= self._summary_versions.get(replica_id, -1) \
+                and stats.get("epoch", "") == self._epochs.get(replica_id):
             return False  # seen already: Ray re-sends every replica's stats when any one changes
         try:
             summary = CacheSummary.from_dict(stats)
@@ -313,9 +346,11 @@ class PrefixAffinityPolicy:
         depth = self._index.depth(replica_id, hashes)
         within = self._within_block(routing, depth)
         within_tokens = within[1] if within is not None and within[0] == replica_id else 0
-        work = self._work_tokens(routing, self._cached_tokens(routing, depth, within_tokens), replica_id)
+        cached = self._cached_tokens(routing, depth, within_tokens)
+        work = self._work_tokens(routing, cached, replica_id)
+        queued = self._work_tokens(routing, cached, replica_id, self.config.queue_token_cost)
         self._typical_work += (work - self._typical_work) / 64  # moving average
-        add(request_id, replica_id, work, now)
+        add(request_id, replica_id, queued, now, work)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:
             parent = hashes[-1] if hashes else salt_seed(routing.salt)
@@ -400,9 +435,15 @@ class PrefixAffinityPolicy:
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))
 
-    def _work_tokens(self, request: RoutingRequest, cached: int, replica_id: str | None = None) -> float:
+    def _work_tokens(self, request: RoutingRequest, cached: int, replica_id: str | None = None,
+                     decode_token_cost: float | None = None) -> float:
+        """Prefill-token equivalents of ``request`` on ``replica_id``: its
+        uncached prompt plus its expected output at ``decode_token_cost``
+        (default the config's: busy time; the queue's price for load)."""
+        if decode_token_cost is None:
+            decode_token_cost = self.config.decode_token_cost
         expected = self._expected_output(request, replica_id)
-        return request.num_prompt_tokens - cached + self.config.decode_token_cost * expected
+        return request.num_prompt_tokens - cached + decode_token_cost * expected
 
     def _within_block(self, request: RoutingRequest, depth: int) -> tuple[str, int] | None:
         """``(replica, tokens)`` of block ``depth`` an earlier prompt's partial
@@ -435,6 +476,7 @@ class PrefixAffinityPolicy:
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
         assert set(self._index.replica_ids) <= nodes, "index knows a replica off the ring"
         assert set(self._summary_versions) <= nodes, "summary version of a replica off the ring"
+        assert set(self._snapshots) <= set(self._epochs) == set(self._summary_versions), "stream state drifted"
 
 
 def _mean(values) -> float:

@@ -19,7 +19,8 @@ class PolicyConfig:
     load_window_s: float = 120.0  # decay time of the recent-work counters
     num_ring_candidates: int = 2  # ring nodes from the prompt's key that compete
     max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete
-    decode_token_cost: float = 40.0  # prefill-token equivalents per expected output token
+    decode_token_cost: float = 40.0  # prefill-token equivalents per expected output token (busy time, balance)
+    queue_decode_token_cost: float | None = None  # the same, as delay to requests behind it; None: decode_token_cost
     virtual_nodes: int = 128  # ring points per replica
     max_blocks_per_replica: int = 1 << 18  # index entries per replica (memory bound)
     learned_grace_s: float = 5.0  # own decisions a summary may not reflect yet
@@ -49,11 +50,20 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.tie_by_recent_work, bool):
             raise ValueError(f"tie_by_recent_work must be a bool, got {self.tie_by_recent_work!r}")
+        queue_cost = self.queue_decode_token_cost
+        if queue_cost is not None and (isinstance(queue_cost, bool) or not isinstance(queue_cost, (int, float))
+                                       or not math.isfinite(queue_cost) or queue_cost < 0):
+            raise ValueError(f"queue_decode_token_cost must be None or a finite number >= 0, got {queue_cost!r}")
         grain = self.sub_block_tokens
         if grain is not None and (type(grain) is not int or grain < 0 or (
                 grain and (self.block_size % grain or grain >= self.block_size))):
             raise ValueError(f"sub_block_tokens must be None, 0 or a divisor of block_size {self.block_size} "
                              f"below it, got {grain!r}")
+
+    @property
+    def queue_token_cost(self) -> float:
+        """Delay an expected output token adds for requests queued behind it."""
+        return self.decode_token_cost if self.queue_decode_token_cost is None else self.queue_decode_token_cost
 
     @property
     def within_block_tokens(self) -> int:

@@ -154,12 +154,15 @@ class PrefixIndex:
         self._maybe_trim(replica_id)
 
     def apply_summary(
-        self, replica_id: str, block_hashes: Iterable[int], now: float, capacity_blocks: int | None = None
+        self, replica_id: str, block_hashes: Iterable[int], now: float, capacity_blocks: int | None = None,
+        keep_learned: bool = True,
     ) -> None:
         """Replace ``replica_id``'s entries with what it reports holding.
 
         Entries learned after ``now - learned_grace_s`` survive even if the
-        summary lacks them (it may have been taken before those requests ran).
+        summary lacks them (it may have been taken before those requests ran),
+        unless ``keep_learned`` is False (the replica restarted: nothing it
+        was sent before is cached there).
         Reported blocks the router did not know are added as least recent.
         """
         if capacity_blocks is not None:
@@ -169,7 +172,7 @@ class PrefixIndex:
         reported = block_hashes if isinstance(block_hashes, (set, frozenset)) else frozenset(block_hashes)
         bit = 1 << self._slot_of(replica_id)
         entries = self._entries[replica_id]
-        fresh_tick = self._first_tick_after(now - self.learned_grace_s)
+        fresh_tick = self._first_tick_after(now - self.learned_grace_s) if keep_learned else self._tick
         for block_hash in entries.keys() - reported:
             if entries[block_hash] < fresh_tick:
                 del entries[block_hash]

@@ -59,6 +59,7 @@ class SimConfig:
     profile: StepProfile = H100_LLAMA_8B
     max_tokens: int | None = None
     num_routers: int = 1
+    decode_token_cost: float | None = None  # ours' price of an output token; None: the timing's
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -107,7 +108,9 @@ class Ours:
     def __init__(self, workload: Workload, replicas: list, config: SimConfig) -> None:
         self.now = 0.0
         policy_config = replace(config.policy, block_size=workload.router_block_tokens,
-                                decode_token_cost=config.timing.decode_token_cost)
+                                decode_token_cost=config.decode_token_cost if config.decode_token_cost is not None
+                                else config.timing.decode_token_cost,
+                                queue_decode_token_cost=config.timing.queue_token_cost)
         self.routers = [PrefixAffinityPolicy(policy_config, clock=lambda: self.now)
                         for _ in range(config.num_routers)]
         for router in self.routers:
@@ -407,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_tokens of every request, all a router knows of its output "
                              "(default: 2048 for a trace, the output length for generated workloads)")
     parser.add_argument("--routers", type=int, default=1, help="independent routers for ours")
+    parser.add_argument("--decode-token-cost", type=float, default=None,
+                        help="ours' prefill-token price of an output token (default: from the cost model/profile)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     kind = args.workload or ("mooncake" if args.trace else None)
@@ -432,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=StepProfile.load(args.profile) if args.profile else H100_LLAMA_8B,
         max_tokens=args.max_tokens or (TRACE_MAX_TOKENS if kind == "mooncake" else None),
         num_routers=args.routers,
+        decode_token_cost=args.decode_token_cost,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     seeds = range(args.seed, args.seed + args.seeds)
