@@ -86,12 +86,12 @@ class CacheSummary:
       epoch: names the replica process's stream of summaries ("" for none); a
         new epoch (a restart) starts its versions afresh and drops what the
         router held for the replica.
-      snapshot_version / removed_hashes: 0 (or ``version``) for a full
+      base_version / removed_hashes: 0 (or ``version``) for a full
         snapshot. Otherwise a *delta*: ``block_hashes`` holds the blocks added
-        and ``removed_hashes`` those dropped since the snapshot of that
-        version in the same epoch (cumulative, so a router that missed the
-        deltas in between loses nothing; one that missed the snapshot knows it
-        and waits for the next). :class:`SummaryStream` makes them.
+        and ``removed_hashes`` those dropped since the state this replica
+        reported at ``base_version`` (same epoch). A router applies it only if
+        it holds that state, else it knows it missed something and waits for
+        the next snapshot. :class:`SummaryStream` makes them.
 
     ``load_tokens = num_queued_tokens + num_running_tokens`` is the load term
     the router compares.
@@ -125,7 +125,7 @@ class CacheSummary:
     num_waiting: int = 0
     mean_output_tokens: float = 0.0
     epoch: str = ""
-    snapshot_version: int = 0
+    base_version: int = 0
     removed_hashes: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
@@ -146,9 +146,9 @@ class CacheSummary:
             raise ValueError(f"mean_output_tokens must be a finite number >= 0, got {mean!r}")
         if not isinstance(self.epoch, str):
             raise ValueError(f"epoch must be a str, got {self.epoch!r}")
-        _check_count("snapshot_version", self.snapshot_version)
-        if self.snapshot_version > self.version:
-            raise ValueError(f"snapshot_version {self.snapshot_version} is after version {self.version}")
+        _check_count("base_version", self.base_version)
+        if self.base_version > self.version:
+            raise ValueError(f"base_version {self.base_version} is after version {self.version}")
         if not isinstance(self.removed_hashes, frozenset):
             raise ValueError(f"removed_hashes must be a frozenset, got {type(self.removed_hashes).__name__}")
         if self.removed_hashes and not self.is_delta:
@@ -156,7 +156,7 @@ class CacheSummary:
 
     @property
     def is_delta(self) -> bool:
-        return self.snapshot_version not in (0, self.version)
+        return self.base_version not in (0, self.version)
 
     @property
     def load_tokens(self) -> int:
@@ -211,7 +211,7 @@ class CacheSummary:
             out["epoch"] = self.epoch
         if self.is_delta:
             removed = _pack(self.removed_hashes)
-            out.update(snapshot_version=self.snapshot_version, num_removed=len(removed),
+            out.update(base_version=self.base_version, num_removed=len(removed),
                        removed_hashes=base64.b64encode(removed.tobytes()).decode("ascii"))
         return out
 
@@ -244,7 +244,7 @@ class CacheSummary:
             **counts,
             mean_output_tokens=float(mean_output_tokens),
             epoch=data.get("epoch", ""),
-            snapshot_version=data.get("snapshot_version", 0),
+            base_version=data.get("base_version", 0),
             removed_hashes=frozenset(removed),
         )
 
@@ -279,21 +279,24 @@ def _unpack(data: Mapping, key: str, count_key: str) -> array:
 
 class SummaryStream:
     """Turns a replica's successive full summaries into what it sends: a full
-    snapshot now and then, cumulative deltas against it in between.
+    snapshot now and then, deltas in between.
 
     A snapshot goes out first, then whenever ``max_periods`` summaries have
-    passed since the last one, or the cumulative delta (added + removed)
-    exceeds ``max_delta_ratio`` of the snapshot's size (so a delta never costs
-    more than a fraction of a snapshot). In between, each summary carries only
-    the blocks added and removed since the snapshot. Bytes per period
-    ``≈ snapshot / max_periods + churn × periods since the snapshot``;
-    a router that missed the snapshot waits at most ``max_periods`` periods
-    (its own decisions keep routing meanwhile). ``epoch`` names this process:
-    a restarted replica starts a new stream, and its first snapshot replaces
-    whatever a router held for it.
+    passed since the last one, or a delta (added + removed) would exceed
+    ``max_delta_ratio`` of the snapshot's size. ``cumulative=True``: each
+    delta is against the last snapshot, so a router that missed the deltas
+    in between loses nothing (``bytes ≈ snapshot / max_periods + churn ×
+    periods since it``). ``cumulative=False``: each delta is against the
+    previous summary (``bytes ≈ snapshot / max_periods + churn per period``),
+    for a channel that delivers every summary in order; a router that misses
+    one sees the gap (the next delta's base is not the state it holds) and
+    waits for the next snapshot, routing on its own decisions meanwhile.
+    ``epoch`` names this process: a restarted replica starts a new stream,
+    and its first snapshot replaces whatever a router held for it.
     """
 
-    def __init__(self, epoch: str, max_periods: int = 30, max_delta_ratio: float = 0.25) -> None:
+    def __init__(self, epoch: str, max_periods: int = 30, max_delta_ratio: float = 0.25,
+                 cumulative: bool = False) -> None:
         if not isinstance(epoch, str) or not epoch:
             raise ValueError(f"epoch must be a non-empty str, got {epoch!r}")
         if type(max_periods) is not int or max_periods <= 0:
@@ -303,23 +306,29 @@ class SummaryStream:
         self.epoch = epoch
         self.max_periods = max_periods
         self.max_delta_ratio = max_delta_ratio
-        self._snapshot: frozenset[int] | None = None
-        self._snapshot_version = 0
+        self.is_cumulative = bool(cumulative)
+        self._base: frozenset[int] | None = None  # the state deltas are taken against
+        self._base_version = 0
+        self._snapshot_size = 0
         self._periods = 0
 
     def encode(self, full: CacheSummary) -> CacheSummary:
         """What to send for ``full`` (a full summary with this replica's next version)."""
         if full.is_delta:
             raise ValueError("encode takes a full summary")
-        if self._snapshot is not None and self._periods < self.max_periods:
-            added = full.block_hashes - self._snapshot
-            removed = self._snapshot - full.block_hashes
-            if len(added) + len(removed) <= self.max_delta_ratio * max(len(self._snapshot), 64):
+        if self._base is not None and self._periods < self.max_periods:
+            added = full.block_hashes - self._base
+            removed = self._base - full.block_hashes
+            if len(added) + len(removed) <= self.max_delta_ratio * max(self._snapshot_size, 64):
+                delta = replace(full, epoch=self.epoch, base_version=self._base_version,
+                                block_hashes=frozenset(added), removed_hashes=frozenset(removed))
                 self._periods += 1
-                return replace(full, epoch=self.epoch, snapshot_version=self._snapshot_version,
-                               block_hashes=frozenset(added), removed_hashes=frozenset(removed))
-        self._snapshot, self._snapshot_version, self._periods = full.block_hashes, full.version, 0
-        return replace(full, epoch=self.epoch, snapshot_version=full.version)
+                if not self.is_cumulative:
+                    self._base, self._base_version = full.block_hashes, full.version
+                return delta
+        self._base, self._base_version, self._periods = full.block_hashes, full.version, 0
+        self._snapshot_size = len(full.block_hashes)
+        return replace(full, epoch=self.epoch, base_version=full.version)
 
 
 def _check_count(name: str, value: object) -> None:

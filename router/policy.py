@@ -169,7 +169,8 @@ class PrefixAffinityPolicy:
                          if grain else None)
         self._summary_versions: dict[str, int] = {}
         self._epochs: dict[str, str] = {}  # replica -> epoch of the summaries applied
-        self._snapshots: dict[str, tuple[int, frozenset[int]]] = {}  # replica -> (version, hashes) of its snapshot
+        # replica -> ((version, hashes) of its last snapshot, (version, hashes) of the last state applied)
+        self._snapshots: dict[str, tuple[tuple[int, frozenset[int]], ...]] = {}
         self._mean_output: dict[str, float] = {}  # replica -> its reported mean output length (> 0 only)
         self._fleet_mean_output = 0.0  # mean of _mean_output's values (0.0: none reported)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
@@ -232,13 +233,15 @@ class PrefixAffinityPolicy:
         if not is_new_epoch and summary.version <= self._summary_versions.get(replica_id, -1):
             return False
         hashes = summary.block_hashes
-        if summary.is_delta:
-            base = self._snapshots.get(replica_id)
-            if is_new_epoch or base is None or base[0] != summary.snapshot_version:
+        held = self._snapshots.get(replica_id, ())
+        if summary.is_delta:  # against the last snapshot or the last state applied, if held
+            base = next((h for v, h in held if v == summary.base_version), None)
+            if is_new_epoch or base is None:
                 return False
-            hashes = (base[1] | hashes) - summary.removed_hashes
+            hashes = (base | hashes) - summary.removed_hashes
+            self._snapshots[replica_id] = (held[0], (summary.version, hashes))
         elif summary.epoch:
-            self._snapshots[replica_id] = (summary.version, hashes)
+            self._snapshots[replica_id] = ((summary.version, hashes), (summary.version, hashes))
         self._epochs[replica_id] = summary.epoch
         self._summary_versions[replica_id] = summary.version
         capacity = summary.budget_tokens // summary.block_size or None

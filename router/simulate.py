@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from cache import RadixCache
+from cache.summary import SummaryStream
 from harness.loadstats import percentile
 from router.baselines import DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RoundRobin, SGLangCacheAware
 from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
@@ -60,6 +61,7 @@ class SimConfig:
     max_tokens: int | None = None
     num_routers: int = 1
     decode_token_cost: float | None = None  # ours' price of an output token; None: the timing's
+    summary_mode: str = "full"  # "full": every block each period; "stream": snapshots + cumulative deltas
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -74,6 +76,8 @@ class SimConfig:
             raise ValueError(f"replica_model must be one of {REPLICA_MODELS}, got {self.replica_model!r}")
         if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be None or a positive int, got {self.max_tokens!r}")
+        if self.summary_mode not in ("full", "stream"):
+            raise ValueError(f"summary_mode must be 'full' or 'stream', got {self.summary_mode!r}")
         if type(self.num_routers) is not int or self.num_routers <= 0:
             raise ValueError(f"num_routers must be a positive int, got {self.num_routers!r}")
 
@@ -186,6 +190,8 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     next_summary_s = workload.requests[0].arrival_s if workload.requests else 0.0
     version = 0
     decision_us = []
+    streams = {r.replica_id: SummaryStream(f"{r.replica_id}@0") for r in replicas}
+    summary_bytes, summary_cpu_s = 0, 0.0
 
     def run_to(until: float) -> None:
         completions = [c for r in replicas for c in r.advance(until)]
@@ -204,8 +210,13 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
             version += 1
             if hears:
                 for replica in replicas:
-                    policy.on_summary(replica.summary(version, next_summary_s, workload.unit_tokens,
-                                                      workload.units_per_block), next_summary_s)
+                    summary = replica.summary(version, next_summary_s, workload.unit_tokens, workload.units_per_block)
+                    if config.summary_mode == "stream":
+                        summary = streams[replica.replica_id].encode(summary)
+                    summary_bytes += len(json.dumps(summary.to_dict()))
+                    started = time.thread_time()
+                    policy.on_summary(summary, next_summary_s)
+                    summary_cpu_s += time.thread_time() - started
             next_summary_s += config.summary_period_s
         run_to(now)
         started = time.thread_time()  # CPU time: other processes on a shared machine do not count
@@ -213,7 +224,12 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         decision_us.append((time.thread_time() - started) * 1e6)
         replicas[index].submit(number, request, now)
     run_to(math.inf)
-    return _figures(workload, config, replicas, decision_us)
+    figures = _figures(workload, config, replicas, decision_us)
+    if hears and version:
+        span_s = version * config.summary_period_s
+        figures["summary_bytes_per_replica_s"] = summary_bytes / (span_s * len(replicas))
+        figures["router_summary_cpu_ms_per_s"] = 1e3 * summary_cpu_s / (span_s * config.num_routers)
+    return figures
 
 
 def _figures(workload: Workload, config: SimConfig, replicas: list, decision_us: list[float]) -> dict:
@@ -320,6 +336,7 @@ def simulate(
             "profile": config.profile.to_dict() if config.replica_model == "cb" else None,
             "max_tokens": config.max_tokens or max((r.num_output_tokens for r in workload.requests), default=1),
             "num_routers": config.num_routers,
+            "summary_mode": config.summary_mode,
             "router_block_tokens": workload.router_block_tokens,
             "policy_config": asdict(config.policy),
         },
@@ -410,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_tokens of every request, all a router knows of its output "
                              "(default: 2048 for a trace, the output length for generated workloads)")
     parser.add_argument("--routers", type=int, default=1, help="independent routers for ours")
+    parser.add_argument("--summary-mode", choices=("full", "stream"), default="full",
+                        help="full: every cached block each period; stream: snapshots + cumulative deltas")
     parser.add_argument("--decode-token-cost", type=float, default=None,
                         help="ours' prefill-token price of an output token (default: from the cost model/profile)")
     parser.add_argument("--no-progress", action="store_true")
@@ -438,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens or (TRACE_MAX_TOKENS if kind == "mooncake" else None),
         num_routers=args.routers,
         decode_token_cost=args.decode_token_cost,
+        summary_mode=args.summary_mode,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     seeds = range(args.seed, args.seed + args.seeds)
@@ -462,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
               f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}"
               f" {f.get('mean_decode_batch', 1.0):6.2f}")
+        if "summary_bytes_per_replica_s" in f:
+            print(f"{'':>20} summaries ({setup['summary_mode']}): {f['summary_bytes_per_replica_s']:,.0f} B/s per "
+                  f"replica; router {f['router_summary_cpu_ms_per_s']:.2f} ms CPU per s applying them")
     return 0
 
 
