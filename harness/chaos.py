@@ -339,13 +339,14 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
 
 # ------------------------------------------------------------------- CLI
 # Small queues, so that overload shows in seconds on a CPU: the ingress admits
-# 10 generation requests per Worker in flight and answers the rest at once
+# 6 generation requests per Worker in flight (the capacity probe runs 12 in
+# flight on 2 Workers) and answers the rest at once
 # (429 JSON + Retry-After, deploy/admission.py); each Worker runs 8 requests and
 # queues 8 more (then 429); Serve keeps at most 24 calls on a replica and 16
 # waiting for one (then 503); the Ingress takes 1024 at once, so Serve's proxy
 # (its own plain-text 503) is never the limit that trips.
 OVERLOAD_APP = dict(
-    args_overrides={"stats_period_s": 0.5, "max_in_flight_per_worker": 10,
+    args_overrides={"stats_period_s": 0.5, "max_in_flight_per_worker": 6,
                     "engine": {"max_num_seqs": 8, "max_queued_requests": 8, "max_batch_tokens": 512,
                                "num_threads": 1}},
     deployment_overrides={"Worker": {"max_ongoing_requests": 24, "max_queued_requests": 16},

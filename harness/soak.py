@@ -52,8 +52,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(35, 130) for _ in range(n)]
 
 
-def _auth(rng: random.Random) -> dict:
-    return {"Authorization": f"Bearer {rng.choice(API_KEYS)}"}
+def _auth(rng: random.Random, keys) -> dict:
+    return {"Authorization": f"Bearer {rng.choice(keys)}"}
 
 
 def _valid_generate(rng: random.Random, prefixes: list[list[int]]) -> dict:
@@ -84,9 +84,10 @@ def _is_openai_error(body: bytes) -> bool:
         return False
 
 
-async def one_request(client, url: str, kind: str, rng: random.Random, prefixes) -> tuple[str, str | None]:
+async def one_request(client, url: str, kind: str, rng: random.Random, prefixes,
+                      keys=API_KEYS) -> tuple[str, str | None]:
     """``(label, problem)``: problem is ``"lost: ..."``, ``"unexpected: ..."`` or None."""
-    headers = _auth(rng)
+    headers = _auth(rng, keys)
     try:
         if kind in ("generate", "generate_stream"):
             body = _valid_generate(rng, prefixes)
@@ -142,8 +143,9 @@ async def one_request(client, url: str, kind: str, rng: random.Random, prefixes)
             status, payload, _ = await _raw(client, "POST", url + path, data=rng.choice(_INVALID_BODIES),
                                             headers={**headers, "Content-Type": "application/json"})
         elif kind == "bad_auth":
-            value = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
-            value = value.replace(b"\r", b"").replace(b"\n", b"").strip()
+            # any byte a header value may carry (no control characters: those end the header)
+            value = bytes(rng.choice([*range(0x20, 0x7F), *range(0x80, 0x100)]) for _ in range(rng.randrange(1, 64)))
+            value = rng.choice([b"", b"Bearer ", b"bearer ", b"Basic "]) + value.strip()
             try:
                 status, payload, _ = await _raw(client, "POST", url + "/generate",
                                                 json_body={"prompt_token_ids": [65], "max_new_tokens": 1},
@@ -194,7 +196,9 @@ async def capacity_rps(url: str, headers: dict, seconds: float = 10.0, concurren
 
 
 async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.0, max_in_flight: int = 256,
-               seed: int = 0) -> dict:
+               keys=API_KEYS, num_workers: int = 2, seed: int = 0) -> dict:
+    """Send the mix for ``duration_s`` at ``rate_rps`` (open loop, at most
+    ``max_in_flight`` at once), sample memory, then wait for clean audits."""
     rng = random.Random(seed)
     prefixes = [_tokens(rng, 128) for _ in range(16)]
     kinds, weights = zip(*KINDS)
@@ -216,7 +220,7 @@ async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.
 
     async def run_one(client, kind, request_rng):
         try:
-            label, problem = await one_request(client, app.url, kind, request_rng, prefixes)
+            label, problem = await one_request(client, app.url, kind, request_rng, prefixes, keys)
             labels[f"{kind}:{label}"] += 1
             if problem:
                 problems.append(f"{kind}: {problem}"[:300])
@@ -239,15 +243,18 @@ async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.
     await sampling
     samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mib": _process_rss_mib(app)})
     end_wall_s = time.time()
-    audits = await asyncio.to_thread(faults.wait_for_clean_audits, app.url, 2, after_s=end_wall_s,
-                                     headers={"Authorization": f"Bearer {API_KEYS[0]}"}, timeout_s=60)
+    audits = await asyncio.to_thread(faults.wait_for_clean_audits, app.url, num_workers, after_s=end_wall_s,
+                                     headers={"Authorization": f"Bearer {keys[0]}"}, timeout_s=60)
     return _figures(by_kind, labels, problems, samples, audits, time.monotonic() - start, rate_rps)
 
 
 def _figures(by_kind, labels, problems, samples, audits, wall_s, rate_rps) -> dict:
     warm = samples[min(1, len(samples) - 1)]["rss_mib"]  # the first sample after warm-up
+    middle = samples[len(samples) // 2]["rss_mib"]
     last = samples[-1]["rss_mib"]
     growth = {name: round(last[name] - warm[name], 1) for name in warm if name in last}
+    second_half = {name: round(last[name] - middle[name], 1) for name in middle if name in last}
+    growing = [name for name, mib in growth.items() if mib >= 4.0]
     return {
         "num_requests": sum(by_kind.values()), "wall_s": round(wall_s, 1), "rate_rps": round(rate_rps, 2),
         "by_kind": dict(by_kind), "outcomes": dict(sorted(labels.items())),
@@ -256,6 +263,8 @@ def _figures(by_kind, labels, problems, samples, audits, wall_s, rate_rps) -> di
         "lost": [p for p in problems if ": lost" in p][:10],
         "rss_growth_mib": dict(sorted(growth.items(), key=lambda kv: -kv[1])),
         "max_rss_growth_mib": max(growth.values(), default=0.0),
+        "rss_growth_second_half_mib": {name: second_half[name] for name in growing if name in second_half},
+        "rss_series_mib": {name: [s["rss_mib"].get(name) for s in samples] for name in growing},
         "rss_samples_mib": [{"t_s": s["t_s"], "total": round(sum(s["rss_mib"].values()), 1)} for s in samples],
         "audits_clean": [a.is_clean for a in audits],
     }
