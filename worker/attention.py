@@ -17,11 +17,13 @@ memory is set by config, not by batch × context.
 - Decode tokens are batched across sequences without padding to the
   longest: each sequence's context is cut into key chunks of
   :data:`DECODE_KEY_CHUNK` positions aligned to absolute positions (whole
-  blocks); a *pair* is (sequence, key chunk); a round attends a run of
-  pairs (one fused attention call returning each row's log-sum-exp) and
-  merges them into the sequences' running outputs (online softmax). Only a
-  sequence's last chunk is masked, so at most a chunk's worth of positions
-  per sequence is read in vain.
+  blocks); a *pair* is (sequence, key chunk). A full chunk whose blocks
+  several decodes share (a cached prefix) is gathered once and attended by
+  all of them together (their query heads as rows of one query). A round
+  attends a run of chunks (one fused attention call returning each row's
+  log-sum-exp) and merges the results into the sequences' running outputs
+  (online softmax). Only a sequence's last chunk is masked, so at most a
+  chunk's worth of positions per sequence is read in vain.
 - A prefill chunk attends to its own new keys straight from the step's
   ``key``/``value`` (causal, no copy) and to its cached prefix gathered from
   the pool in rounds (nothing masked), merged the same way.
@@ -48,9 +50,13 @@ _EMPTY_LSE = -1e30  # a running log-sum-exp before any key (finite: exp(-1e30 - 
 
 @dataclass(slots=True)
 class DecodeRound:
-    pair_seq: torch.Tensor  # [pairs] index of each pair's sequence among the step's decodes
-    slabs: torch.Tensor  # [pairs * kv_heads * slabs_per_chunk] block slabs of each pair's keys
-    mask: torch.Tensor  # [pairs, 1, 1, key_chunk] 0 where a key is visible, -inf past the sequence's end
+    """Key chunks that the same number of decodes read: ``seqs[u]`` are the decodes
+    (indices among the step's decodes) attending chunk ``u``; more than one where
+    sequences share the chunk's blocks (a cached prefix), then it is gathered once."""
+
+    seqs: torch.Tensor  # [chunks, sharers]
+    slabs: torch.Tensor  # [chunks * kv_heads * slabs_per_chunk] block slabs of each chunk's keys
+    mask: torch.Tensor | None  # [chunks, 1, 1, key_chunk] 0 where visible, -inf past the end; None: all visible
 
 
 @dataclass(slots=True)
@@ -83,25 +89,7 @@ def build_default_plan(
     decode_rows, rounds = None, []
     if len(decode):
         decode_rows = torch.from_numpy(chunks.offsets[decode]).to(device)
-        ends = chunks.ends[decode]
-        chunks_per_seq = -(-ends // key_chunk)
-        pair_seq = np.repeat(np.arange(len(decode)), chunks_per_seq)  # [pairs]
-        pair_start = (np.arange(len(pair_seq)) - np.repeat(np.cumsum(chunks_per_seq) - chunks_per_seq, chunks_per_seq))
-        pair_start *= key_chunk
-        slab_pos = pair_start[:, None] + np.arange(0, key_chunk, bs)  # [pairs, slabs_per_chunk]
-        blocks = chunks.blocks(decode[pair_seq][:, None], slab_pos)
-        heads = np.arange(num_kv_heads)[None, :, None]
-        slabs = chunks.slab_ids(blocks[:, None, :], heads, slab_pos[:, None, :], bs)  # [pairs, kv_heads, slabs]
-        key_pos = pair_start[:, None] + np.arange(key_chunk)
-        mask = np.where(key_pos < ends[pair_seq][:, None], 0.0, -np.inf).astype(np.float32)
-        per_round = max(1, scratch_tokens // key_chunk)
-        for lo in range(0, len(pair_seq), per_round):
-            hi = lo + per_round
-            rounds.append(DecodeRound(
-                pair_seq=torch.from_numpy(pair_seq[lo:hi]).to(device),
-                slabs=torch.from_numpy(slabs[lo:hi].reshape(-1)).to(device),
-                mask=torch.from_numpy(mask[lo:hi, None, None, :]).to(device),
-            ))
+        rounds = _decode_rounds(chunks, decode, key_chunk, scratch_tokens, device)
     prefills = []
     heads = np.arange(num_kv_heads)[:, None]
     for index in np.flatnonzero(~is_decode):
@@ -114,6 +102,50 @@ def build_default_plan(
             past_rounds.append(torch.from_numpy(rows.reshape(-1)).to(device))
         prefills.append(PrefillWork(int(chunks.offsets[index]), int(chunks.lengths[index]), past_rounds))
     return DefaultPlan(decode_rows, key_chunk, rounds, prefills)
+
+
+def _decode_rounds(chunks: ChunkArrays, decode: np.ndarray, key_chunk: int, scratch_tokens: int, device) -> list:
+    """Pairs (decode, key chunk) → rounds. Full chunks with the same blocks are read once for
+    all their decodes; chunks are bucketed by how many decodes read them (one call each)."""
+    bs, num_kv_heads = chunks.block_size, chunks.num_kv_heads
+    ends = chunks.ends[decode]
+    chunks_per_seq = -(-ends // key_chunk)
+    pair_seq = np.repeat(np.arange(len(decode)), chunks_per_seq)  # [pairs]
+    pair_start = np.arange(len(pair_seq)) - np.repeat(np.cumsum(chunks_per_seq) - chunks_per_seq, chunks_per_seq)
+    pair_start *= key_chunk
+    slab_pos = pair_start[:, None] + np.arange(0, key_chunk, bs)  # [pairs, slabs_per_chunk]
+    blocks = chunks.blocks(decode[pair_seq][:, None], slab_pos)
+    is_full = pair_start + key_chunk <= ends[pair_seq]
+    # One unit per distinct full chunk (by its blocks), one per partial pair.
+    full = np.flatnonzero(is_full)
+    _, first, unit_of_full = np.unique(blocks[full], axis=0, return_index=True, return_inverse=True)
+    unit = np.empty(len(pair_seq), dtype=np.int64)
+    unit[full] = unit_of_full.reshape(-1)
+    partial = np.flatnonzero(~is_full)
+    unit[partial] = len(first) + np.arange(len(partial))
+    unit_pair = np.concatenate([full[first], partial])  # a representative pair per unit
+    order = np.argsort(unit, kind="stable")
+    sharers = np.bincount(unit, minlength=len(unit_pair))
+    members = np.split(pair_seq[order], np.cumsum(sharers)[:-1])  # decodes reading each unit
+    heads = np.arange(num_kv_heads)[None, :, None]
+    rounds = []
+    for count in np.unique(sharers):
+        units = np.flatnonzero(sharers == count)
+        rep = unit_pair[units]
+        seqs = np.stack([members[u] for u in units])  # [units, count]
+        slabs = chunks.slab_ids(blocks[rep][:, None, :], heads, slab_pos[rep][:, None, :], bs)
+        key_pos = pair_start[rep][:, None] + np.arange(key_chunk)
+        mask = np.where(key_pos < ends[pair_seq[rep]][:, None], 0.0, -np.inf).astype(np.float32)
+        needs_mask = not is_full[rep].all()
+        per_round = max(1, scratch_tokens // key_chunk)
+        for lo in range(0, len(units), per_round):
+            hi = lo + per_round
+            rounds.append(DecodeRound(
+                seqs=torch.from_numpy(seqs[lo:hi]).to(device),
+                slabs=torch.from_numpy(slabs[lo:hi].reshape(-1)).to(device),
+                mask=torch.from_numpy(mask[lo:hi, None, None, :]).to(device) if needs_mask else None,
+            ))
+    return rounds
 
 
 def attend_with_lse(q, k, v, *, mask=None, is_causal=False, scale: float):
@@ -160,12 +192,19 @@ def _default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale
         acc_out = qd.new_zeros(num_decodes, num_heads, head_dim)
         acc_lse = torch.full((num_decodes, num_heads), _EMPTY_LSE, dtype=torch.float32, device=q.device)
         for work in plan.decode_rounds:
-            num_pairs = work.pair_seq.shape[0]
-            k = keys.index_select(0, work.slabs).view(num_pairs, num_kv_heads, plan.key_chunk, head_dim)
-            v = values.index_select(0, work.slabs).view(num_pairs, num_kv_heads, plan.key_chunk, head_dim)
-            qp = qd.index_select(0, work.pair_seq).unsqueeze(2)  # [pairs, heads, 1, D]
-            o, lse = attend_with_lse(qp, k, v, mask=work.mask.to(q.dtype), scale=scale)
-            acc_lse = _merge(acc_out, acc_lse, work.pair_seq, o[:, :, 0], lse[:, :, 0].float())
+            num_chunks, num_sharers = work.seqs.shape
+            seqs = work.seqs.view(-1)
+            k = keys.index_select(0, work.slabs).view(num_chunks, num_kv_heads, plan.key_chunk, head_dim)
+            v = values.index_select(0, work.slabs).view(num_chunks, num_kv_heads, plan.key_chunk, head_dim)
+            # The query heads of a kv head, of every decode sharing the chunk, are rows of one query.
+            qp = qd.index_select(0, seqs).view(num_chunks, num_sharers, num_kv_heads, -1, head_dim)
+            qp = qp.transpose(1, 2).reshape(num_chunks, num_kv_heads, -1, head_dim)  # [chunks, kv, sharers * group, D]
+            mask = None if work.mask is None else work.mask.to(q.dtype)
+            o, lse = attend_with_lse(qp, k, v, mask=mask, scale=scale)
+            o = o.view(num_chunks, num_kv_heads, num_sharers, -1, head_dim).transpose(1, 2)
+            lse = lse.view(num_chunks, num_kv_heads, num_sharers, -1).transpose(1, 2)
+            acc_lse = _merge(acc_out, acc_lse, seqs, o.reshape(-1, num_heads, head_dim),
+                             lse.reshape(-1, num_heads).float())
         out[:, plan.decode_rows] = acc_out.transpose(0, 1)
     for work in plan.prefills:
         rows = slice(work.row, work.row + work.length)

@@ -140,7 +140,8 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
             del module.q_proj, module.k_proj, module.v_proj
             module.forward = types.MethodType(_fused_attention_forward, module)
             counts["qkv"] += 1
-        elif name.endswith("MLP") and _is_plain(module, ("gate_proj", "up_proj", "down_proj")) and hasattr(module, "act_fn"):
+        elif (name.endswith("MLP") and _is_plain(module, ("gate_proj", "up_proj"))
+              and type(getattr(module, "down_proj", None)) is nn.Linear and hasattr(module, "act_fn")):
             module.intermediate = module.gate_proj.out_features
             module.gate_up_proj = concat_linears([module.gate_proj, module.up_proj])
             del module.gate_proj, module.up_proj

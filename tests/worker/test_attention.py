@@ -143,9 +143,40 @@ def test_default_plan_never_gathers_more_than_its_scratch_budget():
         tables = np.arange(num_seqs * num_table).reshape(num_seqs, num_table)
         arrays = ChunkArrays(np.cumsum(lengths) - lengths, lengths, starts, tables, block_size, 10**6, 2)
         plan = build_default_plan(arrays, torch.device("cpu"), scratch)
-        pair_counts = [work.pair_seq.shape[0] for work in plan.decode_rounds]
-        assert max(pair_counts, default=0) * plan.key_chunk <= scratch
-        assert sum(pair_counts) == (num_seqs - 1) * -(-context // DECODE_KEY_CHUNK)
+        chunk_counts = [work.seqs.shape[0] for work in plan.decode_rounds]
+        assert max(chunk_counts, default=0) * plan.key_chunk <= scratch
+        assert sum(work.seqs.numel() for work in plan.decode_rounds) == (num_seqs - 1) * -(-context // DECODE_KEY_CHUNK)
         for work in plan.prefills:
             assert max(rows.shape[0] for rows in work.past_rounds) <= 2 * scratch
             assert sum(rows.shape[0] for rows in work.past_rounds) == 2 * (context - 1)
+
+
+def test_decodes_sharing_prefix_blocks_read_them_once_and_attend_correctly():
+    """Three decodes over one cached 256-position prefix (the same blocks in their tables) and
+    tails of their own: each shared full chunk is gathered once, for all three."""
+    block_size, prefix = 16, 256
+    pool = KVPool(GEOMETRY, num_blocks=64, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(11)
+    kp, vp = torch.randn(2, prefix, 8, generator=generator), torch.randn(2, prefix, 8, generator=generator)
+    shared_blocks = list(range(prefix // block_size))
+    next_block, specs = len(shared_blocks), []
+    for context in (300, 290, 257):
+        own = -(-(context - prefix) // block_size)
+        table = shared_blocks + list(range(next_block, next_block + own))
+        next_block += own
+        k = torch.cat([kp, torch.randn(2, context - prefix, 8, generator=generator)], dim=1)
+        v = torch.cat([vp, torch.randn(2, context - prefix, 8, generator=generator)], dim=1)
+        for pos in range(context):
+            pool.data[0, 0, table[pos // block_size], :, pos % block_size] = k[:, pos]
+            pool.data[0, 1, table[pos // block_size], :, pos % block_size] = v[:, pos]
+        specs.append((context, table, torch.randn(4, 1, 8, generator=generator), k, v))
+    chunks = [SeqChunk([5], context - 1, table, True) for context, table, *_ in specs]
+    step = build_step(chunks, pool, deterministic=False, pad_token_id=0, num_heads=4)
+    shared = [work for work in step.plan.decode_rounds if work.seqs.shape[1] == 3]
+    assert [work.seqs.shape[0] for work in shared] == [prefix // DECODE_KEY_CHUNK]
+    query = torch.cat([q for *_, q, _, _ in specs], dim=1)[None]
+    key = torch.stack([k[:, -1] for *_, k, _ in specs], dim=1)[None]
+    value = torch.stack([v[:, -1] for *_, v in specs], dim=1)[None]
+    out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, kvroute_step=step)
+    expected = torch.cat([naive(q, k, v, 0.3) for _, _, q, k, v in specs])
+    torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-5)
