@@ -397,13 +397,14 @@ class PrefixAffinityPolicy:
         key_bytes = _U64.pack(key & _MASK_64)
         num_prompt = request.num_prompt_tokens
         balance = config.balance_weight
+        dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
         scored = []
         for replica_id in candidates:
             cached = self._cached_tokens(request, depths.get(replica_id, 0),
                                          within_tokens if replica_id == within_replica else 0)
             weight = 1.0 + (config.affinity_weight - 1.0) * cached / max(num_prompt, 1)
             recent = loads.recent_work(replica_id, now)
-            cost = loads.load(replica_id) + num_prompt - weight * cached + balance * (recent - mean_recent)
+            cost = loads.load(replica_id) + num_prompt - weight * cached + balance * _beyond(recent - mean_recent, dead)
             is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
             tiebreak = xxhash.xxh3_64_intdigest(key_bytes + replica_id.encode())
@@ -485,3 +486,12 @@ class PrefixAffinityPolicy:
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
+
+
+def _beyond(deviation: float, dead: float) -> float:
+    """``deviation`` shrunk towards 0 by ``dead`` (0 inside the dead zone)."""
+    if deviation > dead:
+        return deviation - dead
+    if deviation < -dead:
+        return deviation + dead
+    return 0.0

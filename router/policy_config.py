@@ -29,6 +29,7 @@ class PolicyConfig:
     max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
     num_ranked: int = 3  # replicas returned, best first
     balance_weight: float = 0.1  # beta: cost per token of recent work above the mean (below: a credit)
+    balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
 
@@ -39,7 +40,7 @@ class PolicyConfig:
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
-                          ("learned_grace_s", 0.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0)):
+                          ("learned_grace_s", 0.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < low:
