@@ -191,7 +191,7 @@ def test_hostile_headers_paths_and_bodies_get_no_5xx_with_keys_configured(core_a
     print(f"FIGURES hostile headers/paths/bodies: {len(cases)} requests, statuses "
           f"{dict(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))}")
     assert not failures, failures[:3]
-    assert counts.get(401, 0) >= 50 and counts.get(200, 0) >= 40, counts  # both sides of the key were exercised
+    assert counts.get(401, 0) >= 20 and counts.get(200, 0) >= 40, counts  # both sides of the key were exercised
     for audit in wait_for_clean_audits(core_app.url, 2, after_s=start_s, headers=AUTH):
         assert audit.is_clean, audit
 

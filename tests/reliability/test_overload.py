@@ -29,7 +29,10 @@ def test_overload_sheds_the_excess_with_retry_after_and_keeps_admitted_requests_
     print("FIGURES overload:", figures)
     for round_figures in figures["rounds"]:
         statuses = round_figures["statuses"]
-        assert set(statuses) <= {"ok", "429:engine_overloaded", "503:overloaded", "503"}, statuses
+        # kvroute's own answers only: the ingress's admission (429 overloaded), an engine's
+        # queue (429 engine_overloaded), Serve's queue before a Worker (503 overloaded) -
+        # never Serve's proxy's plain-text 503 (kind "503", no code).
+        assert set(statuses) <= {"ok", "429:overloaded", "429:engine_overloaded", "503:overloaded"}, statuses
         assert round_figures["unexpected"] == [] and round_figures["rejected_without_retry_after"] == 0
         assert statuses.get("ok", 0) >= 1 and round_figures["num_ok"] < round_figures["num_sent"]  # shed, not stalled
         # Bounded queues: no engine ever held more than its configured running + queued requests ...
@@ -39,6 +42,9 @@ def test_overload_sheds_the_excess_with_retry_after_and_keeps_admitted_requests_
         # (RELIABILITY.md); on 2 CPUs shared with the load generator they swing with the
         # machine's load, so this only rules out unbounded queueing (minutes), not slowness.
         assert round_figures["admitted_latency_p99_s"] < 60, figures
+        # The ingress admits only what the engines can run (6 per Worker): admitted requests
+        # wait for the CPU the refusals take, not in queues (measured 1.2-2.5x, RELIABILITY.md).
+        assert round_figures["admitted_p99_of_baseline_p99"] <= 3.0, figures
     assert figures["replicas_restarted"] == []  # no crash
     workers_before, workers_after = figures["memory"][1]["workers_mib"], figures["memory"][-1]["workers_mib"]
     for replica, mib in workers_after.items():
