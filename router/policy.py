@@ -12,11 +12,13 @@ import xxhash
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
 from router.load import LoadTracker
+from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
 from router.policy_config import PolicyConfig
 from router.prefix_index import PrefixIndex
 from router.request import RoutingRequest
 from router.ring import HashRing
+from router.summary_intake import SummaryIntake
 
 logger = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
@@ -167,12 +169,8 @@ class PrefixAffinityPolicy:
         grain = self.config.within_block_tokens
         self._partial = (PartialBlockIndex(self.config.block_size, grain, self.config.max_partial_entries)
                          if grain else None)
-        self._summary_versions: dict[str, int] = {}
-        self._epochs: dict[str, str] = {}  # replica -> epoch of the summaries applied
-        # replica -> ((version, hashes) of its last snapshot, (version, hashes) of the last state applied)
-        self._snapshots: dict[str, tuple[tuple[int, frozenset[int]], ...]] = {}
-        self._mean_output: dict[str, float] = {}  # replica -> its reported mean output length (> 0 only)
-        self._fleet_mean_output = 0.0  # mean of _mean_output's values (0.0: none reported)
+        self._intake = SummaryIntake()
+        self._outputs = OutputEstimate(self.config.prior_output_tokens)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
 
     # ------------------------------------------------------------------ replicas
@@ -209,11 +207,8 @@ class PrefixAffinityPolicy:
         self._ring.remove(replica_id)
         self._index.remove_replica(replica_id)
         self._loads.remove_replica(replica_id)
-        self._summary_versions.pop(replica_id, None)
-        self._epochs.pop(replica_id, None)
-        self._snapshots.pop(replica_id, None)
-        self._mean_output.pop(replica_id, None)
-        self._fleet_mean_output = _mean(self._mean_output.values())
+        self._intake.remove(replica_id)
+        self._outputs.remove(replica_id)
 
     # ------------------------------------------------------------------ reports
     def on_summary(self, summary: CacheSummary) -> bool:
@@ -229,57 +224,29 @@ class PrefixAffinityPolicy:
             logger.warning("summary from %s at block size %d, router uses %d; ignored",
                            replica_id, summary.block_size, self.config.block_size)
             return False
-        is_new_epoch = replica_id in self._epochs and summary.epoch != self._epochs[replica_id]
-        if not is_new_epoch and summary.version <= self._summary_versions.get(replica_id, -1):
+        accepted = self._intake.accept(summary)
+        if accepted is None:
             return False
-        hashes = summary.block_hashes
-        held = self._snapshots.get(replica_id, ())
-        if summary.is_delta:  # against the last snapshot or the last state applied, if held
-            base = next((h for v, h in held if v == summary.base_version), None)
-            if is_new_epoch or base is None:
-                return False
-            hashes = (base | hashes) - summary.removed_hashes
-            self._snapshots[replica_id] = (held[0], (summary.version, hashes))
-        elif summary.epoch:
-            self._snapshots[replica_id] = ((summary.version, hashes), (summary.version, hashes))
-        self._epochs[replica_id] = summary.epoch
-        self._summary_versions[replica_id] = summary.version
+        hashes, keep_learned = accepted
         capacity = summary.budget_tokens // summary.block_size or None
-        self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=not is_new_epoch)
-        if summary.mean_output_tokens > 0:
-            self._mean_output[replica_id] = summary.mean_output_tokens
-            self._fleet_mean_output = _mean(self._mean_output.values())
+        self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=keep_learned)
+        self._outputs.report(replica_id, summary.mean_output_tokens)
         self._loads.on_report(replica_id, self._reported_work(summary))
         return True
 
     def _reported_work(self, summary: CacheSummary) -> float:
-        """A report in the units of :meth:`_work_tokens`: the queued prompt
-        tokens, plus the expected decode of every waiting request and half of
-        every running one's (on average it is half done)."""
-        expected = self._expected_output(None, summary.replica_id)
+        """A report in the units of the load: the queued prompt tokens, plus
+        the expected decode of every waiting request and half of every running
+        one's (on average it is half done)."""
+        expected = self._outputs.expected(None, summary.replica_id)
         decode = self.config.queue_token_cost * expected * (summary.num_waiting + 0.5 * summary.num_running)
         return summary.num_queued_tokens + decode
-
-    def _expected_output(self, request: RoutingRequest | None, replica_id: str | None = None) -> float:
-        """Expected output tokens of ``request`` on ``replica_id``: the mean
-        output length that replica reports (its prefixes' requests; outputs
-        differ by application), else the fleet's mean, capped by the
-        request's ``max_tokens`` (``num_output_tokens``, an upper bound).
-        Before any replica reports: ``min(max_tokens, prior_output_tokens)``
-        (0 when the request gives no ``max_tokens``)."""
-        cap = float(request.num_output_tokens) if request is not None else 0.0
-        mean = self._mean_output.get(replica_id) or self._fleet_mean_output
-        if not mean:
-            return min(cap, float(self.config.prior_output_tokens)) if request is not None else 0.0
-        return min(cap, mean) if cap else mean
 
     def on_routing_stats(self, replica_id: str, stats: object) -> bool:
         """Apply Ray Serve routing stats (a ``CacheSummary.to_dict()``); never raises."""
         if not stats:
             return False  # the replica has not reported yet
-        version = stats.get("version") if isinstance(stats, dict) else None
-        if type(version) is int and version <= self._summary_versions.get(replica_id, -1) \
-                and stats.get("epoch", "") == self._epochs.get(replica_id):
+        if isinstance(stats, dict) and self._intake.has_seen(replica_id, stats.get("version"), stats.get("epoch")):
             return False  # seen already: Ray re-sends every replica's stats when any one changes
         try:
             summary = CacheSummary.from_dict(stats)
@@ -446,7 +413,7 @@ class PrefixAffinityPolicy:
         (default the config's: busy time; the queue's price for load)."""
         if decode_token_cost is None:
             decode_token_cost = self.config.decode_token_cost
-        expected = self._expected_output(request, replica_id)
+        expected = self._outputs.expected(request.num_output_tokens, replica_id)
         return request.num_prompt_tokens - cached + decode_token_cost * expected
 
     def _within_block(self, request: RoutingRequest, depth: int) -> tuple[str, int] | None:
@@ -479,13 +446,8 @@ class PrefixAffinityPolicy:
         nodes = self._ring.nodes
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
         assert set(self._index.replica_ids) <= nodes, "index knows a replica off the ring"
-        assert set(self._summary_versions) <= nodes, "summary version of a replica off the ring"
-        assert set(self._snapshots) <= set(self._epochs) == set(self._summary_versions), "stream state drifted"
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
+        assert self._intake.replica_ids <= nodes, "summary version of a replica off the ring"
+        self._intake.check_invariants()
 
 
 def _beyond(deviation: float, dead: float) -> float:

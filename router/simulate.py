@@ -35,6 +35,7 @@ from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
 from router.cluster import CostModel, SimReplica
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
+from router.sim_report import plot, replay_figures
 from router.workload import Workload, load_mooncake, multi_turn, scale_arrivals, shared_prefix
 
 POLICY_NAMES = ("ours", "round_robin", "pow2", "ray_prefix_affinity", "sglang_cache_aware", "dynamo_kv", "llm_d")
@@ -224,51 +225,11 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         decision_us.append((time.thread_time() - started) * 1e6)
         replicas[index].submit(number, request, now)
     run_to(math.inf)
-    figures = _figures(workload, config, replicas, decision_us)
+    figures = replay_figures(workload, config, replicas, decision_us)
     if hears and version:
         span_s = version * config.summary_period_s
         figures["summary_bytes_per_replica_s"] = summary_bytes / (span_s * len(replicas))
         figures["router_summary_cpu_ms_per_s"] = 1e3 * summary_cpu_s / (span_s * config.num_routers)
-    return figures
-
-
-def _figures(workload: Workload, config: SimConfig, replicas: list, decision_us: list[float]) -> dict:
-    outcomes = {}
-    for replica in replicas:
-        outcomes.update(replica.outcomes)
-    timing = config.timing
-    cached_total = prompt_total = num_hits = 0
-    ttfts, waits = [], []
-    for number, request in enumerate(workload.requests):
-        outcome = outcomes[number]
-        cached_total += outcome.cached_tokens
-        prompt_total += request.num_prompt_tokens
-        num_hits += outcome.cached_tokens > 0
-        ttfts.append(outcome.ttft_s)
-        own_s = timing.prefill_s(request.num_prompt_tokens - outcome.cached_tokens, outcome.cached_tokens)
-        waits.append(outcome.ttft_s - own_s)
-    ttfts.sort()
-    waits.sort()
-    decision_us.sort()
-    busy = [r.busy_s for r in replicas]
-    mean_busy = sum(busy) / len(busy)
-    figures = {
-        "hit_rate": cached_total / max(prompt_total, 1),
-        "request_hit_rate": num_hits / max(len(ttfts), 1),
-        "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
-        "wait_p99_s": percentile(waits, 99),
-        "decision_us_p50": percentile(decision_us, 50),
-        "decision_us_p99": percentile(decision_us, 99),
-        "busy_s": busy,
-    }
-    if config.replica_model == "cb":
-        num_steps = sum(r.num_steps for r in replicas)
-        decode_tokens = sum(r.num_output_tokens for r in workload.requests)
-        figures["mean_decode_batch"] = decode_tokens / max(num_steps, 1)
-        figures["num_preemptions"] = sum(r.num_preemptions for r in replicas)
     return figures
 
 
@@ -354,48 +315,6 @@ def _mean_over_seeds(runs: list[dict]) -> dict:
     merged = {k: sum(run[k] for run in runs) / len(runs) for k in keys}
     merged["per_seed"] = {k: [run[k] for run in runs] for k in ("hit_rate", "load_imbalance", "ttft_p99_s")}
     return merged
-
-
-def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["policies"])
-    figures = result["policies"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    positions = range(len(names))
-    axes[0].bar(positions, [figures[n]["hit_rate"] for n in names], color="tab:blue")
-    axes[0].axhline(result["global_lru_hit_rate"], color="tab:green", ls="--", label="global LRU")
-    axes[0].axhline(result["infinite_hit_rate"], color="tab:gray", ls=":", label="infinite cache")
-    axes[0].set_title("token hit rate")
-    axes[0].legend(loc="lower right")
-    width = 0.4
-    axes[1].bar([p - width / 2 for p in positions], [figures[n]["ttft_p50_s"] for n in names], width, label="p50")
-    axes[1].bar([p + width / 2 for p in positions], [figures[n]["ttft_p99_s"] for n in names], width, label="p99")
-    if "ttft_p99_floor_s" in result:
-        axes[1].axhline(result["ttft_p99_floor_s"], color="tab:red", ls="--", label="p99 floor (any policy)")
-    axes[1].set_yscale("log")
-    axes[1].set_title("TTFT (s)")
-    axes[1].legend()
-    axes[2].bar(positions, [figures[n]["load_imbalance"] for n in names], color="tab:orange")
-    axes[2].axhline(1.10, color="tab:red", ls="--", label="goal 1.10")
-    axes[2].set_ylim(bottom=1.0)
-    axes[2].set_title("load imbalance (max / mean work)")
-    axes[2].legend()
-    for axis in axes:
-        axis.set_xticks(list(positions))
-        axis.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-    setup = result["setup"]
-    fig.suptitle(
-        f"{setup['workload']}: {setup['num_replicas']} replicas × {setup['budget_tokens']:,} tokens, "
-        f"prefill {setup['prefill_tokens_per_s']:,.0f} tok/s, decode {setup['decode_s_per_token']} s/token, "
-        f"no-hit utilisation {setup['utilisation']}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
