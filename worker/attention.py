@@ -45,6 +45,7 @@ from worker.chunk_arrays import ChunkArrays
 ATTN_IMPLEMENTATION = "kvroute_paged"
 DECODE_KEY_CHUNK = 128  # positions per decode pair (rounded up to whole blocks)
 DEFAULT_SCRATCH_TOKENS = 32768  # K/V positions one round may gather
+_MATH_SCORES = 1 << 24  # score elements the plain-maths fallback holds at once
 _EMPTY_LSE = -1e30  # a running log-sum-exp before any key (finite: exp(-1e30 - m) == 0, never NaN)
 
 
@@ -156,17 +157,24 @@ def attend_with_lse(q, k, v, *, mask=None, is_causal=False, scale: float):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )
+    # Elsewhere (CUDA without FlashInfer): plain maths, query rows in slices so that the
+    # float32 scores stay under _MATH_SCORES elements whatever n and m are.
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, heads, n, m]
-    if mask is not None:
-        scores = scores + mask
-    if is_causal:
-        n, m = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = (scores - lse[..., None]).exp() @ v.float()
-    return out.to(q.dtype), lse
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    rows = max(1, _MATH_SCORES // max(1, q.shape[0] * q.shape[1] * num_keys))
+    outs, lses = [], []
+    for lo in range(0, num_queries, rows):
+        scores = (q[:, :, lo : lo + rows].float() @ k.transpose(-1, -2)) * scale  # [B, heads, rows, m]
+        if mask is not None:
+            scores = scores + mask[:, :, lo : lo + rows] if mask.shape[2] > 1 else scores + mask
+        if is_causal:
+            query_pos = torch.arange(lo, lo + scores.shape[2], device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(num_keys, device=q.device)[None, :] > query_pos, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(((scores - lse[..., None]).exp() @ v).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _merge(acc_out, acc_lse, index, out, lse) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from worker import attention
 from worker.attention import DEFAULT_SCRATCH_TOKENS
 from worker.config import EngineConfig
+from worker.gpu_attention import flashinfer_available
 from worker.kv import KVPool
 from worker.linear import choose_gemm, fuse_projections, pack_linears
 from worker.model import LoadedModel, TinyLlamaSpec, load_model
@@ -39,9 +40,14 @@ class ModelRunner:
         trust_remote_code: bool = False,
         gemm: str = "auto",
         attention_scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
+        attention_kernel: str = "auto",
     ) -> None:
         """``gemm``: "auto" (the packed kernel where :func:`choose_gemm` picks it), "packed" or "plain";
-        ``attention_scratch_tokens``: K/V positions the default attention kernel gathers at once."""
+        ``attention_scratch_tokens``: K/V positions the default attention kernel gathers at once;
+        ``attention_kernel``: default mode's kernel, "auto" (FlashInfer on CUDA where it imports,
+        else torch), "torch" or "flashinfer"."""
+        if attention_kernel not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_kernel must be auto, torch or flashinfer, got {attention_kernel!r}")
         self.attention_scratch_tokens = attention_scratch_tokens
         attention.register()
         self.loaded: LoadedModel = load_model(
@@ -50,6 +56,10 @@ class ModelRunner:
         )
         self.deterministic = deterministic
         self.device = torch.device(device)
+        self.flashinfer = not deterministic and (
+            attention_kernel == "flashinfer"
+            or (attention_kernel == "auto" and self.device.type == "cuda" and flashinfer_available())
+        )
         self.dtype = getattr(torch, dtype)
         self.max_positions = max_positions or self.loaded.max_position_embeddings
         install_rope_table(self.loaded.model, self.max_positions)
@@ -91,7 +101,7 @@ class ModelRunner:
         step = build_step(
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
-            tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens,
+            tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
         )
         output = self.loaded.model(
             input_ids=step.input_ids[None],

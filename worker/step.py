@@ -17,6 +17,7 @@ import torch
 
 from worker.attention import DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan
 from worker.chunk_arrays import ChunkArrays
+from worker.gpu_attention import FlashInferPlan, build_flashinfer_plan
 from worker.kv import KVPool
 from worker.numerics import pad_rows
 from worker.tiled_attention import TiledPlan, build_tiled_plan
@@ -41,7 +42,7 @@ class StepBatch:
     position_ids: torch.Tensor  # [num_rows]
     write_rows: torch.Tensor  # [kv_heads * num_rows] pool row of each (head, token)'s K/V, head-major
     logits_rows: torch.Tensor  # [num_logits] rows whose logits are wanted, in chunk order
-    plan: DefaultPlan | TiledPlan  # attends the step's queries: plan.attend(q, key, value, pool, layer, scale)
+    plan: DefaultPlan | TiledPlan | FlashInferPlan  # attends the step's queries: plan.attend(q, key, value, pool, layer, scale)
     num_tokens: int  # real (unpadded) rows
 
 
@@ -54,9 +55,11 @@ def build_step(
     num_heads: int,
     tile_rows: tuple[int, int] = (16, 16),
     scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
+    flashinfer: bool = False,
 ) -> StepBatch:
     """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel;
-    ``scratch_tokens``: K/V positions the default kernel gathers at once."""
+    ``scratch_tokens``: K/V positions the default kernel gathers at once;
+    ``flashinfer``: default mode plans for FlashInfer's paged kernel (CUDA)."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -97,6 +100,8 @@ def build_step(
             arrays, num_rows, num_heads // num_kv_heads, device,
             decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1],
         )
+    elif flashinfer:
+        plan = build_flashinfer_plan(arrays, num_heads, pool.geometry.head_dim, pool.data.dtype, device)
     else:
         plan = build_default_plan(arrays, device, scratch_tokens)
     return StepBatch(
