@@ -67,7 +67,7 @@ class AppConfig:
     cache_namespaces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     metrics_require_key: bool = False
     vllm_metrics: bool = True
-    max_in_flight_per_worker: int = 64
+    max_in_flight_per_worker: int = 320  # deploy/config.yaml: max_num_seqs + max_queued_requests
     retry_after_s: int = 1
     body_timeout_s: float = 15.0  # a request body must arrive within this (else 408)
 
