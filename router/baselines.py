@@ -1,11 +1,13 @@
 """The peers' routing rules, as the simulator replays them.
 
-Each baseline sees the simulated replicas directly: their true queue length,
-their true active tokens and — generously — their *true* cache contents
-(``match_units``), where the real routers work from an approximate
-router-side tree or from KV events. Ours sees only its own index and the
-replicas' periodic summaries. Every rule is ``choose(request, replicas,
-now) -> replica index``.
+Each baseline reads the simulated replicas as its live counterpart reads
+its engines: request counts (running + waiting) and active tokens (queued
+prompts + running sequences' tokens so far) — never a request's future
+decode or real output length — and, generously, each replica's *true*
+cache contents (``match_units``), where the real routers work from an
+approximate router-side tree or from KV events. Ours sees only its own
+index, the replicas' periodic summaries and completions. Every rule is
+``choose(request, replicas, now) -> replica index``.
 """
 
 from __future__ import annotations
