@@ -10,40 +10,16 @@ import random
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
-from deploy.http_app import build_http_app
-from deploy.request_builder import ModelBounds, RequestBuilder
-from deploy.settings import AppConfig, Limits
-from harness.engine_client import EngineClient
+from deploy.settings import Limits
 from harness.sse import DONE, sse_events
-from worker import AsyncEngine, EngineConfig
-from worker.model import load_tokenizer
 
 MODEL = "tiny-llama"
-ENGINE = dict(deterministic=True, cache_budget_tokens=4096, kv_pool_tokens=8192, max_batch_tokens=256,
-              max_num_seqs=16, max_model_len=1024)
-
-
-def serve_in_process(engine: AsyncEngine, **config) -> TestClient:
-    """The ingress app as ``build_app`` makes it, over ``engine`` in this process."""
-    config = AppConfig(engine=ENGINE, **config)
-    builder = RequestBuilder(config.limits, ModelBounds.from_info(engine.model_info()), config.router_block_size)
-    app = build_http_app(config, EngineClient(engine), load_tokenizer(MODEL), builder)
-    return TestClient(app, raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
-def engine():
-    engine = AsyncEngine(EngineConfig(**ENGINE))
-    yield engine
-    engine._closed = True  # noqa: SLF001 - the thread is a daemon; stop it without a loop
-    engine._wakeup.set()  # noqa: SLF001
-
-
-@pytest.fixture(scope="module")
-def http(engine):
-    with serve_in_process(engine, limits=Limits(max_body_bytes=1 << 20)) as client:
+def http(serve_in_process):
+    with serve_in_process(limits=Limits(max_body_bytes=1 << 20)) as client:
         yield client
 
 
@@ -218,13 +194,3 @@ def test_malformed_json_oversized_body_and_the_server_keeps_serving(http):
     assert "larger than" in error["message"]
     out = http.post("/generate", json={"prompt_token_ids": tokens(6, 10), "max_new_tokens": 3, "ignore_eos": True})
     assert out.status_code == 200 and len(out.json()["token_ids"]) == 3
-
-
-def test_api_keys_guard_every_route_but_health(engine):
-    with serve_in_process(engine, api_keys=("k1",)) as http:
-        assert http.get("/health").status_code == 200
-        body = {"prompt_token_ids": [1, 2, 3], "max_new_tokens": 1}
-        error = assert_error(http.post("/generate", json=body), 401)
-        assert error["code"] == "invalid_api_key"
-        assert_error(http.get("/v1/models", headers={"Authorization": "Bearer k2"}), 401)
-        assert http.post("/generate", json=body, headers={"Authorization": "Bearer k1"}).status_code == 200
