@@ -161,6 +161,9 @@ def time_interleaved(systems: list, workloads: dict[str, Workload], repeats: int
                 with torch.inference_mode():
                     outcome = system.once(workload)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                measured = outcome.wall_s if outcome.wall_s is not None else wall
+                tag = "warm-up" if round_index < warmup_rounds else f"round {round_index - warmup_rounds + 1}"
+                print(f"  {tag:8s} {workload_name:9s} {system.name:40s} {measured:7.2f} s", flush=True)
                 if round_index < warmup_rounds:
                     continue
                 run = runs[(system.name, workload_name)]

@@ -98,7 +98,7 @@ def build_step(
     if deterministic:
         plan = build_tiled_plan(
             arrays, num_rows, num_heads // num_kv_heads, device,
-            decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1],
+            decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1], scratch_tokens=scratch_tokens,
         )
     elif flashinfer:
         plan = build_flashinfer_plan(arrays, num_heads, pool.geometry.head_dim, pool.data.dtype, device)

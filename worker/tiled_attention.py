@@ -66,6 +66,7 @@ class TiledPlan:
     rows_per_slab: int  # min(block_size, key_block): the pool is read in slabs of this many rows
     pad_row: int  # the all-zero row appended to the query matrix
     groups: list[TileGroup]
+    pairs_per_round: int  # pairs whose keys are gathered at once (scratch bound)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
         """``q [heads, T, D]`` → ``[T, heads, D]``; every key is read from the pool (written already)."""
@@ -116,9 +117,11 @@ def build_tiled_plan(
     *,
     decode_tile_rows: int = TILE_ROWS,
     prefill_tile_rows: int = TILE_ROWS,
+    scratch_tokens: int = 32768,
 ) -> TiledPlan:
     """``num_rows``: tokens in the (padded) flattened batch; ``group``: query heads per
-    KV head; tile rows for one-token chunks and for longer ones (see :func:`choose_tile_rows`)."""
+    KV head; tile rows for one-token chunks and for longer ones (see :func:`choose_tile_rows`);
+    ``scratch_tokens``: key positions gathered at once (rounds of whole pairs)."""
     rows_per_slab = min(chunks.block_size, KEY_BLOCK)
     pad_row = chunks.num_kv_heads * num_rows * group
     is_decode = chunks.lengths == 1
@@ -130,7 +133,7 @@ def build_tiled_plan(
         for members, rows in classes
         if len(members)
     ]
-    return TiledPlan(KEY_BLOCK, rows_per_slab, pad_row, groups)
+    return TiledPlan(KEY_BLOCK, rows_per_slab, pad_row, groups, max(1, scratch_tokens // KEY_BLOCK))
 
 
 def _build_group(chunks, members, rows_per_tile, num_rows, group, rows_per_slab, pad_row, device) -> TileGroup:
@@ -190,30 +193,50 @@ def tiled_attention(q: torch.Tensor, pool, layer: int, plan: TiledPlan, scale: f
     values = pool.slabs(layer, 1, plan.rows_per_slab)
     out_rows = q_rows.new_zeros(q_rows.shape[0], head_dim)
     for tiles in plan.groups:
-        tile_out = _attend(q_rows, keys, values, tiles, plan.key_block)
+        tile_out = _attend(q_rows, keys, values, tiles, plan.key_block, plan.pairs_per_round)
         out_rows.index_copy_(0, tiles.tile_rows.view(-1), tile_out.view(-1, head_dim))
     out = out_rows[:-1].view(num_kv_heads, num_rows, group, head_dim).permute(1, 0, 2, 3)
     return out.reshape(num_rows, num_heads, head_dim)
 
 
-def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int) -> torch.Tensor:
-    """One tile group → ``[tiles, rows, D]``."""
+def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int, pairs_per_round: int) -> torch.Tensor:
+    """One tile group → ``[tiles, rows, D]``, its pairs in rounds of ``pairs_per_round``.
+
+    Rounds are runs of the key-block-major pair order. A first pass takes each
+    row's exact max over every round (max does not round); the second
+    recomputes each round's scores (kept from the first pass when there is one
+    round) and adds its pairs in, key block by key block: a row still gets one
+    add per key block in block order, so the bits do not depend on the rounds."""
     rows, head_dim = tiles.rows_per_tile, q_rows.shape[1]
     num_pairs = tiles.pair_tile.shape[0]
-    qp = q_rows.index_select(0, tiles.pair_query_rows).view(num_pairs, rows, head_dim)
-    kp = keys.index_select(0, tiles.pair_slabs).view(num_pairs, key_block, head_dim)
-    vp = values.index_select(0, tiles.pair_slabs).view(num_pairs, key_block, head_dim)
-    scores = torch.bmm(qp, kp.transpose(1, 2))  # [P, rows, key_block]
-    scores.masked_fill_(tiles.pair_masked, float("-inf"))
-    pair_max = scores.amax(dim=-1)  # [P, rows]
-    row_max = pair_max.new_full((tiles.num_tiles, rows), float("-inf"))
-    row_max.scatter_reduce_(0, tiles.pair_tile[:, None].expand_as(pair_max), pair_max, "amax")  # exact
-    scores.sub_(row_max.index_select(0, tiles.pair_tile).unsqueeze(-1)).exp_()  # masked: exp(-inf) = 0
-    sums = scores.sum(dim=-1)  # [P, rows], fixed length key_block
-    partial = torch.bmm(scores, vp)  # [P, rows, D]
-    total = partial.new_zeros(tiles.num_tiles, rows, head_dim)
-    denom = sums.new_zeros(tiles.num_tiles, rows)
-    for lo, hi, tile_ids in tiles.block_steps:  # key block 0, 1, 2, ...: one add per element each
-        total.index_add_(0, tile_ids, partial[lo:hi])
-        denom.index_add_(0, tile_ids, sums[lo:hi])
+    slabs_per_pair = tiles.pair_slabs.shape[0] // num_pairs
+    rounds = [(lo, min(num_pairs, lo + pairs_per_round)) for lo in range(0, num_pairs, pairs_per_round)]
+
+    def scores_of(lo: int, hi: int) -> torch.Tensor:
+        qp = q_rows.index_select(0, tiles.pair_query_rows[lo * rows : hi * rows]).view(hi - lo, rows, head_dim)
+        kp = keys.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
+        scores = torch.bmm(qp, kp.view(hi - lo, key_block, head_dim).transpose(1, 2))  # [P, rows, key_block]
+        return scores.masked_fill_(tiles.pair_masked[lo:hi], float("-inf"))
+
+    row_max = q_rows.new_full((tiles.num_tiles, rows), float("-inf"))
+    kept = None
+    for lo, hi in rounds:
+        scores = scores_of(lo, hi)
+        pair_max = scores.amax(dim=-1)  # [P, rows]
+        row_max.scatter_reduce_(0, tiles.pair_tile[lo:hi, None].expand_as(pair_max), pair_max, "amax")  # exact
+        kept = scores if len(rounds) == 1 else None
+    total = q_rows.new_zeros(tiles.num_tiles, rows, head_dim)
+    denom = q_rows.new_zeros(tiles.num_tiles, rows)
+    for lo, hi in rounds:
+        scores = kept if kept is not None else scores_of(lo, hi)
+        scores.sub_(row_max.index_select(0, tiles.pair_tile[lo:hi]).unsqueeze(-1)).exp_()  # masked: exp(-inf) = 0
+        sums = scores.sum(dim=-1)  # [P, rows], fixed length key_block
+        vp = values.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
+        partial = torch.bmm(scores, vp.view(hi - lo, key_block, head_dim))  # [P, rows, D]
+        for first, end, _ in tiles.block_steps:  # key block 0, 1, 2, ...: one add per element each
+            a, b = max(first, lo), min(end, hi)
+            if a < b:
+                tile_ids = tiles.pair_tile[a:b]
+                total.index_add_(0, tile_ids, partial[a - lo : b - lo])
+                denom.index_add_(0, tile_ids, sums[a - lo : b - lo])
     return total / denom.unsqueeze(-1)

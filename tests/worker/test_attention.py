@@ -180,3 +180,15 @@ def test_decodes_sharing_prefix_blocks_read_them_once_and_attend_correctly():
     out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, kvroute_step=step)
     expected = torch.cat([naive(q, k, v, 0.3) for _, _, q, k, v in specs])
     torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile_rows", [(4, 128), (16, 16)])
+def test_tiled_kernel_in_scratch_bounded_rounds_gives_the_same_bits(tile_rows):
+    """Deterministic mode's kernel under a scratch budget of one pair per round: not a bit
+    changes (a row still gets one add per key block, in block order)."""
+    specs, num_blocks = _tables(EDGES, 16)
+    whole, expected = run(specs, True, tile_rows=tile_rows, block_size=16, num_blocks=num_blocks)
+    for scratch in (1, 64, 200):
+        rounds, _ = run(specs, True, tile_rows=tile_rows, block_size=16, num_blocks=num_blocks, scratch_tokens=scratch)
+        assert torch.equal(rounds, whole), scratch
+    torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-5)
