@@ -43,6 +43,10 @@ KINDS = (  # (kind, weight)
     ("generate", 25), ("generate_stream", 15), ("completion_stream", 10), ("chat", 10), ("batch", 5),
     ("cancelled", 10), ("invalid_body", 10), ("bad_auth", 8), ("unknown_path", 7),
 )
+# A small cache budget and KV pool, so the cache is full (steady state) within
+# the first minute: a Worker's pool is allocated up front but its pages are
+# first touched as blocks are first used, and RSS follows them until then.
+SOAK_ENGINE = {"cache_budget_tokens": 8192, "kv_pool_tokens": 16384}
 SOAK_APP_ARGS = {"api_keys": list(API_KEYS), "stats_period_s": 0.5,
                  "limits": {"max_prompt_tokens": 1024, "max_new_tokens": 64, "max_body_bytes": 65536,
                             "max_batch_prompts": 8, "max_n": 2}}
@@ -180,6 +184,24 @@ def _process_rss_mib(app) -> dict[str, float]:
     return out
 
 
+def _kv_figures(url: str, key: str) -> dict:
+    """Per Worker: KV blocks in use, the MiB of KV pool they cover, tokens the cache holds.
+    (A Worker's pool is allocated up front but its pages are first touched as
+    blocks are first used, so its RSS grows with the blocks ever used, up to the pool.)"""
+    try:
+        replicas = faults.replica_stats(url, {"Authorization": f"Bearer {key}"})
+    except Exception:  # noqa: BLE001 - a missed sample is a gap, not a failure
+        return {}
+    out = {}
+    for replica_id, stats in replicas.items():
+        used = stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_free", 0)
+        block_mib = stats.get("kv_block_size", 0) * stats.get("kv_bytes_per_token", 0) / 2**20
+        out[f"{stats.get('pid')}"] = {"blocks_used": used, "blocks_used_mib": round(used * block_mib, 1),
+                                      "pool_mib": round(stats.get("kv_blocks_total", 0) * block_mib, 1),
+                                      "cache_num_tokens": stats.get("cache_num_tokens")}
+    return out
+
+
 async def capacity_rps(url: str, headers: dict, seconds: float = 10.0, concurrency: int = 8, seed: int = 0) -> float:
     rng = random.Random(seed)
     prefixes = [_tokens(rng, 128) for _ in range(8)]
@@ -212,7 +234,8 @@ async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.
 
     async def sampler():
         while not stop_sampling.is_set():
-            samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mib": _process_rss_mib(app)})
+            samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mib": _process_rss_mib(app),
+                            "kv": await asyncio.to_thread(_kv_figures, app.url, keys[0])})
             try:
                 await asyncio.wait_for(stop_sampling.wait(), sample_s)
             except asyncio.TimeoutError:
@@ -241,7 +264,8 @@ async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.
         await asyncio.gather(*tasks)
     stop_sampling.set()
     await sampling
-    samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mib": _process_rss_mib(app)})
+    samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mib": _process_rss_mib(app),
+                    "kv": _kv_figures(app.url, keys[0])})
     end_wall_s = time.time()
     audits = await asyncio.to_thread(faults.wait_for_clean_audits, app.url, num_workers, after_s=end_wall_s,
                                      headers={"Authorization": f"Bearer {keys[0]}"}, timeout_s=60)
@@ -265,6 +289,7 @@ def _figures(by_kind, labels, problems, samples, audits, wall_s, rate_rps) -> di
         "max_rss_growth_mib": max(growth.values(), default=0.0),
         "rss_growth_second_half_mib": {name: second_half[name] for name in growing if name in second_half},
         "rss_series_mib": {name: [s["rss_mib"].get(name) for s in samples] for name in growing},
+        "kv_series": [{"t_s": s["t_s"], **s.get("kv", {})} for s in samples],
         "rss_samples_mib": [{"t_s": s["t_s"], "total": round(sum(s["rss_mib"].values()), 1)} for s in samples],
         "audits_clean": [a.is_clean for a in audits],
     }
@@ -282,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from harness.serving import start_app
 
-    app = start_app(num_cpus=2, args_overrides=SOAK_APP_ARGS)
+    from harness.serving import config_engine_args
+
+    app = start_app(num_cpus=2, args_overrides={**SOAK_APP_ARGS, "engine": config_engine_args(**SOAK_ENGINE)})
     try:
         os.nice(args.nice)
         headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
