@@ -60,6 +60,8 @@ _COUNT_FIELDS = (
     "num_running_tokens",
     "num_running",
     "num_waiting",
+    "num_prefill_tokens_total",
+    "num_output_tokens_total",
 )
 
 
@@ -83,6 +85,10 @@ class CacheSummary:
       mean_output_tokens: mean output length (tokens) of the requests this
         replica finished recently (a small rolling window); 0.0 when none. The
         router's estimate of decode work, in place of ``max_tokens``.
+      num_prefill_tokens_total / num_output_tokens_total: tokens this replica
+        process has run through prefill and generated since it started (its
+        epoch): counters every router reads alike, so routers that see only
+        their own decisions still agree on each replica's share of the work.
       epoch: names the replica process's stream of summaries ("" for none); a
         new epoch (a restart) starts its versions afresh and drops what the
         router held for the replica.
@@ -124,6 +130,8 @@ class CacheSummary:
     num_running: int = 0
     num_waiting: int = 0
     mean_output_tokens: float = 0.0
+    num_prefill_tokens_total: int = 0
+    num_output_tokens_total: int = 0
     epoch: str = ""
     base_version: int = 0
     removed_hashes: frozenset[int] = frozenset()
@@ -176,6 +184,8 @@ class CacheSummary:
         num_running: int = 0,
         num_waiting: int = 0,
         mean_output_tokens: float = 0.0,
+        num_prefill_tokens_total: int = 0,
+        num_output_tokens_total: int = 0,
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -191,6 +201,8 @@ class CacheSummary:
             num_running=num_running,
             num_waiting=num_waiting,
             mean_output_tokens=float(mean_output_tokens),
+            num_prefill_tokens_total=num_prefill_tokens_total,
+            num_output_tokens_total=num_output_tokens_total,
         )
 
     def to_dict(self) -> dict:

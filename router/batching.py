@@ -168,6 +168,7 @@ class BatchingReplica:
         self._outputs = OutputWindow()
         self.num_steps = 0
         self.num_preemptions = 0
+        self._prefill_total = self._output_total = 0  # tokens prefilled / of finished requests
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
@@ -215,6 +216,7 @@ class BatchingReplica:
         num_prefill = 0
         for seq, chunk in chunks:
             num_prefill += chunk
+            self._prefill_total += chunk
             context += seq.num_prefilled + chunk
         step_s = profile.step_s(num_prefill, len(decoding), context)
         end_s = self._clock_s + step_s
@@ -273,6 +275,7 @@ class BatchingReplica:
                 self._kv_used -= seq.num_kv_tokens
                 self.radix.insert(seq.request.cache_units)
                 self._outputs.add(seq.request.num_output_tokens)
+                self._output_total += seq.request.num_output_tokens
                 self._finished.append(Completion(seq.number, end_s))
             else:
                 still.append(seq)
@@ -329,6 +332,8 @@ class BatchingReplica:
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             mean_output_tokens=self._outputs.mean,
+            num_prefill_tokens_total=self._prefill_total,
+            num_output_tokens_total=self._output_total,
         )
 
     def check_invariants(self) -> None:

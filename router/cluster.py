@@ -133,6 +133,7 @@ class SimReplica:
         self._completions: list[tuple[float, int, int]] = []  # heap of (finish_s, number, output tokens)
         self._outputs = OutputWindow()
         self._time_s = 0.0
+        self._prefill_total = self._output_total = 0  # counted when done (prefill at submit: FIFO order)
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
@@ -149,6 +150,7 @@ class SimReplica:
                                request.num_output_tokens))
         heapq.heappush(self._completions, (self.free_at_s, number, request.num_output_tokens))
         self.radix.insert(request.cache_units)
+        self._prefill_total += request.num_prompt_tokens - cached
         outcome = Outcome(cached, start - now + prefill_s)
         self.outcomes[number] = outcome
         return outcome
@@ -158,6 +160,7 @@ class SimReplica:
         while self._completions and self._completions[0][0] <= until:
             finish_s, number, num_output = heapq.heappop(self._completions)
             self._outputs.add(num_output)
+            self._output_total += num_output
             done.append(Completion(number, finish_s))
         while self._jobs and self._jobs[0].finish_s <= until:
             self._jobs.popleft()
@@ -204,4 +207,6 @@ class SimReplica:
             num_running=num_running,
             num_waiting=num_waiting,
             mean_output_tokens=self._outputs.mean,
+            num_prefill_tokens_total=self._prefill_total,
+            num_output_tokens_total=self._output_total,
         )

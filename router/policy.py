@@ -17,6 +17,7 @@ from router.partial_blocks import PartialBlockIndex
 from router.policy_config import PolicyConfig
 from router.prefix_index import PrefixIndex
 from router.request import RoutingRequest
+from router.reported_work import ReportedWork
 from router.ring import HashRing
 from router.summary_intake import SummaryIntake
 
@@ -171,6 +172,7 @@ class PrefixAffinityPolicy:
                          if grain else None)
         self._intake = SummaryIntake()
         self._outputs = OutputEstimate(self.config.prior_output_tokens)
+        self._reported = ReportedWork(self.config.load_window_s, self.config.decode_token_cost)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
 
     # ------------------------------------------------------------------ replicas
@@ -209,6 +211,7 @@ class PrefixAffinityPolicy:
         self._loads.remove_replica(replica_id)
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
+        self._reported.remove(replica_id)
 
     # ------------------------------------------------------------------ reports
     def on_summary(self, summary: CacheSummary) -> bool:
@@ -231,6 +234,8 @@ class PrefixAffinityPolicy:
         capacity = summary.budget_tokens // summary.block_size or None
         self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
+        self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
+                              summary.num_output_tokens_total, self._clock())
         self._loads.on_report(replica_id, self._reported_work(summary))
         return True
 
@@ -364,6 +369,8 @@ class PrefixAffinityPolicy:
         key_bytes = _U64.pack(key & _MASK_64)
         num_prompt = request.num_prompt_tokens
         balance = config.balance_weight
+        shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
+        mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
         dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
         scored = []
         for replica_id in candidates:
@@ -371,7 +378,9 @@ class PrefixAffinityPolicy:
                                          within_tokens if replica_id == within_replica else 0)
             weight = 1.0 + (config.affinity_weight - 1.0) * cached / max(num_prompt, 1)
             recent = loads.recent_work(replica_id, now)
-            cost = loads.load(replica_id) + num_prompt - weight * cached + balance * _beyond(recent - mean_recent, dead)
+            balance_work = self._reported.value(replica_id, now) if shared else recent
+            cost = (loads.load(replica_id) + num_prompt - weight * cached
+                    + balance * _beyond(balance_work - mean_balance, dead))
             is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
             tiebreak = xxhash.xxh3_64_intdigest(key_bytes + replica_id.encode())

@@ -29,6 +29,7 @@ class PolicyConfig:
     max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
     num_ranked: int = 3  # replicas returned, best first
     balance_weight: float = 0.1  # beta: cost per token of recent work above the mean (below: a credit)
+    balance_from_reports: bool = False  # balance on the replicas' reported work counters (shared; measured worse: they lag)
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
@@ -49,6 +50,8 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.balance_from_reports, bool):
+            raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         if not isinstance(self.tie_by_recent_work, bool):
             raise ValueError(f"tie_by_recent_work must be a bool, got {self.tie_by_recent_work!r}")
         queue_cost = self.queue_decode_token_cost

@@ -81,6 +81,7 @@ class AsyncEngine:
         self._step_failed = False
         self._snapshot = self.engine.stats
         self._output_lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)  # engine thread appends
+        self._num_output_tokens_total = 0  # tokens of every finished request (engine thread)
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._thread.start()
 
@@ -261,6 +262,7 @@ class AsyncEngine:
                     deliveries.append((sink, event))
                 if event.result is not None:
                     self._output_lengths.append(len(event.result.token_ids))
+                    self._num_output_tokens_total += len(event.result.token_ids)
                     sink.is_done = True
                     deliveries.append((sink, event.result))
 
@@ -330,6 +332,8 @@ class AsyncEngine:
                 num_running=scheduler.num_running,
                 num_waiting=max(scheduler.num_waiting, num_live - scheduler.num_running),
                 mean_output_tokens=self.mean_output_tokens(),
+                num_prefill_tokens_total=self.engine.stats["prefill_tokens"],
+                num_output_tokens_total=self._num_output_tokens_total,
             )
 
     def mean_output_tokens(self) -> float:

@@ -95,9 +95,13 @@ def test_a_fifo_summary_is_what_the_worker_observes():
     assert (summary.num_running_tokens, summary.num_queued_tokens) == (102, 50)
     assert summary.mean_output_tokens == 0.0  # nothing finished yet
     replica.advance(3.0)
-    assert replica.summary(2, 3.0, 1, 4).mean_output_tokens == 4.0
-    names = [f.name for f in fields(CacheSummary)]
-    assert names[-1] == "mean_output_tokens" and names[-2] == "num_waiting"
+    later = replica.summary(2, 3.0, 1, 4)
+    assert later.mean_output_tokens == 4.0
+    assert (later.num_prefill_tokens_total, later.num_output_tokens_total) == (150, 4)
+    contract = ["replica_id", "version", "timestamp_s", "block_size", "block_hashes", "num_cached_tokens",
+                "budget_tokens", "num_queued_tokens", "num_running_tokens", "num_running", "num_waiting",
+                "mean_output_tokens"]  # DESIGN.md's order; extensions follow
+    assert [f.name for f in fields(CacheSummary)][: len(contract)] == contract
 
 
 def test_a_batching_summary_counts_prompts_not_yet_admitted_and_running_tokens():
