@@ -234,9 +234,10 @@ class PrefixAffinityPolicy:
         capacity = summary.budget_tokens // summary.block_size or None
         self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
+        reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
-                              summary.num_output_tokens_total, self._clock())
-        self._loads.on_report(replica_id, self._reported_work(summary))
+                              summary.num_output_tokens_total, self._clock(), reported_work)
+        self._loads.on_report(replica_id, reported_work)
         return True
 
     def _reported_work(self, summary: CacheSummary) -> float:

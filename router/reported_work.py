@@ -20,12 +20,16 @@ class ReportedWork:
         self.decode_token_cost = float(decode_token_cost)
         self._last: dict[str, tuple[str, int, int]] = {}  # replica -> (epoch, prefill, output) last seen
         self._value: dict[str, tuple[float, float]] = {}  # replica -> (decayed work, as of time)
+        self._queued: dict[str, float] = {}  # replica -> work it reported queued (routed, not yet done)
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._value
 
     def report(self, replica_id: str, epoch: str, num_prefill_total: int, num_output_total: int,
-               now: float) -> None:
+               now: float, queued_work: float = 0.0) -> None:
+        """``queued_work``: what the replica holds not yet done (counted as
+        routed work, so the figure leads the counters instead of lagging)."""
+        self._queued[replica_id] = queued_work
         last = self._last.get(replica_id)
         self._last[replica_id] = (epoch, num_prefill_total, num_output_total)
         if last is None or last[0] != epoch or num_prefill_total < last[1] or num_output_total < last[2]:
@@ -37,7 +41,7 @@ class ReportedWork:
 
     def value(self, replica_id: str, now: float) -> float:
         work, as_of = self._value.get(replica_id, (0.0, now))
-        return work * math.exp(-max(0.0, now - as_of) / self.window_s)
+        return work * math.exp(-max(0.0, now - as_of) / self.window_s) + self._queued.get(replica_id, 0.0)
 
     def mean(self, replica_ids, now: float) -> float:
         values = [self.value(r, now) for r in replica_ids]
@@ -46,3 +50,4 @@ class ReportedWork:
     def remove(self, replica_id: str) -> None:
         self._last.pop(replica_id, None)
         self._value.pop(replica_id, None)
+        self._queued.pop(replica_id, None)
