@@ -151,11 +151,15 @@ class RadixCache:
         namespaces least recently used first). A pure read: no LRU touch, no
         stats. O(``num_nodes``); do not change the tree while iterating."""
         for root in self._namespaces:
+            namespace = root.namespace
             stack = [(child, 0) for child in reversed(root.children.values())]
             while stack:
                 node, depth = stack.pop()
-                yield CachedEdge(root.namespace, depth, node.start, node.tokens, tuple(node.block_ids), node.lock_ref)
-                stack.extend((child, depth + 1) for child in reversed(node.children.values()))
+                yield CachedEdge(namespace, depth, node.start, node.tokens, tuple(node.block_ids), node.lock_ref)
+                if node.children:
+                    depth += 1
+                    for child in reversed(node.children.values()):
+                        stack.append((child, depth))
 
     # ------------------------------------------------------------------ updates
     def insert(

@@ -37,7 +37,7 @@ class MatchResult:
     _node: Node = field(repr=False, compare=False)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CachedEdge:
     """One node of the tree as :meth:`RadixCache.edges` walks it.
 
@@ -45,7 +45,9 @@ class CachedEdge:
     sequence through this node; ``depth`` is 0 for a node hanging from its
     namespace's root, its parent's depth + 1 otherwise. ``block_ids`` are the
     blocks it names (empty in simulated mode); ``num_locks`` the locks held on
-    it or below it.
+    it or below it. A fresh record per node (not frozen: building one is a
+    third of the cost, and the summary walk builds one per node under the
+    engine lock).
     """
 
     namespace: SaltKey
