@@ -4,14 +4,20 @@
    10^5 entries cached, real mode (a BlockAllocator behind it, the engine's
    flow: match, allocate_with_prefix, insert, free) and simulated mode. The
    entries are shared-prefix groups (a 4,032-token system prompt per group of
-   100 entries, then a 64-token unique tail; byte-level vocabulary of 256), so
-   10^5 entries fit in a few hundred MB. The caches for every size are built
+   100 entries, then a 64-token unique tail; byte-level vocabulary of 256;
+   peak memory in BENCHMARKS.md). The caches for every size are built
    first, then timed in interleaved rounds so machine noise hits all sizes
    alike. Per-op figures are thread CPU time (wall-clock medians are in the
    JSON). Goal: median cost flat in the number of entries (10^4 vs 10^2 <= 1.2).
 2. BlockAllocator internal fragmentation for block sizes 8/16/32/64 on the
    Mooncake trace's ``input_length + output_length`` (raw and scaled 1/16)
    and on a chat-like synthetic distribution, 64 sequences at a time.
+3. Tenants: one 64-token prompt under each of 10^4 / 10^5 distinct salts
+   against a 1,024-token cache (the engine's flow: match, insert), real and
+   simulated mode: memory the tree keeps (tracemalloc), live namespaces and
+   nodes, and the cost of the router summary's walk (``cached_block_hashes``).
+   Goal: memory and walk bounded by the budget and ``max_namespaces``, flat
+   in the number of salts ever seen.
 
 Not a test: it prints tables (and ``--json`` writes the figures).
 """
@@ -25,11 +31,13 @@ import math
 import random
 import statistics
 import time
+import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache.blocks import BlockAllocator
 from cache.radix import RadixCache
+from cache.summary import cached_block_hashes
 from harness.workloads import read_mooncake
 
 PROMPT_TOKENS = 4096
@@ -224,6 +232,54 @@ def bench_fragmentation(trace: Path, seed: int) -> dict:
     return out
 
 
+# -------------------------------------------------------------------- tenants
+def flood_salts(num_salts: int, real: bool, *, budget: int = 1024, prompt_tokens: int = 64, seed: int = 0) -> dict:
+    """One fresh prompt per distinct salt; what the tree keeps afterwards."""
+    rng = random.Random(seed)
+    tracemalloc.start()
+    allocator = BlockAllocator(budget // BLOCK_SIZE + 2 * prompt_tokens // BLOCK_SIZE, BLOCK_SIZE) if real else None
+    radix = RadixCache(budget, BLOCK_SIZE, allocator)
+    cpu = time.process_time()
+    for index in range(num_salts):
+        salt = f"tenant-{index}"
+        prompt = list(rng.randbytes(prompt_tokens))
+        radix.match(prompt, salt)
+        if allocator is None:
+            radix.insert(prompt, salt=salt)
+        else:
+            allocator.allocate(index, prompt_tokens)
+            radix.insert(prompt, allocator.block_table(index), salt)
+            allocator.free(index)
+    cpu = time.process_time() - cpu
+    kept = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    walks = [timed(cached_block_hashes, radix, BLOCK_SIZE) for _ in range(5)]
+    radix.check_invariants()
+    return {
+        "num_salts": num_salts,
+        "kept_mib": kept / 2**20,
+        "num_namespaces": radix.num_namespaces,
+        "num_nodes": radix.num_nodes,
+        "summary_walk_ms": statistics.median(c for _, c in walks) * 1e3,
+        "traced_us_per_salt": cpu / num_salts * 1e6,
+    }
+
+
+def bench_namespaces(salt_counts: list[int], seed: int) -> dict:
+    print("\nTenants: one 64-token prompt per distinct salt, 1,024-token budget, max_namespaces 1,024:")
+    print(f"{'mode':11}{'salts':>9}{'kept MiB':>10}{'namespaces':>12}{'nodes':>7}{'walk ms':>9}{'µs/salt*':>10}")
+    out: dict = {}
+    for mode in ("simulated", "real"):
+        out[mode] = [flood_salts(n, mode == "real", seed=seed) for n in salt_counts]
+        for row in out[mode]:
+            print(
+                f"{mode:11}{row['num_salts']:>9,}{row['kept_mib']:>10.3f}{row['num_namespaces']:>12}"
+                f"{row['num_nodes']:>7}{row['summary_walk_ms']:>9.3f}{row['traced_us_per_salt']:>10.1f}"
+            )
+    print("(* CPU per salt under tracemalloc, several times the untraced cost)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cache.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", default="100,1000,10000,100000", help="comma-separated cache sizes")
@@ -232,17 +288,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="real,simulated")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--salts", default="10000,100000", help="tenant part: comma-separated salt counts")
+    parser.add_argument("--parts", default="radix,fragmentation,tenants", help="which parts to run")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     sizes = [int(s) for s in args.entries.split(",")]
     report: dict = {"prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK_SIZE, "radix": {}}
-    for mode in args.modes.split(","):
+    for mode in args.modes.split(",") if "radix" in parts else ():
         print(f"RadixCache, {mode} mode: building caches", flush=True)
         result = bench_radix(sizes, mode == "real", args.rounds, args.ops_per_round, args.seed)
         print_radix(result, sizes, mode)
         report["radix"][mode] = result
         gc.collect()
-    report["fragmentation"] = bench_fragmentation(args.trace, args.seed)
+    if "fragmentation" in parts:
+        report["fragmentation"] = bench_fragmentation(args.trace, args.seed)
+    if "tenants" in parts:
+        report["tenants"] = bench_namespaces([int(n) for n in args.salts.split(",")], args.seed)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1, default=str))
 
