@@ -109,7 +109,14 @@ class PrefixAffinityPolicy:
        :meth:`on_routed` confirms the reservation or moves it; one never
        confirmed within ``reservation_timeout_s`` is forgotten.
 
-    Defaults and why (measured by ``python -m router.simulate``):
+    Defaults and why (measured by ``python -m router.simulate`` with honest
+    inputs; BENCHMARKS.md): ``balance_weight=0.1`` — 0 left a replica with
+    unpopular prefixes at 55–60 % of the others' work (imbalance 1.15–1.20
+    on the Mooncake trace), 0.01–0.03 was noisier, 0.2 no better.
+    ``prior_output_tokens=256`` — the cap itself (2,048) made the first
+    seconds' requests weigh 14× their work. ``queue_decode_token_cost``:
+    the simulator sets it from the replica model (FIFO: = decode cost;
+    batching: a decode's row and context only, ~3.7 prefill tokens on H100).
     ``affinity_weight=16`` — at 1 (pure time-to-first-token greed) half the
     Mooncake hits are thrown away by spills; above ~32 conversations pin and
     the multi-turn tail grows. ``load_factor=1.25`` as in consistent hashing
