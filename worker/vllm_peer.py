@@ -7,6 +7,9 @@ with the vLLM virtual environment's Python (``.venv-vllm``, made by
 scripts/setup-vllm.sh, since vLLM pins its own transformers), loads both
 and answers one ``run NAME`` per timed run, so the benchmark can interleave
 its runs with ours: both see the same contention on a shared machine.
+Between its runs the peer's processes are stopped (SIGSTOP to its process
+group, SIGCONT before the next run): vLLM's CPU worker polls for work
+while idle and would otherwise take a core from whatever runs meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,12 +59,17 @@ class VllmPeer:
             [str(python), str(RUNNER), "--model", str(self.directory / "model"), "--prompts", str(prompts_file),
              "--threads", str(threads), "--max-batch-tokens", str(max_batch_tokens), "--block-size", str(block_size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-            cwd=self.directory,
+            cwd=self.directory, start_new_session=True,
         )
         line = self._reply()
         if line != "ready":
             self.close()
             raise RuntimeError(f"vLLM peer did not start (got {line!r}); see {self.directory / 'vllm.log'}")
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signum)
 
     def _reply(self) -> str:
         """The next protocol line; vLLM's own output on stdout goes to the log."""
@@ -72,14 +81,17 @@ class VllmPeer:
 
     def run(self, name: str) -> dict:
         """``{"wall_s", "generated_tokens", "prefill_tokens", "token_ids"}`` of one cold-cache run."""
+        self._signal(signal.SIGCONT)
         self.process.stdin.write(f"run {name}\n")
         self.process.stdin.flush()
         reply = json.loads(self._reply() or '{"error": "vLLM peer exited"}')
+        self._signal(signal.SIGSTOP)
         if "error" in reply:
             raise RuntimeError(reply["error"])
         return reply
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         if self.process.poll() is None:
             try:
                 self.process.stdin.write("quit\n")
