@@ -11,6 +11,7 @@ never sees a block table entry it must manage or a tree node.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cache.blocks import BlockAllocator, OutOfBlocks
@@ -51,7 +52,8 @@ class KVCache:
     the tree's):
 
     1. The sequences it holds are exactly the allocator's, and each holds
-       exactly one tree lock (the tree's only locks): on the path to its last
+       exactly one tree lock (the tree's only locks, but for the pin an
+       exporter holds inside :meth:`pinned_prefix`): on the path to its last
        cached position, so what it reuses or cached is never evicted under it.
     2. A held sequence's ``num_cached_tokens <= num_reserved_tokens``.
     3. Nothing writes into a block the tree names: a partly reused block is
@@ -144,18 +146,34 @@ class KVCache:
         ``None`` (nothing reserved, nothing locked, the lookup not counted in the
         tree's stats) when that cannot be done.
         """
-        if seq_id in self._held:
-            raise ValueError(f"sequence id {seq_id!r} is already admitted")
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
-        prefix = token_ids[:-1]
+        return self._reserve(seq_id, token_ids, token_ids[:-1], salt, is_counted=True)
+
+    def reserve_import(self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None) -> Reservation | None:
+        """:meth:`admit` for KV computed elsewhere (an imported prefix): reuse the
+        longest cached prefix of all of ``token_ids`` (not ``len - 1``), reserve
+        the rest, lock. The caller copies ``copy``, writes the rows of positions
+        ``[num_cached_tokens, len)``, then :meth:`finish` es (caching them) or
+        :meth:`release` s (on any failure: nothing kept). The lookup is a pure
+        read (no LRU touch, not counted); ``None`` when the pool has no room.
+        """
+        if not token_ids:
+            raise ValueError("an imported prefix needs at least one token")
+        return self._reserve(seq_id, token_ids, token_ids, salt, is_counted=False)
+
+    def _reserve(
+        self, seq_id: SeqId, token_ids: Sequence[int], prefix: Sequence[int], salt: str | None, *, is_counted: bool
+    ) -> Reservation | None:
+        if seq_id in self._held:
+            raise ValueError(f"sequence id {seq_id!r} is already admitted")
         peek = self._radix.match(prefix, salt, touch=False)
         self._radix.lock(peek)  # pin it while making room
         num_fresh_blocks = -(-len(token_ids) // self.block_size) - peek.num_tokens // self.block_size
         if not self._make_room(num_fresh_blocks + self.watermark_blocks):
             self._radix.unlock(peek)
             return None
-        match = self._radix.match(prefix, salt)  # the counted lookup: refreshes LRU
+        match = self._radix.match(prefix, salt, touch=is_counted)  # a counted lookup refreshes LRU
         self._radix.lock(match)
         self._radix.unlock(peek)
         copy = self._allocator.allocate_with_prefix(seq_id, len(token_ids), match.block_ids, match.num_tokens)
@@ -173,28 +191,32 @@ class KVCache:
                 if self._radix.evict(self.block_size) == 0:
                     return None
 
-    def cache(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+    def cache(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
         """Hand the sequence's first positions ``token_ids`` (all with KV written)
         to the tree and move its lock to their end; a no-op unless they extend
         what it cached. A sequence admitted longer than the budget is never
-        cached, not even its first blocks, so it flushes nothing."""
+        cached, not even its first blocks, so it flushes nothing. Returns the
+        positions newly cached (the tree's insert count)."""
         held = self._get(seq_id)
         num_tokens = len(token_ids)
         if num_tokens <= held.num_cached_tokens or held.num_admitted_tokens > self._radix.budget_tokens:
-            return
+            return 0
         if num_tokens > self._allocator.num_tokens(seq_id):
             raise ValueError(f"{num_tokens} tokens to cache, {seq_id!r} has {self._allocator.num_tokens(seq_id)}")
-        self._radix.insert(token_ids, self._allocator.block_table(seq_id), held.salt)
+        num_new = self._radix.insert(token_ids, self._allocator.block_table(seq_id), held.salt)
         lock = self._radix.match(token_ids, held.salt, touch=False)
         self._radix.lock(lock)
         self._radix.unlock(held.lock)
         held.lock = lock
         held.num_cached_tokens = num_tokens
+        return num_new
 
-    def finish(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
-        """:meth:`cache` ``token_ids`` (prompt + output, those with KV), then :meth:`release`."""
-        self.cache(seq_id, token_ids)
+    def finish(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """:meth:`cache` ``token_ids`` (prompt + output, those with KV), then
+        :meth:`release`; returns the positions newly cached."""
+        num_new = self.cache(seq_id, token_ids)
         self.release(seq_id)
+        return num_new
 
     def release(self, seq_id: SeqId) -> None:
         """Free the sequence's blocks and unlock its path (finish, abort or preemption)."""
@@ -202,6 +224,18 @@ class KVCache:
         self._allocator.free(seq_id)
         self._radix.unlock(held.lock)
         del self._held[seq_id]
+
+    @contextmanager
+    def pinned_prefix(self, token_ids: Sequence[int], salt: str | None) -> Iterator[MatchResult]:
+        """The longest cached prefix of ``token_ids`` (a pure read: no LRU touch,
+        not counted), locked against eviction until the ``with`` block exits, so
+        an exporter can read its ``block_ids`` rows. Change nothing else inside."""
+        match = self._radix.match(token_ids, salt, touch=False)
+        self._radix.lock(match)
+        try:
+            yield match
+        finally:
+            self._radix.unlock(match)
 
     def evict_all(self) -> int:
         """Evict every unlocked tree entry; returns the positions removed."""

@@ -309,6 +309,20 @@ class AsyncEngine:
         with self._lock:
             yield self.engine
 
+    def export_prefix(self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None):
+        """:meth:`Engine.export_prefix`: the rows copied between steps (one
+        bounded copy under the engine lock), the checksum computed after."""
+        with self._lock:
+            copied = self.engine.copy_prefix_rows(token_ids, salt, max_tokens=max_tokens)
+        return None if copied is None else self.engine.bundle_rows(*copied, salt)
+
+    def import_prefix(self, bundle) -> int:
+        """:meth:`Engine.import_prefix`: checked (checksum included) outside the
+        engine lock, then reserved, written and cached between steps."""
+        self.engine.check_bundle(bundle)
+        with self._lock:
+            return self.engine.import_checked(bundle)
+
     def cache_block_hashes(self, block_size: int) -> set[int]:
         """Chained hashes of every full ``block_size`` block the cache holds, taken between steps."""
         with self._lock:

@@ -15,10 +15,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from cache.kv_cache import KVCache
 from worker import host
 from worker.config import EngineConfig
 from worker.kv import bytes_per_token, pool_tokens_from_free_memory
+from worker.kv_bundle import KVBundle, gather_rows, scatter_rows
 from worker.results import GenerationResult, TokenEvent
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams, make_generator, sample
@@ -70,6 +73,9 @@ class Engine:
         )
         self._rng = random.Random(config.seed)
         self._request_counter = itertools.count()
+        self._import_counter = itertools.count()
+        self.num_exported_tokens = 0  # positions exported in bundles since start
+        self.num_imported_tokens = 0  # positions newly cached from imported bundles since start
         self._live: dict[str, Seq] = {}
         self.last_step_ran = False  # did the last step() run a forward?
         logger.info(
@@ -239,6 +245,103 @@ class Engine:
             tokens = list(result.token_ids)
             out.append((tokens, list(result.logprobs)) if logprobs else tokens)
         return out
+
+    # ----------------------------------------------------------- KV transfer
+    def export_prefix(
+        self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None
+    ) -> KVBundle | None:
+        """The KV of the longest cached prefix of ``token_ids`` under ``salt``
+        (at most ``max_tokens`` positions) as one bundle; ``None`` when nothing
+        of it is cached: :meth:`copy_prefix_rows` then :meth:`bundle_rows`."""
+        copied = self.copy_prefix_rows(token_ids, salt, max_tokens=max_tokens)
+        return None if copied is None else self.bundle_rows(*copied, salt)
+
+    def copy_prefix_rows(
+        self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None
+    ) -> tuple[tuple[int, ...], torch.Tensor] | None:
+        """The part of an export that needs the engine: ``(the cached prefix's
+        token ids, a CPU copy of its rows [layers, 2, num_tokens, kv_heads,
+        head_dim])``, or ``None``. A pure read of the tree (no LRU touch, no
+        stats); the path is locked while its rows are copied, one copy of that
+        many positions, so the engine is held for a bounded copy only."""
+        self._check_tokens(token_ids, "token_ids")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+            raise ValueError(f"max_tokens must be a non-negative int or None, got {max_tokens!r}")
+        with self.kv_cache.pinned_prefix(token_ids, salt) as match:
+            num_tokens = match.num_tokens if max_tokens is None else min(match.num_tokens, max_tokens)
+            if num_tokens == 0:
+                return None
+            rows = gather_rows(self.pool, match.block_ids, num_tokens)
+        self.num_exported_tokens += num_tokens
+        return tuple(token_ids[:num_tokens]), rows
+
+    def bundle_rows(self, token_ids: Sequence[int], rows: torch.Tensor, salt: str | None) -> KVBundle:
+        """``rows`` of ``token_ids`` as a checksummed bundle of this engine's
+        model (touches no engine state: callers run it outside the engine lock)."""
+        geometry = self.runner.geometry
+        return KVBundle.build(
+            model_id=self.model_id, num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim, block_size=self.config.block_size, token_ids=token_ids, salt=salt, rows=rows,
+        )
+
+    def check_bundle(self, bundle: KVBundle) -> None:
+        """Raise ValueError unless ``bundle`` fits this engine: model, dtype,
+        geometry, token ids in the vocabulary, checksum (touches no engine
+        state: callers run it outside the engine lock)."""
+        if not isinstance(bundle, KVBundle):
+            raise ValueError(f"bundle must be a KVBundle, got {type(bundle).__name__}")
+        geometry = self.runner.geometry
+        bundle.check(
+            model_id=self.model_id, dtype=self.runner.dtype, num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+        )
+        self._check_tokens(bundle.token_ids, "bundle token_ids")
+
+    def import_prefix(self, bundle: KVBundle) -> int:
+        """:meth:`check_bundle` (ValueError, nothing changed), then :meth:`import_checked`."""
+        self.check_bundle(bundle)
+        return self.import_checked(bundle)
+
+    def import_checked(self, bundle: KVBundle) -> int:
+        """Cache a bundle :meth:`check_bundle` passed under its salt; returns
+        the positions newly cached.
+
+        Reuses what is cached already (full blocks shared, a partly cached last
+        block copied first), allocates the rest (evicting unlocked entries
+        least recently used first, keeping the watermark), writes the missing
+        rows and inserts them into the tree. Returns 0, with nothing kept, when
+        the pool has no room, the prefix exceeds the cache budget or it is
+        cached already; on any error everything it reserved is released.
+        """
+        token_ids = list(bundle.token_ids)
+        if len(token_ids) > self.cache.budget_tokens:
+            return 0
+        if self.kv_cache.radix.match(token_ids, bundle.salt, touch=False).num_tokens == len(token_ids):
+            return 0
+        import_id = ("import", next(self._import_counter))  # never a request id (those are str)
+        reservation = self.kv_cache.reserve_import(import_id, token_ids, bundle.salt)
+        if reservation is None:
+            return 0
+        try:
+            if reservation.copy is not None:
+                self.pool.copy_blocks([reservation.copy])
+            start = reservation.num_cached_tokens
+            scatter_rows(self.pool, self.kv_cache.block_table(import_id), start, bundle.rows[:, :, start:])
+        except BaseException:
+            self.kv_cache.release(import_id)
+            raise
+        num_new = self.kv_cache.finish(import_id, token_ids)
+        self.num_imported_tokens += num_new
+        return num_new
+
+    def _check_tokens(self, token_ids: Sequence[int], what: str) -> None:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise ValueError(f"{what} must be a list of ints, got {type(token_ids).__name__}")
+        for index, token in enumerate(token_ids):
+            if type(token) is not int or not 0 <= token < self.vocab_size:
+                raise ValueError(f"{what}[{index}] is {token!r}, not a token id in [0, {self.vocab_size})")
 
     # ----------------------------------------------------------------- stats
     @property

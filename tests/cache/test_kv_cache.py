@@ -285,3 +285,38 @@ def test_random_calls_under_a_small_pool_stay_correct(seed):
         driver.kv.check_invariants()
     assert driver.kv.radix.stats.evictions > 0
     driver.drain()
+
+
+# --------------------------------------------------------- imported prefixes
+def test_reserve_import_reuses_the_whole_match_and_copies_a_partial_block():
+    kv = make()
+    served(kv, "a", [1, 2, 3, 4, 5, 6])  # blocks 0, 1 (2 rows)
+    hits = kv.radix.stats.hits
+    reserved = kv.reserve_import("i", [1, 2, 3, 4, 5, 6, 7, 8, 9], None)
+    assert reserved == Reservation(6, (1, 2))  # all 6 reused (not len - 1): block 1 copied into 2
+    assert kv.block_table("i") == [0, 2, 3] and kv.radix.stats.hits == hits  # a pure read
+    assert kv.finish("i", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 3
+    assert kv.radix.match([1, 2, 3, 4, 5, 6, 7, 8, 9], touch=False).block_ids == (0, 2, 3)
+    check(kv)
+
+
+def test_reserve_import_without_room_changes_nothing_and_release_undoes_it():
+    kv = make(num_blocks=4, budget=16)
+    kv.admit("r", list(range(100, 112)), None)  # 3 of 4 blocks
+    assert kv.reserve_import("i", [1, 2, 3, 4, 5, 6], None) is None
+    assert kv.num_free_blocks == 1 and kv.radix.num_locks == 1
+    kv.release("r")
+    assert kv.reserve_import("i", [1, 2, 3, 4, 5, 6], None) == Reservation(0, None)
+    kv.release("i")  # a failed write: nothing kept
+    assert kv.num_free_blocks == 4 and kv.radix.num_tokens == 0
+    check(kv)
+
+
+def test_pinned_prefix_locks_while_inside_and_is_a_pure_read():
+    kv = make()
+    served(kv, "a", [1, 2, 3, 4, 5, 6])
+    with kv.pinned_prefix([1, 2, 3, 4, 5, 9], None) as match:
+        assert (match.num_tokens, match.block_ids) == (5, (0, 1))
+        assert kv.radix.num_locked_tokens == 6 and kv.evict_all() == 0
+    assert kv.radix.num_locks == 0
+    check(kv)

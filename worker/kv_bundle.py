@@ -1,0 +1,163 @@
+"""A cached prefix's KV as one self-describing bundle, for moving it between replicas.
+
+:class:`KVBundle` is what crosses the process boundary (Ray's object store
+in the cluster): the token ids and salt it was cached under, the model and KV
+geometry it belongs to, its rows in one contiguous CPU tensor and a checksum
+over all of that. It is token-exact and independent of block layout: the
+importer may use another ``block_size``.
+
+:func:`gather_rows` / :func:`scatter_rows` move rows between a
+:class:`~worker.kv.KVPool` and a bundle's layout; the engine decides which
+blocks (worker/engine.py ``export_prefix`` / ``import_prefix``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from worker.kv import KVPool
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # eq would compare tensors elementwise
+class KVBundle:
+    """The KV of ``token_ids`` cached under ``salt`` on a replica of ``model_id``.
+
+    Invariants (checked by :meth:`check`, which an importer calls before
+    touching its pool): ``rows`` is a contiguous CPU tensor of ``dtype``
+    shaped ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (axis 1:
+    0 keys, 1 values; ``rows[:, :, p]`` is position ``p``), ``num_tokens ==
+    len(token_ids) >= 1`` and ``checksum == bundle_checksum(...)`` of the
+    other fields. ``block_size`` is the exporter's (information only).
+    """
+
+    model_id: str
+    dtype: str  # a torch dtype name, e.g. "float32"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    token_ids: tuple[int, ...]
+    salt: str | None
+    rows: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim], CPU, contiguous
+    checksum: int  # xxh3-64 over the header and the rows' bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of KV rows (what a transfer moves, besides a small header)."""
+        return self.rows.numel() * self.rows.element_size()
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        model_id: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        token_ids: Sequence[int],
+        salt: str | None,
+        rows: torch.Tensor,
+    ) -> KVBundle:
+        """A bundle of ``rows`` (moved to CPU, made contiguous) with its checksum computed."""
+        rows = rows.detach().to("cpu").contiguous()
+        dtype = dtype_name(rows.dtype)
+        token_ids = tuple(int(t) for t in token_ids)
+        checksum = bundle_checksum(model_id, dtype, num_layers, num_kv_heads, head_dim, token_ids, salt, rows)
+        return cls(model_id, dtype, num_layers, num_kv_heads, head_dim, block_size, token_ids, salt, rows, checksum)
+
+    def check(self, *, model_id: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError (naming the mismatch) unless this bundle fits a pool
+        of that model, dtype and geometry and its checksum holds."""
+        if not isinstance(self.rows, torch.Tensor):
+            raise ValueError(f"bundle rows must be a torch.Tensor, got {type(self.rows).__name__}")
+        if self.model_id != model_id:
+            raise ValueError(f"bundle is for model {self.model_id!r}, this engine serves {model_id!r}")
+        if self.dtype != dtype_name(dtype) or self.rows.dtype != dtype:
+            raise ValueError(f"bundle dtype {self.dtype} (rows {self.rows.dtype}), this pool holds {dtype}")
+        geometry = (num_layers, num_kv_heads, head_dim)
+        if (self.num_layers, self.num_kv_heads, self.head_dim) != geometry:
+            raise ValueError(
+                f"bundle geometry (layers, kv_heads, head_dim) = {(self.num_layers, self.num_kv_heads, self.head_dim)}"
+                f", this pool's is {geometry}"
+            )
+        if self.salt is not None and not isinstance(self.salt, str):
+            raise ValueError(f"bundle salt must be a str or None, got {type(self.salt).__name__}")
+        if self.num_tokens < 1:
+            raise ValueError("bundle holds no tokens")
+        shape = (num_layers, 2, self.num_tokens, num_kv_heads, head_dim)
+        if tuple(self.rows.shape) != shape:
+            raise ValueError(f"bundle rows are shaped {tuple(self.rows.shape)}, expected {shape}")
+        if self.rows.device.type != "cpu" or not self.rows.is_contiguous():
+            raise ValueError("bundle rows must be a contiguous CPU tensor")
+        expected = bundle_checksum(
+            self.model_id, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim,
+            self.token_ids, self.salt, self.rows,
+        )
+        if self.checksum != expected:
+            raise ValueError(f"bundle checksum {self.checksum:#x} does not match its contents ({expected:#x})")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` → ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def bundle_checksum(
+    model_id: str,
+    dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    token_ids: Sequence[int],
+    salt: str | None,
+    rows: torch.Tensor,
+) -> int:
+    """xxh3-64 over a header (model, dtype, geometry, salt, token ids) and the rows' raw bytes."""
+    digest = xxhash.xxh3_64()
+    header = f"{model_id}\x00{dtype}\x00{num_layers}\x00{num_kv_heads}\x00{head_dim}\x00{salt!r}\x00"
+    digest.update(header.encode("utf-8", "surrogatepass"))
+    digest.update(",".join(map(str, token_ids)).encode())
+    digest.update(b"\x00")
+    digest.update(rows.contiguous().view(-1).view(torch.uint8).numpy().data)
+    return digest.intdigest()
+
+
+def _slots(block_table: Sequence[int], start_pos: int, end_pos: int, block_size: int, device) -> tuple:
+    positions = torch.arange(start_pos, end_pos)
+    blocks = torch.tensor(list(block_table), dtype=torch.long)[positions // block_size]
+    return blocks.to(device), (positions % block_size).to(device)
+
+
+def gather_rows(pool: KVPool, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
+    """A CPU copy of positions ``[0, num_tokens)`` held by ``block_table``:
+    ``[num_layers, 2, num_tokens, kv_heads, head_dim]``. One bounded copy."""
+    if len(block_table) * pool.block_size < num_tokens:
+        raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} positions")
+    blocks, offsets = _slots(block_table, 0, num_tokens, pool.block_size, pool.data.device)
+    # pool.data: [layers, 2, blocks, kv_heads, block_size, head_dim]; indexed → [num_tokens, layers, 2, kv_heads, hd]
+    picked = pool.data[:, :, blocks, :, offsets, :]
+    return picked.permute(1, 2, 0, 3, 4).to("cpu").contiguous()
+
+
+def scatter_rows(pool: KVPool, block_table: Sequence[int], start_pos: int, rows: torch.Tensor) -> None:
+    """Write ``rows`` (``[num_layers, 2, n, kv_heads, head_dim]``) as positions
+    ``[start_pos, start_pos + n)`` of ``block_table``; the caller holds those
+    blocks alone (nothing the tree names is written)."""
+    num_rows = rows.shape[2]
+    end_pos = start_pos + num_rows
+    if len(block_table) * pool.block_size < end_pos:
+        raise ValueError(f"{len(block_table)} blocks cannot hold positions up to {end_pos}")
+    if num_rows == 0:
+        return
+    blocks, offsets = _slots(block_table, start_pos, end_pos, pool.block_size, pool.data.device)
+    values = rows.to(pool.data.device, pool.data.dtype).permute(2, 0, 1, 3, 4)  # [num_rows, layers, 2, kv_heads, hd]
+    pool.data[:, :, blocks, :, offsets, :] = values
