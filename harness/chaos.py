@@ -102,6 +102,7 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
         served = Counter(o.final.replica_id for o in finished if o.ok)
         victim = max(sorted(before), key=lambda replica: served[replica])
         await asyncio.to_thread(faults.kill_replica, app, victim, headers)
+        timeline["killed_s"] = time.monotonic() - kill_t  # the SIGKILL itself (after a /stats read)
 
     async def watch() -> None:
         retries = 0.0
@@ -132,7 +133,7 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
     replacement = sorted(set(faults.replica_pids(app.url, headers)) - set(before))
     registered_s = timeline["replacement_registered_s"]
     rejoin_t = kill_t + (registered_s if registered_s is not None else recovery_timeout_s)
-    figures = _failure_figures(outcomes, pairs, victim, kill_t, rejoin_t)
+    figures = _failure_figures(outcomes, pairs, victim, kill_t, rejoin_t, kill_t + (timeline.get("killed_s") or 0.0))
     served_by_new = [o.final.end_s - kill_t for o in outcomes if o.ok and o.final.replica_id in replacement]
     figures.update(timeline, victim=victim, replacement=replacement[0] if replacement else None,
                    kill_at_s=kill_at_s, rate_rps=rate_rps,
@@ -144,7 +145,11 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
     return figures
 
 
-def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float, rejoin_t: float) -> dict:
+def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float, rejoin_t: float,
+                     killed_t: float | None = None) -> dict:
+    """``kill_t``: when the kill was due; ``killed_t``: when the SIGKILL was sent
+    (later by a ``/stats`` read, which under load takes a while)."""
+    killed_t = kill_t if killed_t is None else killed_t
     ok = [o for o in outcomes if o.ok]
     failed_attempts = [a for o in outcomes for a in o.attempts if not a.ok]
     # Prefixes the victim was home to at the kill (it answered their last
@@ -181,7 +186,7 @@ def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float,
         "num_lost": sum(o.is_lost for o in outcomes),
         "lost": [(o.index, o.final.kind, o.final.error) for o in outcomes if o.is_lost][:10],
         "failed_attempts_by_kind": dict(Counter(a.kind for a in failed_attempts)),
-        "served_by_victim_after_kill": sum(o.final.replica_id == victim and o.final.end_s > kill_t + 0.5 for o in ok),
+        "served_by_victim_after_kill": sum(o.final.replica_id == victim and o.final.end_s > killed_t + 0.5 for o in ok),
         "orphaned_groups": len(orphaned),
         "orphaned_groups_rehomed": rehomed,
         "orphaned_groups_on_one_replica": on_one_replica,
