@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_deterministic:
         systems.append(EngineSystem(spec, deterministic=True, max_batch_tokens=args.max_batch_tokens))
     peer_names = [] if args.skip_baselines else [n for n in args.peers.split(",") if n]
+    # A timeout's SIGTERM unwinds through the finally below, so a peer's processes are not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     peers = build_peers(peer_names, spec, workloads, args)
     try:
         runs = time_interleaved(systems + peers, workloads, args.repeats, args.warmup_rounds)
