@@ -350,7 +350,9 @@ class Engine:
 
         ``tokens_saved`` sums the prompt tokens reused at first admission (the
         sum of the results' per-request ``cached_tokens``); ``cache_num_tokens``
-        is what the radix tree holds now (<= ``cache_budget_tokens``)."""
+        is what the radix tree holds now (<= ``cache_budget_tokens``);
+        ``kv_exported_tokens`` / ``kv_imported_tokens`` count positions copied
+        out in bundles and newly cached from imported ones."""
         c = self.scheduler.counters
         lookups = c.hits + c.misses
         return {
@@ -374,6 +376,8 @@ class Engine:
             "cache_num_tokens": self.cache.num_tokens,
             "cache_budget_tokens": self.cache.budget_tokens,
             "cache_evicted_tokens": self.cache.stats.evicted_tokens,
+            "kv_exported_tokens": self.num_exported_tokens,
+            "kv_imported_tokens": self.num_imported_tokens,
             "deterministic": self.config.deterministic,
             "model_id": self.model_id,
         }

@@ -69,6 +69,7 @@ def test_imported_prefix_is_reused_and_outputs_match_the_reference(pair, tokens,
     assert b.import_prefix(bundle) == num_prompt
     assert b.import_prefix(bundle) == 0  # cached already
     assert_clean(b)
+    assert (a.stats["kv_exported_tokens"], b.stats["kv_imported_tokens"]) == (num_prompt, num_prompt)
     out, cost = prefilled(b, lambda: b.generate(prompt + suffix, 6, logprobs=True))
     assert cost == len(suffix)
     assert out == reference.generate(b, prompt + suffix, 6, logprobs=True)
