@@ -4,6 +4,7 @@ overload, shutdown. Each test runs its own event loop."""
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
@@ -136,7 +137,10 @@ def test_shutdown_fails_what_is_in_flight_and_refuses_new_work(make_async_engine
     async def main():
         engine = make_async_engine(max_num_seqs=1, max_batch_tokens=16)
         tasks = [asyncio.ensure_future(engine.generate(p, SamplingParams(max_new_tokens=200, ignore_eos=True))) for p in prompts(4, 3)]
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while engine.load()["num_running"] == 0:  # shut down only once a request is running
+            assert time.monotonic() < deadline, "no request started"
+            await asyncio.sleep(0.005)
         await engine.shutdown()
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(o, RuntimeError) for o in outcomes)
