@@ -109,40 +109,8 @@ class PrefixAffinityPolicy:
        :meth:`on_routed` confirms the reservation or moves it; one never
        confirmed within ``reservation_timeout_s`` is forgotten.
 
-    Defaults and why (measured by ``python -m router.simulate`` with honest
-    inputs; BENCHMARKS.md): ``balance_weight=0.1`` — 0 left a replica with
-    unpopular prefixes at 55–60 % of the others' work (imbalance 1.15–1.20
-    on the Mooncake trace), 0.01–0.03 was noisier, 0.2 no better.
-    ``prior_output_tokens=256`` — the cap itself (2,048) made the first
-    seconds' requests weigh 14× their work. ``queue_decode_token_cost``:
-    the simulator sets it from the replica model (FIFO: = decode cost;
-    batching: a decode's row and context only, ~3.7 prefill tokens on H100).
-    ``affinity_weight=16`` — at 1 (pure time-to-first-token greed) half the
-    Mooncake hits are thrown away by spills; above ~32 conversations pin and
-    the multi-turn tail grows. ``load_factor=1.25`` as in consistent hashing
-    with bounded loads (Mirrokni et al.), applied to recent work, not the
-    instantaneous queue: at moderate load queues hold 0–2 requests and a
-    bound on them flips on noise (it cost 7 points of hit rate). The work
-    ties keep long-run work within ~1% of the mean. ``load_slack_sd=2``
-    (a one-sided ~2.3% chance): without it the bound fires on chance while
-    counts are small — the simulator's shared-prefix run (16 equally hot
-    groups, 8 replicas) replicated groups (hit 0.875 vs the 0.882 optimum,
-    imbalance 1.10; with it 0.882 and 1.00), and the live 2-replica load
-    test replicated groups of a 5/3 split; on the Mooncake trace the bound
-    never binds and nothing changes; over 12 multi-turn seeds 0, 1, 2, 3
-    give TTFT p99 1.41, 1.41, 1.39, 1.39 s, hit 0.864, 0.864, 0.868, 0.865,
-    imbalance 1.12, 1.13, 1.14, 1.13. ``reservation_timeout_s=5``: Ray
-    re-asks for a waiting request at least every backoff period (< 1 s),
-    which refreshes its reservation. ``num_ring_candidates=2``
-    + the least loaded: two choices and a free slot, O(1) of the fleet.
-    ``decode_token_cost=40``: 2 ms per output token against 20k prefill
-    tokens/s; the CPU engine (tiny-llama, one thread) is alike: a decode
-    step ~0.9 ms at batch 1 against ~10 ms per 512-token prefill chunk
-    (~45 prefill tokens per output token, ~11 per row at batch 8), and
-    served over HTTP each output token costs more still. ``learned_grace_s=5``: longer than a routing-stats period.
-    ``block_size=64``: a decision for a 4k-token prompt costs ~55 µs at 64
-    tokens a block and ~180 µs at 16 (``python -m router.bench``), and a
-    summary is 4× smaller; routing needs no finer grain than that.
+    Defaults and why, with the measurements behind each: BENCHMARKS.md,
+    "Router policy defaults".
 
     What it avoids: a shared system prompt pinning everyone (step 2 keys past
     it; step 3 weighs a short shared prefix like a near-cold match); cold
