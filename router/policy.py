@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import struct
 from collections.abc import Callable, Collection, Iterable
-
-import xxhash
 
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
+from router.candidates import gather, within_block
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
@@ -22,8 +20,6 @@ from router.ring import HashRing
 from router.summary_intake import SummaryIntake
 
 logger = logging.getLogger(__name__)
-_U64 = struct.Struct("<Q")
-_MASK_64 = (1 << 64) - 1
 
 
 class PrefixAffinityPolicy:
@@ -112,16 +108,8 @@ class PrefixAffinityPolicy:
     Defaults and why, with the measurements behind each: BENCHMARKS.md,
     "Router policy defaults".
 
-    What it avoids: a shared system prompt pinning everyone (step 2 keys past
-    it; step 3 weighs a short shared prefix like a near-cold match); cold
-    misses piling on one replica (ring + least loaded + work ties); a global
-    imbalance switch (the bound is per replica; affinity stays on for all
-    others); O(fleet) work per request (a handful of candidates; the walk
-    past them runs only when all are over the bound); several routers
-    herding (homes and ring ties are pure functions of the replica set and
-    the key; each router counts its own decisions the moment it makes them
-    (reservations), before they are reported sent; the recent-work
-    tie-break balances each router's own stream, so their sum is balanced).
+    What it avoids (shared system prompts, cold misses piling up, herding
+    routers): router/README.md, "What the policy avoids".
 
     Bad input never raises: a request without usable routing attributes, an
     empty candidate list, a replica that vanished, malformed or missing
@@ -313,36 +301,13 @@ class PrefixAffinityPolicy:
     # ----------------------------------------------------------------- private
     def _rank(self, request: RoutingRequest, live: Collection[str]) -> list[str]:
         config, loads, ring = self.config, self._loads, self._ring
-        hashes = request.block_hashes
-        num_known, depths = self._index.deepest_holders(hashes, config.max_affinity_candidates, live)
-        if hashes:
-            key = hashes[min(num_known, len(hashes) - 1)]
-        else:
-            key = xxhash.xxh3_64_intdigest(request.prompt.encode("utf-8", "surrogatepass"))
-        candidates = [r for r in depths if r in ring]
-        within = self._within_block(request, num_known)
-        within_replica, within_tokens = within if within and within[0] in live else (None, 0)
-        if within_replica is not None:
-            depths = depths | {within_replica: num_known}  # it holds blocks 0..m-1 (checked)
-            if within_replica not in candidates:
-                candidates.append(within_replica)
-        ring_rank: dict[str, int] = {}
-        ring_walk = ring.walk(key)
-        for replica_id in ring_walk:
-            if replica_id in live:
-                ring_rank[replica_id] = len(ring_rank)
-                if replica_id not in depths:
-                    candidates.append(replica_id)
-                if len(ring_rank) >= config.num_ring_candidates:
-                    break
-        least = loads.least_loaded_replica()
-        if least is not None and least in live and least not in candidates:
-            candidates.append(least)
-
+        found = gather(request, live, self._index, ring, loads, self._partial, config.block_size,
+                       config.max_affinity_candidates, config.num_ring_candidates)
+        candidates, depths, ring_rank = found.replica_ids, found.depths, found.ring_rank
+        ring_walk, within_replica, within_tokens = found.ring_walk, found.within_replica, found.within_tokens
         now = self._clock()
         mean_recent = loads.recent_total(now) / max(len(ring), 1)
         chance_sd = loads.chance_sd(now)
-        key_bytes = _U64.pack(key & _MASK_64)
         num_prompt = request.num_prompt_tokens
         balance = config.balance_weight
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
@@ -359,7 +324,7 @@ class PrefixAffinityPolicy:
                     + balance * _beyond(balance_work - mean_balance, dead))
             is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
-            tiebreak = xxhash.xxh3_64_intdigest(key_bytes + replica_id.encode())
+            tiebreak = found.tiebreak(replica_id)
             tie = recent if config.tie_by_recent_work else 0.0
             scored.append((is_over, cost, tie, rank, tiebreak, replica_id))
         scored.sort()
@@ -402,20 +367,7 @@ class PrefixAffinityPolicy:
         return request.num_prompt_tokens - cached + decode_token_cost * expected
 
     def _within_block(self, request: RoutingRequest, depth: int) -> tuple[str, int] | None:
-        """``(replica, tokens)`` of block ``depth`` an earlier prompt's partial
-        last block shared, where that replica still holds blocks ``0..depth-1``."""
-        if self._partial is None or not request.token_ids:
-            return None
-        hashes, block_size = request.block_hashes, self.config.block_size
-        if depth > len(hashes):
-            return None
-        parent = hashes[depth - 1] if depth else salt_seed(request.salt)
-        found = self._partial.match(parent, request.token_ids[depth * block_size:(depth + 1) * block_size])
-        if found is None or found[0] not in self._ring:
-            return None
-        if depth and not self._index.holds(found[0], parent):
-            return None
-        return found
+        return within_block(self._partial, self._index, self._ring, request, depth, self.config.block_size)
 
     def _least_loaded(self, live: Collection[str]) -> list[str]:
         now = self._clock()

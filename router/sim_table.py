@@ -1,0 +1,28 @@
+"""The table ``python -m router.simulate`` prints: the setup, the cache
+bounds, and one line per policy (hit rate, imbalance, TTFT, queueing, decision
+cost, decode batch; summary traffic where measured)."""
+
+from __future__ import annotations
+
+
+def print_table(result: dict) -> None:
+    """Print :func:`router.simulate.simulate`'s ``result`` to stdout."""
+    setup = result["setup"]
+    speed = (f"fifo: prefill {setup['prefill_tokens_per_s']:,.0f} tok/s, decode {setup['decode_s_per_token']} s/token"
+             if setup["replica_model"] == "fifo" else
+             f"cb {setup['profile']['name']}: step {setup['profile']['base_s']*1e3:g} ms "
+             f"+ {setup['profile']['prefill_token_s']*1e6:g} us/prefill token "
+             f"+ {setup['profile']['decode_seq_s']*1e6:g} us/decode "
+             f"+ {setup['profile']['context_token_s']*1e9:g} ns/context token")
+    print(f"{speed}; arrivals x{setup['arrival_scale']:.3f}; max_tokens {setup['max_tokens']}")
+    print(f"global LRU hit rate {result['global_lru_hit_rate']:.4f}, infinite {result['infinite_hit_rate']:.4f}, "
+          f"TTFT p99 floor {result['ttft_p99_floor_s']:.3f} s")
+    print(f"{'policy':>20} {'hit':>7} {'imbal':>6} {'p50 s':>7} {'p99 s':>7} {'wait p99':>8} {'dec p99 us':>10}"
+          f" {'batch':>6}")
+    for name, f in result["policies"].items():
+        print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
+              f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}"
+              f" {f.get('mean_decode_batch', 1.0):6.2f}")
+        if "summary_bytes_per_replica_s" in f:
+            print(f"{'':>20} summaries ({setup['summary_mode']}): {f['summary_bytes_per_replica_s']:,.0f} B/s per "
+                  f"replica; router {f['router_summary_cpu_ms_per_s']:.2f} ms CPU per s applying them")
