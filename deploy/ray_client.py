@@ -16,9 +16,9 @@ when Ray changes either fact.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import dataclasses
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +28,7 @@ from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deploy.errors import APIError
-from deploy.worker_client import Busy, ReplicaFailed, engine_error
+from deploy.worker_client import Busy, ReplicaFailed, await_call, engine_error, relay_stream
 from worker.messages import WorkerBatch, WorkerRequest
 from worker.results import EngineOverloaded, GenerationResult, ItemError, ReplicaStats, TokenEvent
 from worker.stats_board import get_board
@@ -69,37 +69,18 @@ class RayWorkerClient:
     def __init__(self, handle, app_name: str, retry_after_s: int, stats_max_age_s: float) -> None:
         self._handle = handle
         self._app_name = app_name
-        self._retry_after_s = retry_after_s
         self._stats_max_age_s = stats_max_age_s
+        self._to_api_error = functools.partial(as_api_error, retry_after_s=retry_after_s)
 
     async def generate(self, request: WorkerRequest) -> GenerationResult:
-        return await self._await(own_call(self._handle.generate, request))
+        return await await_call(own_call(self._handle.generate, request), self._to_api_error)
 
     async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]:
-        return await self._await(own_call(self._handle.generate_batch, batch))
+        return await await_call(own_call(self._handle.generate_batch, batch), self._to_api_error)
 
-    async def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        generator = own_call(self._handle.options(stream=True).generate_stream, request)
-        finished = False
-        try:
-            async for item in generator:
-                finished = isinstance(item, GenerationResult)
-                yield item
-        except Exception as error:  # noqa: BLE001 - every failure gets a definite status
-            raise as_api_error(error, self._retry_after_s) from None
-        finally:
-            if not finished:
-                generator.cancel()
+    def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
+        return relay_stream(lambda: own_call(self._handle.options(stream=True).generate_stream, request), self._to_api_error)
 
     async def stats(self) -> dict[str, ReplicaStats]:
         board = get_board(self._app_name, create=False)
         return {} if board is None else await board.get_all.remote(self._stats_max_age_s)
-
-    async def _await(self, response):
-        try:
-            return await response
-        except asyncio.CancelledError:  # the client went away: stop the work too
-            response.cancel()
-            raise
-        except Exception as error:  # noqa: BLE001
-            raise as_api_error(error, self._retry_after_s) from None

@@ -15,8 +15,9 @@ request again, another replica will take it), :class:`Busy` (429 or 503 with
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from deploy.errors import APIError, internal_error
@@ -71,3 +72,33 @@ def engine_error(error: BaseException, retry_after_s: int) -> APIError:
 def item_error(error: ItemError) -> APIError:
     """The status for one failed item of a batch (reported in place, in its body)."""
     return APIError({"invalid": 400, "overloaded": 429}.get(error.kind, 500), error.message)
+
+
+async def await_call(response, to_api_error: Callable[[BaseException], APIError]):
+    """A cancellable call's result (any transport whose call has ``cancel()``):
+    a caller that goes away cancels the work too; a failure is raised as
+    ``to_api_error(error)``."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+    except Exception as error:  # noqa: BLE001 - every failure gets a definite status
+        raise to_api_error(error) from None
+
+
+async def relay_stream(open_stream: Callable[[], AsyncIterator], to_api_error: Callable[[BaseException], APIError]) -> AsyncIterator[TokenEvent | GenerationResult]:
+    """The items of ``open_stream()`` (a cancellable stream, opened on the first
+    read) up to its result; closed before the result, the stream is cancelled;
+    a failure is raised as ``to_api_error(error)``."""
+    generator = open_stream()
+    finished = False
+    try:
+        async for item in generator:
+            finished = isinstance(item, GenerationResult)
+            yield item
+    except Exception as error:  # noqa: BLE001 - every failure gets a definite status
+        raise to_api_error(error) from None
+    finally:
+        if not finished:
+            generator.cancel()
