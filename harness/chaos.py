@@ -18,14 +18,13 @@ import asyncio
 import json
 import os
 import random
-import resource
 import sys
 import time
 from collections import Counter
 
 import httpx
 
-from harness import faults
+from harness import faults, resources
 from harness.loadstats import percentile
 from harness.retry_client import Outcome, client_session, send
 from harness.workloads import shared_prefix
@@ -236,29 +235,6 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, *, headers
         return outcomes, time.monotonic() - start
 
 
-def _cpu_s(pids) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _memory(app, headers: dict | None) -> dict:
-    workers = {replica: faults.rss_bytes(pid) for replica, pid in faults.replica_pids(app.url, headers).items()}
-    return {"workers_mib": {r: round((v or 0) / 2**20, 1) for r, v in sorted(workers.items())},
-            "cluster_mib": round(sum(faults.rss_bytes(pid) or 0 for pid in app.ray_pids()) / 2**20, 1)}
-
-
 async def _max_engine_depths(url: str, headers: dict | None, done: asyncio.Event) -> dict:
     """The deepest engine queue and most running requests any replica reported
     while ``done`` is unset (stats are sampled every 0.25 s)."""
@@ -287,24 +263,24 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
         return [body for _, body in pairs]
 
     await closed_loop(app.url, bodies(2 * concurrency, 0), concurrency, headers=headers)  # warm-up
-    cluster_cpu_s, own_cpu_s = _cpu_s(app.ray_pids()), _own_cpu_s()
+    cluster_cpu_s, own_cpu_s = resources.cpu_s(app.ray_pids()), resources.own_cpu_s()
     probe, probe_s = await closed_loop(app.url, bodies(4 * concurrency, 1), concurrency, headers=headers)
     capacity_rps = sum(o.ok for o in probe) / probe_s
-    served_cpu_s = (_cpu_s(app.ray_pids()) - cluster_cpu_s) / max(1, sum(o.ok for o in probe))
+    served_cpu_s = (resources.cpu_s(app.ray_pids()) - cluster_cpu_s) / max(1, sum(o.ok for o in probe))
     baseline = [o.latency_s for o in probe if o.ok]
     pids_before = faults.replica_pids(app.url, headers)
-    memory = [_memory(app, headers)]
+    memory = [resources.memory_figures(app, headers)]
     figures: dict = {"capacity_rps": round(capacity_rps, 1), "offered_rps": round(factor * capacity_rps, 1),
                      "stream": stream, "baseline_latency_p50_s": percentile(baseline, 50),
                      "baseline_latency_p99_s": percentile(baseline, 99),
                      "probe_errors": dict(Counter(o.final.kind for o in probe if not o.ok)),
                      "cluster_cpu_s_per_served_request": round(served_cpu_s, 4),
-                     "generator_cpu_share_at_capacity": round((_own_cpu_s() - own_cpu_s) / probe_s / 2, 3),
+                     "generator_cpu_share_at_capacity": round((resources.own_cpu_s() - own_cpu_s) / probe_s / 2, 3),
                      "generator_niceness": os.getpriority(os.PRIO_PROCESS, 0), "rounds": []}
     for round_index in range(rounds):
         offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
         start = time.monotonic()
-        cluster_cpu_s, own_cpu_s = _cpu_s(app.ray_pids()), _own_cpu_s()
+        cluster_cpu_s, own_cpu_s = resources.cpu_s(app.ray_pids()), resources.own_cpu_s()
         done = asyncio.Event()
         depths = asyncio.ensure_future(_max_engine_depths(app.url, headers, done))
         try:
@@ -313,13 +289,13 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
         finally:
             done.set()
         wall_s = time.monotonic() - start
-        round_cluster_cpu_s, round_own_cpu_s = _cpu_s(app.ray_pids()) - cluster_cpu_s, _own_cpu_s() - own_cpu_s
+        round_cluster_cpu_s, round_own_cpu_s = resources.cpu_s(app.ray_pids()) - cluster_cpu_s, resources.own_cpu_s() - own_cpu_s
         admitted = [o.latency_s for o in outcomes if o.ok]
         rejected = [o for o in outcomes if not o.ok]
         # What a refusal cost the cluster: its CPU in the round beyond what the
         # served requests cost at capacity, per refusal (the 2 cores are shared).
         refusal_cpu_s = (round_cluster_cpu_s - len(admitted) * served_cpu_s) / max(1, len(rejected))
-        memory.append(_memory(app, headers))
+        memory.append(resources.memory_figures(app, headers))
         figures["rounds"].append({
             "num_sent": len(outcomes), "num_ok": len(admitted), "wall_s": round(wall_s, 2),
             "goodput_rps": round(len(admitted) / wall_s, 1),

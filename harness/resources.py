@@ -1,0 +1,35 @@
+"""What a scenario's processes cost: CPU seconds from /proc and getrusage,
+resident memory of the app's replicas and Ray cluster (``harness/chaos.py``'s
+overload figures)."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+from harness import faults
+
+
+def cpu_s(pids) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def memory_figures(app, headers: dict | None) -> dict:
+    """Each Worker replica's resident memory and the whole Ray cluster's, in MiB."""
+    workers = {replica: faults.rss_bytes(pid) for replica, pid in faults.replica_pids(app.url, headers).items()}
+    return {"workers_mib": {r: round((v or 0) / 2**20, 1) for r, v in sorted(workers.items())},
+            "cluster_mib": round(sum(faults.rss_bytes(pid) or 0 for pid in app.ray_pids()) / 2**20, 1)}
