@@ -15,7 +15,7 @@ from cache.blocks import BlockAllocator
 from cache.hashing import check_tokens
 from cache.lru import LruQueue
 from cache.namespaces import Namespaces
-from cache.radix_node import Node, Root, blocks_along, descend, salt_key, split
+from cache.radix_node import Node, Root, blocks_along, descend, linked_nodes, salt_key, split
 from cache.radix_records import CachedEdge, CacheStats, MatchResult
 
 __all__ = ["CacheStats", "CachedEdge", "MatchResult", "RadixCache", "salt_key"]
@@ -284,18 +284,7 @@ class RadixCache:
             assert root.lock_ref >= 1 and root.start == 0 and not root.tokens
             assert root.children or root.lock_ref > 1, f"an emptied namespace was kept: {root.namespace!r}"
             locks_in_tree += root.lock_ref - 1
-            stack: list[Node] = [root]
-            while stack:
-                node = stack.pop()
-                child_locks = 0
-                for first, child in node.children.items():
-                    assert child.tokens and child.tokens[0] == first, child
-                    assert child.parent is node and child.start == node.end, child
-                    child_locks += child.lock_ref
-                    stack.append(child)
-                assert node.lock_ref >= child_locks + node.is_root, node
-                if node.is_root:
-                    continue
+            for node in linked_nodes(root):
                 total_tokens += len(node.tokens)
                 total_nodes += 1
                 if node.lock_ref:

@@ -11,6 +11,8 @@ names is valid from the block's first position up to ``end``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 SaltKey = bytes | None  # a namespace: the salt as bytes, or None (no salt)
 
 
@@ -134,3 +136,22 @@ def split(child: Node, offset: int, block_size: int) -> tuple[Node, int | None]:
     upper.children[child.tokens[0]] = child
     parent.children[upper.tokens[0]] = upper
     return upper, shared_block
+
+
+def linked_nodes(root: Node) -> Iterator[Node]:
+    """Every node under ``root`` (``root`` itself excluded), each yielded after
+    asserting its links: children keyed by their first token, each child's
+    ``parent`` and ``start`` consistent with it, and its ``lock_ref`` at least
+    its children's (plus one for a root's permanent lock)."""
+    stack: list[Node] = [root]
+    while stack:
+        node = stack.pop()
+        child_locks = 0
+        for first, child in node.children.items():
+            assert child.tokens and child.tokens[0] == first, child
+            assert child.parent is node and child.start == node.end, child
+            child_locks += child.lock_ref
+            stack.append(child)
+        assert node.lock_ref >= child_locks + node.is_root, node
+        if not node.is_root:
+            yield node
