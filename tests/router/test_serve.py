@@ -162,10 +162,32 @@ def test_requests_without_routing_attributes_still_get_served(handle, caplog):
     assert "least loaded fallback" in caplog.text
 
 
+def _policy_of(handle):
+    """The policy inside ``handle``'s KVRouteRouter (a handle's router runs in
+    this process), or None before its first request created it."""
+    request_router = handle._router._asyncio_router._request_router
+    return request_router._policy if request_router is not None else None
+
+
+def _wait_until(condition, timeout_s=30.0):
+    """Poll ``condition`` until true or ``timeout_s`` passes (then the test's
+    own assertions report what is wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except RuntimeError:  # a dict the router's thread is changing; look again
+            pass
+        time.sleep(0.05)
+
+
 def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
     preloaded = _all_replicas(handle, 3, seed=1000)
     assert len(preloaded) == 3
-    time.sleep(2.0)  # a few routing-stats periods
+    policy = _policy_of(handle)  # wait until each replica's summary says what it holds
+    _wait_until(lambda: all(policy.index.depth(r, tuple(block_hashes(t, BLOCK))) >= len(t) // BLOCK
+                            for r, t in preloaded.items()))
     for replica_id, tokens in preloaded.items():
         landed, hit = _call(handle, tokens + [7, 7, 7, 7])
         assert landed == replica_id  # only its summary could have said so
@@ -175,7 +197,7 @@ def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
 def test_scaled_down_replica_is_never_chosen(handle):
     small = serve.run(_routed_app(num_replicas=2), name=APP, route_prefix=None)
     live = set(_all_replicas(small, 2, seed=2000))
-    time.sleep(1.0)
+    _wait_until(lambda: 0 < len(_policy_of(small).replica_ids) and _policy_of(small).replica_ids <= live)
     for i in range(20):
         replica_id, _ = _call(small, [9000 + 50 * i + j for j in range(16)])
         assert replica_id in live
