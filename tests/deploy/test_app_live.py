@@ -91,20 +91,6 @@ def test_openai_choices_fan_out_and_all_finish(client):
 
 
 # -------------------------------------------------------------- routing
-def test_prefix_groups_stick_while_both_replicas_get_work(live_app):
-    groups = {g: tokens(1000 + g, 96) for g in range(6)}
-    order = [(g, i) for g in groups for i in range(4)]
-    random.Random(1).shuffle(order)
-    group_to_replicas: dict[int, list[str]] = {g: [] for g in groups}
-    for g, i in order:
-        out = post(live_app, "/generate", {"prompt_token_ids": groups[g] + tokens(5000 + 10 * g + i, 8), "max_new_tokens": 2}).json()
-        group_to_replicas[g].append(out["replica_id"])
-    for g, replicas in group_to_replicas.items():
-        assert len(set(replicas[1:])) == 1, f"group {g} did not stick after its first request: {replicas}"
-    homes = {replicas[-1] for replicas in group_to_replicas.values()}
-    assert len(homes) == 2, f"one replica got every group: {group_to_replicas}"
-
-
 # ---------------------------------------------------------- cancellation
 def test_client_disconnect_cancels_and_frees_blocks(live_app):
     body = {"prompt_token_ids": tokens(7, 50), "max_new_tokens": 400, "stream": True, "ignore_eos": True}
