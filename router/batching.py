@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache import RadixCache
-from cache.summary import CacheSummary, cached_block_hashes
-from router.cluster import Completion, Outcome, OutputWindow
+from cache.summary import CacheSummary
+from router.cluster import Completion, Outcome, OutputWindow, observed_summary
 from router.workload import SimRequest
 
 
@@ -319,21 +319,10 @@ class BatchingReplica:
         return sum(s.request.num_prompt_tokens + s.num_generated for s in self._running)
 
     def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:
-        return CacheSummary(
-            replica_id=self.replica_id,
-            version=version,
-            timestamp_s=now,
-            block_size=unit_tokens * units_per_block,
-            block_hashes=frozenset(cached_block_hashes(self.radix, units_per_block)),
-            num_cached_tokens=self.radix.num_tokens * unit_tokens,
-            budget_tokens=self.radix.budget_tokens * unit_tokens,
-            num_queued_tokens=sum(s.request.num_prompt_tokens for s in self._waiting),
-            num_running_tokens=self._running_tokens(),
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
-            mean_output_tokens=self._outputs.mean,
-            num_prefill_tokens_total=self._prefill_total,
-            num_output_tokens_total=self._output_total,
+        return observed_summary(
+            self, version, now, unit_tokens, units_per_block, num_waiting=len(self._waiting),
+            num_running=len(self._running), queued=sum(s.request.num_prompt_tokens for s in self._waiting),
+            running=self._running_tokens(),
         )
 
     def check_invariants(self) -> None:

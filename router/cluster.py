@@ -194,19 +194,28 @@ class SimReplica:
 
     def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:
         num_waiting, num_running, queued, running = self._state(now)
-        return CacheSummary(
-            replica_id=self.replica_id,
-            version=version,
-            timestamp_s=now,
-            block_size=unit_tokens * units_per_block,
-            block_hashes=frozenset(cached_block_hashes(self.radix, units_per_block)),
-            num_cached_tokens=self.radix.num_tokens * unit_tokens,
-            budget_tokens=self.radix.budget_tokens * unit_tokens,
-            num_queued_tokens=queued,
-            num_running_tokens=running,
-            num_running=num_running,
-            num_waiting=num_waiting,
-            mean_output_tokens=self._outputs.mean,
-            num_prefill_tokens_total=self._prefill_total,
-            num_output_tokens_total=self._output_total,
-        )
+        return observed_summary(self, version, now, unit_tokens, units_per_block,
+                                num_waiting=num_waiting, num_running=num_running, queued=queued, running=running)
+
+
+def observed_summary(replica, version: int, now: float, unit_tokens: int, units_per_block: int, *,
+                     num_waiting: int, num_running: int, queued: int, running: int) -> CacheSummary:
+    """The summary a simulated replica (either model) reports: only what a live
+    worker fills (its cache, queued/running tokens and counts, mean output,
+    token counters), in tokens of ``unit_tokens`` per simulated unit."""
+    return CacheSummary(
+        replica_id=replica.replica_id,
+        version=version,
+        timestamp_s=now,
+        block_size=unit_tokens * units_per_block,
+        block_hashes=frozenset(cached_block_hashes(replica.radix, units_per_block)),
+        num_cached_tokens=replica.radix.num_tokens * unit_tokens,
+        budget_tokens=replica.radix.budget_tokens * unit_tokens,
+        num_queued_tokens=queued,
+        num_running_tokens=running,
+        num_running=num_running,
+        num_waiting=num_waiting,
+        mean_output_tokens=replica._outputs.mean,  # noqa: SLF001 - both replica models keep one
+        num_prefill_tokens_total=replica._prefill_total,  # noqa: SLF001
+        num_output_tokens_total=replica._output_total,  # noqa: SLF001
+    )
