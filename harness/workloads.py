@@ -12,6 +12,10 @@ Python; every draw comes from the caller's seeded ``rng``.
   tokens + a question of Q tokens, shuffled.
 - **Multi-turn chats**: :func:`multi_turn_chats`, C chats × T turns on one
   system prompt of S tokens; each turn appends the answer and a new question.
+- **Hot prefixes** (issue 13): :func:`hot_prefix_prompts`, N requests over G
+  shared prefixes of S tokens whose popularity is Zipf-skewed (group of rank
+  ``k`` drawn with weight ``1 / k**s``) + a suffix of Q tokens each, so the
+  few hottest prefixes overload the replica that holds them.
 
 The load test's sessions (:class:`Session`, :func:`build_workload`) are built
 from these at the end of the module.
@@ -164,6 +168,47 @@ def multi_turn_chats(rng: random.Random, num_chats: int, num_turns: int, system_
     return chats
 
 
+def zipf_weights(num_groups: int, exponent: float) -> list[float]:
+    """Popularity of ranks ``1..num_groups``: ``k ** -exponent``, normalised to sum 1."""
+    if type(num_groups) is not int or num_groups < 1:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if not isinstance(exponent, (int, float)) or exponent < 0:
+        raise ValueError(f"zipf exponent must be a number >= 0, got {exponent!r}")
+    raw = [k ** -float(exponent) for k in range(1, num_groups + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+@dataclass(frozen=True, slots=True)
+class HotPrefixPrompt:
+    """One request of the hot-prefix workload: ``group`` is its prefix's
+    popularity rank (0 = hottest); prompts of one group share ``prefix``
+    token for token."""
+
+    group: int
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.prefix + self.suffix
+
+
+def hot_prefix_prompts(rng: random.Random, num_groups: int, num_requests: int, prefix_tokens: int, suffix_tokens: int,
+                       zipf_exponent: float, tokens: tuple[int, int] = PRINTABLE_TOKENS) -> list[HotPrefixPrompt]:
+    """``num_requests`` prompts in arrival order, each drawing its group
+    independently from :func:`zipf_weights` (exponent 0: uniform); every
+    group's prefix is drawn once, every suffix afresh. Deterministic in ``rng``."""
+    for name, value, minimum in (("num_requests", num_requests, 0), ("prefix_tokens", prefix_tokens, 1),
+                                 ("suffix_tokens", suffix_tokens, 1)):
+        if type(value) is not int or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    weights = zipf_weights(num_groups, zipf_exponent)
+    prefixes = [random_tokens(rng, prefix_tokens, tokens) for _ in range(num_groups)]
+    groups = rng.choices(range(num_groups), weights=weights, k=num_requests)
+    return [HotPrefixPrompt(g, prefixes[g], random_tokens(rng, suffix_tokens, tokens)) for g in groups]
+
+
 # ------------------------------------------------- the load test's sessions
 @dataclass(frozen=True, slots=True)
 class Turn:
@@ -195,6 +240,12 @@ def multi_turn(rng: random.Random, num_chats: int, num_turns: int, system_tokens
     return [Session(c.system, tuple(Turn(t.question, output_tokens) for t in c.turns)) for c in chats]
 
 
+def hot_prefix(rng: random.Random, num_groups: int, num_requests: int, prefix_tokens: int, suffix_tokens: int,
+               zipf_exponent: float, output_tokens: int) -> list[Session]:
+    prompts = hot_prefix_prompts(rng, num_groups, num_requests, prefix_tokens, suffix_tokens, zipf_exponent)
+    return [Session(p.prefix, (Turn(p.suffix, output_tokens),)) for p in prompts]
+
+
 def mooncake(rng: random.Random, trace_path: str, tokens_per_block: int, max_requests: int,
              max_prompt_tokens: int, max_output_tokens: int) -> list[Session]:
     """Trace rows → one-turn sessions; prompts truncated to ``max_prompt_tokens``."""
@@ -215,12 +266,18 @@ PRESETS = {
         "cpu": dict(num_chats=24, num_turns=4, system_tokens=256, question_tokens=32, output_tokens=16),
         "gpu": dict(num_chats=128, num_turns=8, system_tokens=1024, question_tokens=128, output_tokens=128),
     },
+    "hot-prefix": {
+        "cpu": dict(num_groups=4, num_requests=48, prefix_tokens=1024, suffix_tokens=32, zipf_exponent=1.2,
+                    output_tokens=8),
+        "gpu": dict(num_groups=32, num_requests=2048, prefix_tokens=4096, suffix_tokens=128, zipf_exponent=1.1,
+                    output_tokens=128),
+    },
     "mooncake": {
         "cpu": dict(tokens_per_block=8, max_requests=200, max_prompt_tokens=1024, max_output_tokens=16),
         "gpu": dict(tokens_per_block=128, max_requests=2000, max_prompt_tokens=16384, max_output_tokens=256),
     },
 }
-WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "mooncake": mooncake}
+WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prefix": hot_prefix, "mooncake": mooncake}
 
 
 def build_workload(name: str, scale: str, overrides: dict, trace_path: str | None, seed: int) -> list[Session]:

@@ -11,9 +11,11 @@ from harness.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     TraceBlocks,
     build_workload,
+    hot_prefix_prompts,
     multi_turn_chats,
     read_mooncake,
     shared_prefix_prompts,
+    zipf_weights,
 )
 
 TRACE = "tests/router/data/mooncake_head400.jsonl"
@@ -77,3 +79,47 @@ def test_load_test_sessions_follow_the_presets():
     assert len(mooncake) == 10 and all(len(s.prefix) <= 1024 and s.turns[0].question == () for s in mooncake)
     with pytest.raises(ValueError, match="needs --trace"):
         build_workload("mooncake", "cpu", {}, None, seed=0)
+
+
+def test_zipf_weights_fall_as_rank_to_the_minus_exponent_and_exponent_zero_is_uniform():
+    weights = zipf_weights(4, 1.0)
+    assert sum(weights) == pytest.approx(1.0)
+    assert [w / weights[0] for w in weights] == pytest.approx([1, 1 / 2, 1 / 3, 1 / 4])
+    assert zipf_weights(3, 0) == pytest.approx([1 / 3] * 3)
+    for bad in ((0, 1.0), (3, -0.5)):
+        with pytest.raises(ValueError):
+            zipf_weights(*bad)
+
+
+def test_hot_prefix_popularity_is_skewed_as_zipf_says():
+    prompts = hot_prefix_prompts(random.Random(5), 6, 3000, prefix_tokens=8, suffix_tokens=4, zipf_exponent=1.2)
+    counts = [sum(p.group == g for p in prompts) for g in range(6)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > 4 * counts[-1]
+    for count, weight in zip(counts, zipf_weights(6, 1.2)):
+        assert abs(count / 3000 - weight) < 0.03  # 3000 draws: ~4 standard errors at the hottest rank
+    uniform = hot_prefix_prompts(random.Random(5), 6, 3000, 8, 4, zipf_exponent=0.0)
+    assert max(sum(p.group == g for p in uniform) for g in range(6)) < 1.3 * 3000 / 6
+
+
+def test_hot_prefix_groups_share_their_prefix_token_for_token_and_nothing_else():
+    prompts = hot_prefix_prompts(random.Random(2), 4, 200, prefix_tokens=64, suffix_tokens=16, zipf_exponent=1.0,
+                                 tokens=(3, 259))
+    group_to_prefix = {}
+    for p in prompts:
+        assert len(p.prefix) == 64 and len(p.suffix) == 16 and p.token_ids == p.prefix + p.suffix
+        assert all(3 <= t < 259 for t in p.token_ids)
+        assert group_to_prefix.setdefault(p.group, p.prefix) == p.prefix
+    assert len(set(group_to_prefix.values())) == len(group_to_prefix) == 4
+    assert len({p.suffix for p in prompts}) == len(prompts)  # 16 random tokens: no repeats in 200
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        hot_prefix_prompts(random.Random(0), 2, 5, 0, 4, 1.0)
+
+
+def test_hot_prefix_is_reproducible_by_seed_and_its_sessions_follow_the_preset():
+    draw = lambda seed: hot_prefix_prompts(random.Random(seed), 5, 50, 32, 8, 1.1)  # noqa: E731
+    assert draw(7) == draw(7) and draw(7) != draw(8)
+    sessions = build_workload("hot-prefix", "cpu", {"num_requests": 20}, None, seed=3)
+    assert sessions == build_workload("hot-prefix", "cpu", {"num_requests": 20}, None, seed=3)
+    assert len(sessions) == 20 and all(len(s.prefix) == 1024 and len(s.turns) == 1 for s in sessions)
+    assert all(len(s.turns[0].question) == 32 and s.turns[0].max_new_tokens == 8 for s in sessions)
+    assert len({s.prefix for s in sessions}) <= 4
