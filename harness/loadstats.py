@@ -25,6 +25,7 @@ class RequestRecord:
     output_tokens: int = 0
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    server_ttft_s: float | None = None  # the engine's own, from its submission (the done event's ttft_s)
 
     @property
     def latency_s(self) -> float:
@@ -83,6 +84,10 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
         "output_tokens_per_s": output_tokens / wall_s if wall_s else 0.0,
         "goodput_rps": len(good) / wall_s if wall_s else 0.0,
         "ttft_s": _dist(ttfts),
+        # client TTFT less the engine's: HTTP proxy, ingress, routing, the Ray call, streaming back
+        "server_ttft_s": _dist([r.server_ttft_s for r in ok if r.server_ttft_s is not None]),
+        "ingress_overhead_s": _dist([r.ttft_s - r.server_ttft_s for r in ok
+                                     if r.ttft_s is not None and r.server_ttft_s is not None]),
         "itl_s": _dist(itls),
         "latency_s": _dist([r.latency_s for r in ok]),
         "cluster_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -72,6 +73,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, prompt: list[int], m
                 elif event.get("done"):
                     record.replica_id = event.get("replica_id")
                     record.cached_tokens = event.get("cached_tokens", 0)
+                    record.server_ttft_s = event.get("ttft_s")
                 elif "token_id" in event:
                     token_times.append(time.perf_counter())
                     tokens.append(event["token_id"])
@@ -209,6 +211,7 @@ def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dic
                 pooled[router].append((records, wall_s))
                 round_summary = summarize(records, wall_s, slo, num_workers)
                 round_summary["server_stats"] = stats
+                round_summary["load_average"] = os.getloadavg()  # 1/5/15 min, at the round's end
                 per_round[router].append(round_summary)
     results = {}
     for router in routers:

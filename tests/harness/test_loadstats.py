@@ -47,3 +47,12 @@ def test_percentile_of_two_values():
     assert percentile([2.0, 1.0], 50) == 1.0
     assert percentile([2.0, 1.0], 51) == 2.0
     assert percentile([3.0], 0) == 3.0
+
+
+def test_ingress_overhead_is_client_ttft_less_the_engines_own():
+    records = [record("a", 100, 0, ttft=0.05), record("b", 100, 0, ttft=0.09), record("b", 100, 0, ttft=0.2)]
+    records[0].server_ttft_s, records[1].server_ttft_s = 0.03, 0.04  # the third reported none
+    summary = summarize(records, wall_s=1.0, slo=SLO)
+    assert summary["server_ttft_s"]["p50"] == pytest.approx(0.03)
+    assert summary["ingress_overhead_s"]["p50"] == pytest.approx(0.02)
+    assert summary["ingress_overhead_s"]["p99"] == pytest.approx(0.05)
