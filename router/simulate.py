@@ -3,6 +3,7 @@
     python -m router.simulate --trace FILE --replicas N --budget-tokens B --json OUT [--plot PNG]
     python -m router.simulate --workload shared-prefix|multi-turn --replicas N --budget-tokens B --json OUT
         [--replica-model fifo|cb] [--profile PROFILE.json] [--max-tokens N] [--routers K]
+        [--arrivals open|closed --concurrency N --ingress-s S]
 
 Replica models: ``fifo`` (:class:`router.cluster.CostModel`: prefill time ∝
 tokens computed, a decode time per output token, one request at a time) and
@@ -12,7 +13,9 @@ measured). Honest inputs: ours sees each request's ``max_tokens`` (never its
 output length), the summaries a live worker fills, and completion events.
 Arrivals are rescaled so round robin with no cache hits would keep the
 replicas ``--utilisation`` busy: ``factor = no-hit work / (N × utilisation ×
-trace span)``, a request's work being its time alone on a replica. Writes ``{"global_lru_hit_rate", "infinite_hit_rate",
+trace span)``, a request's work being its time alone on a replica; or, with
+``--arrivals closed`` (:mod:`router.closed_loop`), N client sessions each send
+their next request when the previous completes, as the live load test does. Writes ``{"global_lru_hit_rate", "infinite_hit_rate",
 "policies": {NAME: {"hit_rate", "load_imbalance", "ttft_p50_s",
 "ttft_p99_s", ...}}, "setup": {...}}``. Hit rates count prompt tokens.
 """
@@ -32,6 +35,7 @@ from cache.summary import SummaryStream
 from harness.loadstats import percentile
 from router.baselines import DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RoundRobin, SGLangCacheAware
 from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
+from router.closed_loop import ClosedLoopConfig, arrivals
 from router.cluster import CostModel, SimReplica
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
@@ -64,6 +68,7 @@ class SimConfig:
     num_routers: int = 1
     decode_token_cost: float | None = None  # ours' price of an output token; None: the timing's
     summary_mode: str = "full"  # "full": every block each period; "stream": snapshots + cumulative deltas
+    closed_loop: ClosedLoopConfig | None = None  # None: open loop at the workload's (scaled) arrival times
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -195,20 +200,19 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     streams = {r.replica_id: SummaryStream(f"{r.replica_id}@0") for r in replicas}
     summary_bytes, summary_cpu_s = 0, 0.0
 
-    def run_to(until: float) -> None:
+    def run_to(until: float) -> list:
         completions = [c for r in replicas for c in r.advance(until)]
         if hears:
             for completion in sorted(completions, key=lambda c: c.finish_s):
                 policy.on_completed(completion.number, completion.finish_s)
+        return completions
 
-    requests = workload.requests
-    if progress:
-        from tqdm import tqdm
-        requests = tqdm(requests, desc=f"{name:>20}", unit="req", leave=False, file=sys.stderr)
-    for number, request in enumerate(requests):
-        now = request.arrival_s
+    def catch_up(now: float) -> list:
+        """Replicas and summaries up to ``now``; the completions on the way."""
+        nonlocal next_summary_s, version, summary_bytes, summary_cpu_s
+        completions = []
         while next_summary_s <= now:
-            run_to(next_summary_s)
+            completions += run_to(next_summary_s)
             version += 1
             if hears:
                 for replica in replicas:
@@ -220,7 +224,20 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
                     policy.on_summary(summary, next_summary_s)
                     summary_cpu_s += time.thread_time() - started
             next_summary_s += config.summary_period_s
-        run_to(now)
+        return completions + run_to(now)
+
+    if config.closed_loop is None:
+        sends = ((number, request.arrival_s) for number, request in enumerate(workload.requests))
+    else:
+        sessions = workload.sessions or tuple((number,) for number in range(len(workload.requests)))
+        sends = arrivals(config.closed_loop.loop(sessions, next_summary_s), catch_up, config.closed_loop.tick_s,
+                         next_summary_s)
+    if progress:
+        from tqdm import tqdm
+        sends = tqdm(sends, desc=f"{name:>20}", unit="req", leave=False, file=sys.stderr, total=len(workload.requests))
+    for number, now in sends:
+        request = workload.requests[number]
+        catch_up(now)
         started = time.thread_time()  # CPU time: other processes on a shared machine do not count
         index = policy.choose(number, request, now)
         decision_us.append((time.thread_time() - started) * 1e6)
@@ -275,7 +292,7 @@ def simulate(
     randomised baselines (pow2, dynamo_kv and llm_d tie-breaks) run once per
     seed and their figures are the means."""
     seeds = tuple(seeds) if seeds else (config.seed,)
-    factor = arrival_scale(workload, config)
+    factor = arrival_scale(workload, config) if config.closed_loop is None else 1.0  # closed: no clock to scale
     scaled = scale_arrivals(workload, factor)
     budget_units = config.budget_tokens // workload.unit_tokens
     infinite_hit_rate, ttft_floor_s = cache_bound(scaled, None, config.timing)
@@ -299,6 +316,7 @@ def simulate(
             "max_tokens": config.max_tokens or max((r.num_output_tokens for r in workload.requests), default=1),
             "num_routers": config.num_routers,
             "summary_mode": config.summary_mode,
+            "closed_loop": asdict(config.closed_loop) if config.closed_loop else None,
             "router_block_tokens": workload.router_block_tokens,
             "policy_config": asdict(config.policy),
         },
@@ -351,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="full: every cached block each period; stream: snapshots + cumulative deltas")
     parser.add_argument("--decode-token-cost", type=float, default=None,
                         help="ours' prefill-token price of an output token (default: from the cost model/profile)")
+    parser.add_argument("--arrivals", choices=("open", "closed"), default="open",
+                        help="open: the workload's arrival times, scaled to --utilisation; closed: --concurrency "
+                             "sessions, each sending its next request when the previous completes")
+    parser.add_argument("--concurrency", type=int, default=8, help="--arrivals closed: client sessions")
+    parser.add_argument("--ingress-s", type=float, default=0.0,
+                        help="--arrivals closed: measured client TTFT less engine TTFT, between a completion and "
+                             "the next request at the engine")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     kind = args.workload or ("mooncake" if args.trace else None)
@@ -378,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         num_routers=args.routers,
         decode_token_cost=args.decode_token_cost,
         summary_mode=args.summary_mode,
+        closed_loop=ClosedLoopConfig(args.concurrency, ingress_s=args.ingress_s) if args.arrivals == "closed" else None,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     seeds = range(args.seed, args.seed + args.seeds)

@@ -1,12 +1,13 @@
 """The simulator's requests for the workloads of ``harness/workloads.py``
 (which generates them): a Mooncake trace, shared-prefix groups, multi-turn
-chats."""
+chats; and the load test's own sessions (:func:`from_sessions`), for the
+simulator's closed-loop replay of a live run."""
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cache import block_hashes
@@ -57,6 +58,9 @@ class Workload:
     unit_tokens: int
     router_block_tokens: int  # tokens per router block; a multiple of unit_tokens
     name: str
+    # Request numbers of each client session, turns in order (the closed loop
+    # sends a session's next turn when the last completes); () = one each.
+    sessions: tuple[tuple[int, ...], ...] = ()
 
     @property
     def units_per_block(self) -> int:
@@ -144,4 +148,29 @@ def scale_arrivals(workload: Workload, factor: float) -> Workload:
                    r.num_output_tokens, r.block_hashes, r.cache_units)
         for r in workload.requests
     )
-    return Workload(scaled, workload.unit_tokens, workload.router_block_tokens, workload.name)
+    return Workload(scaled, workload.unit_tokens, workload.router_block_tokens, workload.name, workload.sessions)
+
+
+def from_sessions(sessions, block_tokens: int, name: str, seed: int = 0) -> Workload:
+    """The load test's ``harness.workloads.Session`` list as simulator
+    requests, session by session: turn ``k``'s prompt is the prefix, every
+    earlier question and answer, and question ``k``, as the load test builds
+    it; an answer is ``max_new_tokens`` random tokens, cached but its last
+    (which has no KV in the engine) (the load test sends
+    ``ignore_eos``, so the live answer has that length too; its tokens differ,
+    which changes no match: each chat's history is its own).
+    ``Workload.sessions`` keeps each session's request numbers."""
+    rng = random.Random(seed)
+    requests, numbers = [], []
+    for session in sessions:
+        history, turns = list(session.prefix), []
+        for turn in session.turns:
+            prompt = history + list(turn.question)
+            answer = list(random_tokens(rng, turn.max_new_tokens, _SIM_TOKENS))
+            turns.append(len(requests))
+            # the engine caches every token with KV: prompt + answer but its last token
+            requests.append(_token_request(0.0, prompt, answer[:-1], block_tokens))
+            requests[-1] = replace(requests[-1], num_output_tokens=len(answer))
+            history = prompt + answer
+        numbers.append(tuple(turns))
+    return Workload(tuple(requests), 1, block_tokens, name, tuple(numbers))

@@ -1,0 +1,150 @@
+"""router.closed_loop: the simulator's closed-loop arrivals, as the live load test sends requests."""
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from harness.workloads import build_workload
+from router.batching import StepProfile
+from router.closed_loop import ClosedLoop, ClosedLoopConfig, arrivals
+from router.simulate import SimConfig, replay
+from router.workload import from_sessions, multi_turn
+
+PROFILE = StepProfile(0.002, 10e-6, 50e-6, 0.0, 512, 65536, name="test")
+
+
+@dataclass(frozen=True)
+class Done:
+    number: int
+    finish_s: float
+
+
+class FixedTimeCluster:
+    """Every request takes ``service_s`` from its send, however many run: a fake for the loop alone."""
+
+    def __init__(self, service_s: float) -> None:
+        self.service_s = service_s
+        self.pending: list[Done] = []
+        self.max_in_flight = 0
+
+    def send(self, number: int, now: float) -> None:
+        self.pending.append(Done(number, now + self.service_s))
+        self.max_in_flight = max(self.max_in_flight, len(self.pending))
+
+    def catch_up(self, now: float) -> list[Done]:
+        done = [d for d in self.pending if d.finish_s <= now]
+        self.pending = [d for d in self.pending if d.finish_s > now]
+        return done
+
+
+def drive(loop: ClosedLoop, cluster: FixedTimeCluster, tick_s: float = 0.001) -> list[tuple[int, float]]:
+    sent = []
+    for number, now in arrivals(loop, cluster.catch_up, tick_s):
+        loop.check_invariants()
+        cluster.send(number, now)
+        sent.append((number, now))
+    return sent
+
+
+def test_a_session_sends_its_next_turn_only_after_the_last_completes_plus_the_gap():
+    loop = ClosedLoop([(0, 1, 2), (3,)], concurrency=1, ingress_s=0.010)
+    sent = drive(loop, FixedTimeCluster(0.100))
+    assert [n for n, _ in sent] == [0, 1, 2, 3]  # one worker: the session's turns in order, then the next session
+    times = [t for _, t in sent]
+    for earlier, later in zip(times, times[1:]):
+        assert 0.110 <= later - earlier < 0.110 + 0.001 + 1e-9  # completion + gap, late by under one tick
+    assert loop.done and loop.num_sent == 4
+
+
+def test_never_more_in_flight_than_client_workers_and_every_request_sent_once():
+    rng = random.Random(3)
+    sessions, number = [], 0
+    for _ in range(30):
+        turns = rng.randint(1, 5)
+        sessions.append(tuple(range(number, number + turns)))
+        number += turns
+    cluster = FixedTimeCluster(0.037)
+    sent = drive(ClosedLoop(sessions, concurrency=4), cluster)
+    assert sorted(n for n, _ in sent) == list(range(number))
+    assert cluster.max_in_flight == 4
+    first_sends = [t for n, t in sent if n in {s[0] for s in sessions[:4]}]
+    assert first_sends == [0.0] * 4  # the first `concurrency` sessions start together
+
+
+def test_idle_time_is_skipped_to_the_next_send():
+    loop = ClosedLoop([(0, 1)], concurrency=1, think_s=5.0)
+    sent = drive(loop, FixedTimeCluster(0.010), tick_s=0.001)
+    assert sent[1][1] == pytest.approx(5.010, abs=0.0011)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(concurrency=0), "concurrency"),
+    (dict(concurrency=2, think_s=-1.0), "think_s"),
+    (dict(concurrency=2, ingress_s=float("nan")), "ingress_s"),
+])
+def test_bad_settings_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClosedLoop([(0,)], **kwargs)
+    with pytest.raises(ValueError, match=message):
+        ClosedLoopConfig(**kwargs)
+
+
+def test_a_request_in_two_sessions_and_an_unknown_completion_are_value_errors():
+    with pytest.raises(ValueError, match="more than one"):
+        ClosedLoop([(0, 1), (1,)], concurrency=2)
+    loop = ClosedLoop([(0,)], concurrency=1)
+    with pytest.raises(ValueError, match="not in flight"):
+        loop.on_completed(7, 1.0)
+
+
+def closed_config(concurrency: int, replicas: int = 1) -> SimConfig:
+    return SimConfig(num_replicas=replicas, budget_tokens=65536, replica_model="cb", profile=PROFILE,
+                     closed_loop=ClosedLoopConfig(concurrency, tick_s=0.0002))
+
+
+def test_one_client_never_queues_while_the_open_loop_at_high_load_does():
+    workload = from_sessions(build_workload("shared-prefix", "cpu", {"num_groups": 2, "prompts_per_group": 6}, None, 0),
+                             64, "shared-prefix")
+    alone = replay(workload, closed_config(concurrency=1), "ours")
+    assert alone["wait_p99_s"] < 0.0002 + 1e-9  # each request alone on the replica: TTFT = its own prefill
+    crowded = replay(workload, closed_config(concurrency=8), "ours")
+    assert crowded["ttft_p50_s"] > alone["ttft_p50_s"]
+    assert crowded["hit_rate"] == pytest.approx(alone["hit_rate"], abs=0.05)
+
+
+def test_closed_loop_turns_of_a_chat_hit_their_history():
+    sessions = build_workload("multi-turn", "cpu", {"num_chats": 4, "num_turns": 3}, None, 0)
+    workload = from_sessions(sessions, 64, "multi-turn")
+    assert workload.sessions == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11))
+    first, second = workload.requests[0], workload.requests[1]
+    assert second.units[: len(first.cache_units)] == first.cache_units  # the history, answer but its last token
+    assert len(first.cache_units) == first.num_prompt_tokens + first.num_output_tokens - 1
+    figures = replay(workload, closed_config(concurrency=2, replicas=2), "ours")
+    # a later turn, sent only after the previous one finished, reuses that turn's cached history
+    prompt = sum(r.num_prompt_tokens for r in workload.requests)
+    history = sum(len(workload.requests[n - 1].cache_units) for n in range(len(workload.requests)) if n % 3)
+    assert figures["hit_rate"] >= history / prompt
+
+
+def test_simulate_cli_offers_closed_arrivals(tmp_path):
+    from router.simulate import main
+
+    out = tmp_path / "closed.json"
+    args = ["--workload", "multi-turn", "--replicas", "2", "--budget-tokens", "20000", "--json", str(out),
+            "--replica-model", "cb", "--arrivals", "closed", "--concurrency", "3", "--ingress-s", "0.01",
+            "--policies", "ours,pow2", "--no-progress",
+            "--workload-args", '{"num_conversations": 6, "num_turns": 2, "output_tokens": 8}']
+    assert main(args) == 0
+    import json
+    result = json.loads(out.read_text())
+    assert result["setup"]["closed_loop"]["concurrency"] == 3
+    assert result["setup"]["arrival_scale"] == 1.0
+    assert set(result["policies"]) == {"ours", "pow2"}
+
+
+def test_a_generated_workload_without_sessions_sends_each_request_as_its_own_session():
+    workload = multi_turn(num_conversations=3, num_turns=2, system_tokens=64, question_tokens=16, output_tokens=4)
+    assert workload.sessions == ()
+    figures = replay(workload, closed_config(concurrency=2, replicas=2), "pow2")
+    assert figures["ttft_p50_s"] > 0
