@@ -7,7 +7,8 @@ from router.workload import Workload
 
 
 def replay_figures(workload: Workload, config, replicas: list, decision_us: list[float]) -> dict:
-    """Hit rates, load imbalance (max / mean busy time), TTFT percentiles, queueing
+    """Hit rates, load imbalance (max / mean busy time; ``prompt_imbalance``: of
+    prompt tokens, as the load test measures it), TTFT percentiles, queueing
     delay (TTFT less the request's own prefill alone), decision cost."""
     outcomes = {}
     for replica in replicas:
@@ -28,10 +29,14 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
     decision_us.sort()
     busy = [r.busy_s for r in replicas]
     mean_busy = sum(busy) / len(busy)
+    prompt = [sum(workload.requests[n].num_prompt_tokens for n in r.outcomes) for r in replicas]
+    mean_prompt = sum(prompt) / len(prompt)
     figures = {
         "hit_rate": cached_total / max(prompt_total, 1),
         "request_hit_rate": num_hits / max(len(ttfts), 1),
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
+        # the load test's measure (harness.loadstats): max / mean prompt tokens sent to a replica
+        "prompt_imbalance": max(prompt) / mean_prompt if mean_prompt > 0 else 1.0,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
         "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
