@@ -121,7 +121,9 @@ class Ours:
         policy_config = replace(config.policy, block_size=workload.router_block_tokens,
                                 decode_token_cost=config.decode_token_cost if config.decode_token_cost is not None
                                 else config.timing.decode_token_cost,
-                                queue_decode_token_cost=config.timing.queue_token_cost)
+                                queue_decode_token_cost=config.policy.queue_decode_token_cost
+                                if config.policy.queue_decode_token_cost is not None
+                                else config.timing.queue_token_cost)  # an explicit setting wins (the live router's)
         self.routers = [PrefixAffinityPolicy(policy_config, clock=lambda: self.now)
                         for _ in range(config.num_routers)]
         for router in self.routers:
