@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from cache import RadixCache
 from router.cluster import SimReplica
 from router.workload import SimRequest
 
@@ -73,6 +74,37 @@ class RayPrefixAffinity:
             smallest = min(r.radix.num_tokens for r in replicas)
             chosen = [i for i, r in enumerate(replicas) if r.radix.num_tokens == smallest]
         return _lowest_queue(chosen, replicas, now)
+
+
+class RayPrefixTree:
+    """Ray Serve LLM's PrefixCacheAffinityRouter as it runs (ray 2.60): the
+    same rule as :class:`RayPrefixAffinity`, but on *its own* prefix tree —
+    each prompt (as text: one character per token here) inserted for the
+    replica it was routed to at the moment it is routed, never the response,
+    never evicted (``do_eviction=False``, the default) — rather than on the
+    replicas' true caches. A request that follows one still queued therefore
+    matches it already, as live; a chat's next turn matches only its previous
+    prompt. Trees count units (tokens for the generated workloads)."""
+
+    name = "ray_prefix_tree"
+
+    def __init__(self) -> None:
+        self._trees: list[RadixCache] = []
+
+    def choose(self, request: SimRequest, replicas: Sequence[SimReplica], now: float) -> int:
+        while len(self._trees) < len(replicas):
+            self._trees.append(RadixCache(1 << 62, block_size=1))
+        total = max(len(request.units), 1)
+        rates = [tree.match(request.units, touch=False).num_tokens / total for tree in self._trees]
+        best = max(rates)
+        if best >= 0.1:
+            chosen = [i for i, rate in enumerate(rates) if rate == best]
+        else:
+            smallest = min(tree.num_tokens for tree in self._trees)
+            chosen = [i for i, tree in enumerate(self._trees) if tree.num_tokens == smallest]
+        index = _lowest_queue(chosen, replicas, now)
+        self._trees[index].insert(request.units)
+        return index
 
 
 class SGLangCacheAware:

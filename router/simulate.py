@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field, replace
 from cache import RadixCache
 from cache.summary import SummaryStream
 from harness.loadstats import percentile
-from router.baselines import DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RoundRobin, SGLangCacheAware
+from router.baselines import (DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RayPrefixTree, RoundRobin,
+                              SGLangCacheAware)
 from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
 from router.closed_loop import ClosedLoopConfig, arrivals
 from router.cluster import CostModel, SimReplica
@@ -176,6 +177,7 @@ def make_policies(names, workload: Workload, replicas: list, config: SimConfig):
         "round_robin": lambda: _Peer(RoundRobin(), replicas),
         "pow2": lambda: _Peer(PowerOfTwo(rng), replicas),
         "ray_prefix_affinity": lambda: _Peer(RayPrefixAffinity(), replicas),
+        "ray_prefix_tree": lambda: _Peer(RayPrefixTree(), replicas),
         "sglang_cache_aware": lambda: _Peer(SGLangCacheAware(), replicas),
         "dynamo_kv": lambda: _Peer(DynamoKV(workload.router_block_tokens, rng), replicas),
         "llm_d": lambda: _Peer(LlmdScorers(rng), replicas),

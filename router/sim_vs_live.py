@@ -1,0 +1,194 @@
+"""The simulator against the live cluster: a load-test run beside the
+simulator's closed-loop replay of the same sessions, router by router.
+
+    python -m router.sim_vs_live --live results/loadtest_shared_prefix.json \\
+        [--workload-args JSON] [--trace FILE] [--profile router/profiles/tiny_llama_cpu.json] \\
+        [--ingress-s measured|SECONDS] [--seeds 3] [--json OUT]
+
+The live side is ``python -m harness.loadtest --compare-routers
+kvroute,pow2,prefix_affinity --mode closed`` (its JSON: per router, the
+pooled rounds). The simulated side rebuilds the identical sessions
+(``harness.workloads.build_workload`` with the run's workload, scale,
+overrides and seed), replays them with :mod:`router.closed_loop` at the
+run's concurrency through ``--replica-model cb`` replicas under the step
+profile, with the deployment's settings (2 replicas, the engine's cache
+budget, 64-token routing blocks, our router with the same
+:class:`PolicyConfig` the live one is built with), under ours, pow2 and
+Ray's prefix-affinity rule on its own router-side tree of routed prompts, as
+it runs live (``ray_prefix_tree``; the simulator's ``ray_prefix_affinity``
+reads the replicas' true caches instead, which lag a queued request).
+
+Between the engine and the client lies the ingress (HTTP proxy, FastAPI,
+tokenising, routing, the Ray call, streaming back). It is *measured* in the
+live run — each response's done event carries the engine's own TTFT, and the
+load test reports the client's TTFT less it (``ingress_overhead_s``) — and
+``--ingress-s measured`` (the default) takes the median of the routers'
+medians: the simulated requests reach the engine that long after their
+session's previous one ended, and a simulated client TTFT is the engine's
+plus it. Nothing is fitted to the live TTFTs.
+
+Compared: token hit rate (goal: within 0.02), TTFT p50 (within 25 %) and
+p99 (within 40 %), and imbalance as the load test measures it (max / mean
+prompt tokens per replica); and whether the routers rank alike on each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+from harness.workloads import build_workload
+from router.batching import StepProfile
+from router.closed_loop import ClosedLoopConfig, client_ttft
+from router.policy_config import PolicyConfig
+from router.simulate import SimConfig, simulate
+from router.workload import from_sessions
+
+ROUTERS = {"kvroute": "ours", "pow2": "pow2", "prefix_affinity": "ray_prefix_tree"}  # live name -> simulated
+GOALS = {"hit": 0.02, "ttft_p50": 0.25, "ttft_p99": 0.40}  # absolute; relative; relative
+DEFAULT_PROFILE = "router/profiles/tiny_llama_cpu.json"
+
+
+def live_figures(report: dict) -> dict[str, dict]:
+    """Per live router: hit rate, TTFT p50/p99, imbalance, and the measured ingress and engine TTFTs."""
+    figures = {}
+    for router, result in report["results"].items():
+        figures[router] = {
+            "hit": result["cluster_hit_rate"],
+            "ttft_p50": result["ttft_s"]["p50"],
+            "ttft_p99": result["ttft_s"]["p99"],
+            "imbalance": result["load_imbalance"],
+            "ingress_p50": (result.get("ingress_overhead_s") or {}).get("p50"),
+            "engine_ttft_p50": (result.get("server_ttft_s") or {}).get("p50"),
+            "load_average": [r.get("load_average") for r in result.get("rounds", [])],
+            "rounds_hit": [r["cluster_hit_rate"] for r in result.get("rounds", [])],
+            "rounds_ttft_p99": [r["ttft_s"]["p99"] for r in result.get("rounds", [])],
+        }
+    return figures
+
+
+def measured_ingress_s(live: dict[str, dict]) -> float:
+    """Median over routers of the median client-less-engine TTFT; ValueError if the run did not record it."""
+    values = [f["ingress_p50"] for f in live.values() if f["ingress_p50"] is not None]
+    if not values:
+        raise ValueError("the live run has no ingress_overhead_s (an older load test); give --ingress-s SECONDS")
+    return statistics.median(values)
+
+
+def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, workload_args: dict,
+                      trace: str | None, seed: int, num_replicas: int, budget_tokens: int, block_tokens: int,
+                      seeds: int) -> tuple[dict[str, dict], dict]:
+    meta = report["meta"]
+    if meta.get("mode", "closed") != "closed":
+        raise ValueError(f"the live run was {meta['mode']}-loop; this compares closed-loop runs")
+    sessions = build_workload(meta["workload"], meta["scale"], workload_args, trace, seed)
+    workload = from_sessions(sessions, block_tokens, meta["workload"], seed)
+    if len(workload.requests) != meta["num_requests"]:
+        raise ValueError(f"rebuilt {len(workload.requests)} requests, the live run sent {meta['num_requests']}: "
+                         "give the run's --workload-args / --trace / --seed")
+    live_policy = PolicyConfig(block_size=block_tokens)  # what deploy/app.py builds from empty router kwargs
+    queue_cost = live_policy.queue_decode_token_cost
+    config = SimConfig(
+        num_replicas=num_replicas, budget_tokens=budget_tokens, replica_model="cb", profile=profile,
+        policy=replace(live_policy, queue_decode_token_cost=queue_cost if queue_cost is not None
+                       else live_policy.decode_token_cost),
+        decode_token_cost=live_policy.decode_token_cost,
+        closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=ingress_s),
+    )
+    result = simulate(workload, config, list(ROUTERS.values()), seeds=range(seed, seed + seeds))
+    figures = {}
+    for router, name in ROUTERS.items():
+        f = result["policies"][name]
+        figures[router] = {"hit": f["hit_rate"], "ttft_p50": client_ttft(f["ttft_p50_s"], ingress_s),
+                           "ttft_p99": client_ttft(f["ttft_p99_s"], ingress_s), "imbalance": f["prompt_imbalance"],
+                           "engine_ttft_p50": f["ttft_p50_s"]}
+    return figures, result
+
+
+def ranking(figures: dict[str, dict], key: str) -> list[str]:
+    """Routers best first: higher hit rate, lower TTFT and imbalance."""
+    sign = -1 if key == "hit" else 1
+    return sorted(figures, key=lambda r: sign * figures[r][key])
+
+
+def compare(live: dict[str, dict], sim: dict[str, dict]) -> dict:
+    rows = {}
+    for router in ROUTERS:
+        lv, sm = live[router], sim[router]
+        rows[router] = {
+            "live": lv, "sim": sm,
+            "hit_diff": sm["hit"] - lv["hit"],
+            "ttft_p50_ratio": sm["ttft_p50"] / lv["ttft_p50"],
+            "ttft_p99_ratio": sm["ttft_p99"] / lv["ttft_p99"],
+            "imbalance_diff": sm["imbalance"] - lv["imbalance"],
+        }
+        rows[router]["met"] = {
+            "hit": abs(rows[router]["hit_diff"]) <= GOALS["hit"],
+            "ttft_p50": abs(rows[router]["ttft_p50_ratio"] - 1) <= GOALS["ttft_p50"],
+            "ttft_p99": abs(rows[router]["ttft_p99_ratio"] - 1) <= GOALS["ttft_p99"],
+        }
+    ranks = {key: {"live": ranking(live, key), "sim": ranking(sim, key)}
+             for key in ("hit", "ttft_p50", "ttft_p99", "imbalance")}
+    for key in ranks:
+        ranks[key]["same"] = ranks[key]["live"] == ranks[key]["sim"]
+    return {"rows": rows, "rankings": ranks}
+
+
+def print_markdown(workload: str, comparison: dict, ingress_s: float) -> None:
+    print(f"{workload} (simulated client TTFT = engine TTFT + measured ingress {ingress_s * 1e3:.1f} ms)\n")
+    print("| router | hit live / sim (diff) | TTFT p50 s live / sim (ratio) | TTFT p99 s live / sim (ratio) "
+          "| imbalance live / sim | engine TTFT p50 s live / sim |")
+    print("|---|---|---|---|---|---|")
+    for router, row in comparison["rows"].items():
+        lv, sm, met = row["live"], row["sim"], row["met"]
+        mark = {k: "" if v else " ✗" for k, v in met.items()}
+        engine_live = f"{lv['engine_ttft_p50']:.3f}" if lv["engine_ttft_p50"] is not None else "–"
+        print(f"| {router} | {lv['hit']:.3f} / {sm['hit']:.3f} ({row['hit_diff']:+.3f}){mark['hit']} "
+              f"| {lv['ttft_p50']:.3f} / {sm['ttft_p50']:.3f} ({row['ttft_p50_ratio']:.2f}){mark['ttft_p50']} "
+              f"| {lv['ttft_p99']:.3f} / {sm['ttft_p99']:.3f} ({row['ttft_p99_ratio']:.2f}){mark['ttft_p99']} "
+              f"| {lv['imbalance']:.3f} / {sm['imbalance']:.3f} | {engine_live} / {sm['engine_ttft_p50']:.3f} |")
+    print()
+    for key, rank in comparison["rankings"].items():
+        verdict = "same" if rank["same"] else "DIFFERENT"
+        print(f"- ranking by {key}: live {' > '.join(rank['live'])}; sim {' > '.join(rank['sim'])} ({verdict})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router.sim_vs_live", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--live", required=True, help="JSON of python -m harness.loadtest --compare-routers")
+    parser.add_argument("--workload-args", default="{}", help="the live run's --workload-args")
+    parser.add_argument("--trace", default=None, help="the live run's --trace (mooncake)")
+    parser.add_argument("--seed", type=int, default=0, help="the live run's --seed")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE)
+    parser.add_argument("--ingress-s", default="measured", help="'measured' (from the live run) or seconds")
+    parser.add_argument("--replicas", type=int, default=2, help="deploy/config.yaml: Worker num_replicas")
+    parser.add_argument("--budget-tokens", type=int, default=65536, help="deploy/config.yaml: cache_budget_tokens")
+    parser.add_argument("--block-tokens", type=int, default=64, help="deploy/config.yaml: router_block_size")
+    parser.add_argument("--seeds", type=int, default=3, help="pow2's random draws: seeds, figures averaged")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    with open(args.live) as handle:
+        report = json.load(handle)
+    live = live_figures(report)
+    missing = [r for r in ROUTERS if r not in live]
+    if missing:
+        parser.error(f"the live run lacks routers {missing}")
+    ingress_s = measured_ingress_s(live) if args.ingress_s == "measured" else float(args.ingress_s)
+    sim, result = simulated_figures(report, StepProfile.load(args.profile), ingress_s,
+                                    workload_args=json.loads(args.workload_args), trace=args.trace, seed=args.seed,
+                                    num_replicas=args.replicas, budget_tokens=args.budget_tokens,
+                                    block_tokens=args.block_tokens, seeds=args.seeds)
+    comparison = compare(live, sim)
+    print_markdown(report["meta"]["workload"], comparison, ingress_s)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"ingress_s": ingress_s, "profile": args.profile, "comparison": comparison,
+                       "simulated": result, "live_meta": report["meta"]}, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

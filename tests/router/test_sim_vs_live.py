@@ -1,0 +1,89 @@
+"""router.sim_vs_live and the faithful Ray prefix-tree peer it compares against."""
+
+import json
+
+import pytest
+
+from harness.loadstats import RequestRecord, summarize
+from router.baselines import RayPrefixTree
+from router.batching import BatchingReplica, StepProfile
+from router.sim_vs_live import GOALS, compare, live_figures, main, measured_ingress_s, ranking
+from router.workload import SimRequest
+
+PROFILE = StepProfile(0.002, 10e-6, 50e-6, 0.0, 512, 65536, name="test")
+
+
+def request(tokens):
+    return SimRequest(0.0, tuple(tokens), 1, len(tokens), 4, (), tuple(tokens))
+
+
+def test_ray_prefix_tree_follows_a_prompt_routed_but_not_yet_cached():
+    replicas = [BatchingReplica(f"r{i}", 10_000, PROFILE) for i in range(2)]
+    rule = RayPrefixTree()
+    system = list(range(1000, 1256))
+    first = rule.choose(request(system + [1, 2, 3]), replicas, 0.0)
+    replicas[first].submit(0, request(system + [1, 2, 3]), 0.0)  # queued: no replica has cached anything yet
+    assert all(r.radix.num_tokens == 0 for r in replicas)
+    # the router's own tree already holds the first prompt: the second follows it despite the longer queue
+    assert rule.choose(request(system + [4, 5, 6]), replicas, 0.0) == first
+    # a cold prompt (match < 10 %) goes to the replica with the smaller tree
+    assert rule.choose(request(list(range(5000, 5300))), replicas, 0.0) == 1 - first
+
+
+def live_report(tmp_path, hit_by_router, ttft_by_router, engine_ttft=0.01):
+    results = {}
+    for router, (hit, ttft) in {r: (hit_by_router[r], ttft_by_router[r]) for r in hit_by_router}.items():
+        records = []
+        for i in range(20):
+            rec = RequestRecord(session_id=i, turn=0, prompt_tokens=100, start_s=0.0, end_s=1.0,
+                                replica_id=f"rank-{1 + i % 2}", cached_tokens=int(100 * hit), output_tokens=4,
+                                ttft_s=ttft, server_ttft_s=engine_ttft)
+            records.append(rec)
+        results[router] = summarize(records, 1.0, {"ttft_s": 1.0, "itl_s": 1.0}, 2)
+    return {"meta": {"workload": "shared-prefix", "scale": "cpu", "mode": "closed", "concurrency": 2,
+                     "num_requests": 20}, "results": results}
+
+
+def test_live_figures_and_the_measured_ingress(tmp_path):
+    report = live_report(tmp_path, {"kvroute": 0.8, "pow2": 0.5, "prefix_affinity": 0.7},
+                         {"kvroute": 0.05, "pow2": 0.07, "prefix_affinity": 0.09})
+    live = live_figures(report)
+    assert live["pow2"]["hit"] == pytest.approx(0.5)
+    assert live["kvroute"]["imbalance"] == pytest.approx(1.0)
+    assert measured_ingress_s(live) == pytest.approx(0.06)  # median of 0.04, 0.06, 0.08
+    assert ranking(live, "hit") == ["kvroute", "prefix_affinity", "pow2"]
+    assert ranking(live, "ttft_p99") == ["kvroute", "pow2", "prefix_affinity"]
+
+
+def test_compare_marks_each_goal_and_the_rankings():
+    live = {"kvroute": {"hit": 0.80, "ttft_p50": 0.10, "ttft_p99": 0.20, "imbalance": 1.0},
+            "pow2": {"hit": 0.60, "ttft_p50": 0.10, "ttft_p99": 0.30, "imbalance": 1.1},
+            "prefix_affinity": {"hit": 0.70, "ttft_p50": 0.10, "ttft_p99": 0.25, "imbalance": 1.2}}
+    sim = {"kvroute": {"hit": 0.81, "ttft_p50": 0.12, "ttft_p99": 0.27, "imbalance": 1.0},
+           "pow2": {"hit": 0.63, "ttft_p50": 0.13, "ttft_p99": 0.30, "imbalance": 1.0},
+           "prefix_affinity": {"hit": 0.70, "ttft_p50": 0.10, "ttft_p99": 0.36, "imbalance": 1.3}}
+    result = compare(live, sim)
+    assert result["rows"]["kvroute"]["met"] == {"hit": True, "ttft_p50": True, "ttft_p99": True}
+    assert result["rows"]["pow2"]["met"] == {"hit": False, "ttft_p50": False, "ttft_p99": True}
+    assert result["rows"]["prefix_affinity"]["met"]["ttft_p99"] is False  # 1.44 > 1 + 0.40
+    assert GOALS["ttft_p99"] == 0.40
+    assert result["rankings"]["hit"]["same"]
+    assert not result["rankings"]["ttft_p99"]["same"]
+
+
+def test_cli_replays_the_live_sessions_and_refuses_a_mismatched_workload(tmp_path, capsys):
+    report = live_report(tmp_path, {"kvroute": 0.8, "pow2": 0.5, "prefix_affinity": 0.7},
+                         {"kvroute": 0.05, "pow2": 0.07, "prefix_affinity": 0.09})
+    args = {"num_groups": 2, "prompts_per_group": 10}
+    report["meta"]["num_requests"] = 20
+    path = tmp_path / "live.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "cmp.json"
+    assert main(["--live", str(path), "--workload-args", json.dumps(args), "--seeds", "1", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["ingress_s"] == pytest.approx(0.06)
+    assert set(saved["comparison"]["rows"]) == {"kvroute", "pow2", "prefix_affinity"}
+    assert saved["simulated"]["setup"]["closed_loop"]["concurrency"] == 2
+    assert "ranking by hit" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="rebuilt"):
+        main(["--live", str(path), "--seeds", "1"])  # the cpu preset's 128 requests, not the run's 20
