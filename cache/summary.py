@@ -14,7 +14,7 @@ import math
 import sys
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cache.hashing import continue_block_hashes, salt_seed
 from cache.radix import RadixCache
@@ -52,7 +52,16 @@ def cached_block_hashes(radix: RadixCache, block_size: int) -> set[int]:
 # routing stats and the router consumes. It lives here (not in router/) because
 # workers may not import the router: deploy → worker → cache, deploy → router → cache.
 
-SUMMARY_FORMAT = "kvroute.cache_summary.v1"
+SUMMARY_FORMAT = "kvroute.cache_summary.v1"  # long keys, every field (still read)
+COMPACT_FORMAT = "kvroute.cs.v2"  # what :meth:`CacheSummary.to_dict` writes: short keys, zeros left out
+# v2's short key for each field; "format", "replica_id", "version" and "epoch" keep their names
+# (a router reads version and epoch before parsing, to skip what it has seen)
+_COMPACT_KEYS = {
+    "timestamp_s": "t", "block_size": "bs", "num_cached_tokens": "c", "budget_tokens": "b",
+    "num_queued_tokens": "q", "num_running_tokens": "r", "num_running": "nr", "num_waiting": "nw",
+    "num_prefill_tokens_total": "pt", "num_output_tokens_total": "ot", "mean_output_tokens": "mo",
+    "base_version": "bv",
+}
 _COUNT_FIELDS = (
     "num_cached_tokens",
     "budget_tokens",
@@ -103,7 +112,19 @@ class CacheSummary:
     the router compares.
 
     Wire format (:meth:`to_dict`, a plain JSON-able dict for Ray Serve's
-    ``record_routing_stats``)::
+    ``record_routing_stats``), compact (v2)::
+
+        {"format": "kvroute.cs.v2", "replica_id": str, "version": int,
+         "epoch"?: str, "t": timestamp_s, "bs": block_size,
+         "h"?: base64 of the sorted block hashes as little-endian uint64,
+         "rm"?: the same of removed_hashes (a delta),
+         "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?: the counts,
+         "mo"?: mean_output_tokens, "bv"?: base_version}
+
+    where a field left out is 0 (empty for hashes, "" for the epoch): a
+    summary's fixed cost is what changes, not ~350 bytes of names and zeros
+    (at 64 replicas of a trace that fills caches only partly, that was most
+    of a delta). :meth:`from_dict` also reads v1 (``to_dict(compact=False)``)::
 
         {"format": "kvroute.cache_summary.v1", "replica_id": str,
          "version": int, "timestamp_s": float, "block_size": int,
@@ -115,7 +136,8 @@ class CacheSummary:
          "mean_output_tokens": float}  # absent reads as 0.0
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
-    ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field.
+    ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field;
+    ``from_dict(to_dict(s)) == s`` in both formats.
     """
 
     replica_id: str
@@ -205,7 +227,9 @@ class CacheSummary:
             num_output_tokens_total=num_output_tokens_total,
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self, compact: bool = True) -> dict:
+        if compact:
+            return self._to_compact()
         packed = _pack(self.block_hashes)
         out = {
             "format": SUMMARY_FORMAT,
@@ -227,13 +251,59 @@ class CacheSummary:
                        removed_hashes=base64.b64encode(removed.tobytes()).decode("ascii"))
         return out
 
+    def _to_compact(self) -> dict:
+        out = {"format": COMPACT_FORMAT, "replica_id": self.replica_id, "version": self.version}
+        if self.epoch:
+            out["epoch"] = self.epoch
+        out["t"] = float(self.timestamp_s)
+        out["bs"] = self.block_size
+        if self.block_hashes:
+            out["h"] = base64.b64encode(_pack(self.block_hashes).tobytes()).decode("ascii")
+        if self.removed_hashes:
+            out["rm"] = base64.b64encode(_pack(self.removed_hashes).tobytes()).decode("ascii")
+        for name in _COUNT_FIELDS:
+            if getattr(self, name):
+                out[_COMPACT_KEYS[name]] = getattr(self, name)
+        if self.mean_output_tokens:
+            out["mo"] = float(self.mean_output_tokens)
+        if self.base_version:
+            out["bv"] = self.base_version
+        return out
+
+    @classmethod
+    def _from_compact(cls, data: Mapping) -> CacheSummary:
+        missing = [k for k in ("replica_id", "version", "t", "bs") if k not in data]
+        if missing:
+            raise ValueError(f"cache summary misses {', '.join(missing)}")
+        timestamp_s = data["t"]
+        if not isinstance(timestamp_s, (int, float)) or isinstance(timestamp_s, bool):
+            raise ValueError(f"timestamp_s must be a number, got {timestamp_s!r}")
+        mean_output_tokens = data.get("mo", 0.0)
+        if isinstance(mean_output_tokens, bool) or not isinstance(mean_output_tokens, (int, float)):
+            raise ValueError(f"mean_output_tokens must be a number, got {mean_output_tokens!r}")
+        return cls(
+            replica_id=data["replica_id"],
+            version=data["version"],
+            timestamp_s=float(timestamp_s),
+            block_size=data["bs"],
+            block_hashes=frozenset(_unpack_any(data.get("h", ""), "block_hashes")),
+            **{name: data.get(_COMPACT_KEYS[name], 0) for name in _COUNT_FIELDS},
+            mean_output_tokens=float(mean_output_tokens),
+            epoch=data.get("epoch", ""),
+            base_version=data.get("bv", 0),
+            removed_hashes=frozenset(_unpack_any(data.get("rm", ""), "removed_hashes")),
+        )
+
     @classmethod
     def from_dict(cls, data: object) -> CacheSummary:
-        """Parse :meth:`to_dict` output; ``ValueError`` names what is malformed."""
+        """Parse :meth:`to_dict` output (either format); ``ValueError`` names what is malformed."""
         if not isinstance(data, Mapping):
             raise ValueError(f"cache summary must be a dict, got {type(data).__name__}")
+        if data.get("format") == COMPACT_FORMAT:
+            return cls._from_compact(data)
         if data.get("format") != SUMMARY_FORMAT:
-            raise ValueError(f"cache summary format must be {SUMMARY_FORMAT!r}, got {data.get('format')!r}")
+            raise ValueError(f"cache summary format must be {COMPACT_FORMAT!r} or {SUMMARY_FORMAT!r}, "
+                             f"got {data.get('format')!r}")
         missing = [k for k in ("replica_id", "version", "timestamp_s", "block_size", "num_blocks", "block_hashes")
                    if k not in data]
         if missing:
@@ -268,20 +338,16 @@ def _pack(hashes: frozenset[int]) -> array:
     return packed
 
 
-def _unpack(data: Mapping, key: str, count_key: str) -> array:
-    if count_key not in data:
-        raise ValueError(f"cache summary misses {count_key}")
-    count = data[count_key]
-    _check_count(count_key, count)
-    encoded = data[key]
+def _unpack_any(encoded: object, name: str) -> array:
+    """Hashes from base64 of little-endian uint64 (v2: the count is the length / 8)."""
     if not isinstance(encoded, str):
-        raise ValueError(f"{key} must be a base64 str, got {type(encoded).__name__}")
+        raise ValueError(f"{name} must be a base64 str, got {type(encoded).__name__}")
     try:
         raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f"{key} is not valid base64 ({len(encoded)} chars)") from None
-    if len(raw) != 8 * count:
-        raise ValueError(f"{key} holds {len(raw)} bytes, expected 8 x {count_key} = {8 * count}")
+        raise ValueError(f"{name} is not valid base64 ({len(encoded)} chars)") from None
+    if len(raw) % 8:
+        raise ValueError(f"{name} holds {len(raw)} bytes, not a multiple of 8")
     hashes = array("Q")
     hashes.frombytes(raw)
     if sys.byteorder != "little":
@@ -289,60 +355,26 @@ def _unpack(data: Mapping, key: str, count_key: str) -> array:
     return hashes
 
 
-class SummaryStream:
-    """Turns a replica's successive full summaries into what it sends: a full
-    snapshot now and then, deltas in between.
-
-    A snapshot goes out first, then whenever ``max_periods`` summaries have
-    passed since the last one, or a delta (added + removed) would exceed
-    ``max_delta_ratio`` of the snapshot's size. ``cumulative=True``: each
-    delta is against the last snapshot, so a router that missed the deltas
-    in between loses nothing (``bytes ≈ snapshot / max_periods + churn ×
-    periods since it``). ``cumulative=False``: each delta is against the
-    previous summary (``bytes ≈ snapshot / max_periods + churn per period``),
-    for a channel that delivers every summary in order; a router that misses
-    one sees the gap (the next delta's base is not the state it holds) and
-    waits for the next snapshot, routing on its own decisions meanwhile.
-    ``epoch`` names this process: a restarted replica starts a new stream,
-    and its first snapshot replaces whatever a router held for it.
-    """
-
-    def __init__(self, epoch: str, max_periods: int = 30, max_delta_ratio: float = 0.25,
-                 cumulative: bool = False) -> None:
-        if not isinstance(epoch, str) or not epoch:
-            raise ValueError(f"epoch must be a non-empty str, got {epoch!r}")
-        if type(max_periods) is not int or max_periods <= 0:
-            raise ValueError(f"max_periods must be a positive int, got {max_periods!r}")
-        if not 0 < max_delta_ratio <= 1:
-            raise ValueError(f"max_delta_ratio must be in (0, 1], got {max_delta_ratio!r}")
-        self.epoch = epoch
-        self.max_periods = max_periods
-        self.max_delta_ratio = max_delta_ratio
-        self.is_cumulative = bool(cumulative)
-        self._base: frozenset[int] | None = None  # the state deltas are taken against
-        self._base_version = 0
-        self._snapshot_size = 0
-        self._periods = 0
-
-    def encode(self, full: CacheSummary) -> CacheSummary:
-        """What to send for ``full`` (a full summary with this replica's next version)."""
-        if full.is_delta:
-            raise ValueError("encode takes a full summary")
-        if self._base is not None and self._periods < self.max_periods:
-            added = full.block_hashes - self._base
-            removed = self._base - full.block_hashes
-            if len(added) + len(removed) <= self.max_delta_ratio * max(self._snapshot_size, 64):
-                delta = replace(full, epoch=self.epoch, base_version=self._base_version,
-                                block_hashes=frozenset(added), removed_hashes=frozenset(removed))
-                self._periods += 1
-                if not self.is_cumulative:
-                    self._base, self._base_version = full.block_hashes, full.version
-                return delta
-        self._base, self._base_version, self._periods = full.block_hashes, full.version, 0
-        self._snapshot_size = len(full.block_hashes)
-        return replace(full, epoch=self.epoch, base_version=full.version)
+def _unpack(data: Mapping, key: str, count_key: str) -> array:
+    """v1: hashes plus their stated count."""
+    if count_key not in data:
+        raise ValueError(f"cache summary misses {count_key}")
+    count = data[count_key]
+    _check_count(count_key, count)
+    try:
+        hashes = _unpack_any(data[key], key)
+    except ValueError as error:
+        if "multiple of 8" not in str(error):
+            raise
+        hashes = None
+    if hashes is None or len(hashes) != count:
+        raise ValueError(f"{key} does not hold 8 x {count_key} = {8 * count} bytes")
+    return hashes
 
 
 def _check_count(name: str, value: object) -> None:
     if type(value) is not int or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+from cache.summary_stream import SummaryStream  # noqa: E402 - re-exported: the stream was defined here first

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cache import RadixCache, block_hashes
-from cache.summary import SUMMARY_FORMAT, CacheSummary, cached_block_hashes
+from cache.summary import COMPACT_FORMAT, SUMMARY_FORMAT, CacheSummary, SummaryStream, cached_block_hashes
 
 
 def summary_of(radix, **load):
@@ -24,24 +24,46 @@ def test_from_radix_holds_every_cached_block_and_the_load():
     assert summary.load_tokens == 42
 
 
-def test_round_trips_through_json():
+def test_round_trips_through_json_in_both_formats():
     radix = RadixCache(1000, 4)
     radix.insert(list(range(40)))
     summary = summary_of(radix, num_queued_tokens=5)
-    wire = json.loads(json.dumps(summary.to_dict()))
-    assert wire["format"] == SUMMARY_FORMAT and wire["num_blocks"] == 10
-    assert CacheSummary.from_dict(wire) == summary
+    v1 = json.loads(json.dumps(summary.to_dict(compact=False)))
+    assert v1["format"] == SUMMARY_FORMAT and v1["num_blocks"] == 10
+    assert CacheSummary.from_dict(v1) == summary
+    v2 = json.loads(json.dumps(summary.to_dict()))
+    assert v2["format"] == COMPACT_FORMAT
+    assert CacheSummary.from_dict(v2) == summary
 
 
 def test_an_empty_cache_round_trips():
     summary = summary_of(RadixCache(10, 4))
     assert CacheSummary.from_dict(summary.to_dict()) == summary
+    assert CacheSummary.from_dict(summary.to_dict(compact=False)) == summary
 
 
-def good_wire():
+def test_compact_wire_leaves_out_zeros_and_keeps_the_fields_read_before_parsing():
+    radix = RadixCache(1000, 4)
+    radix.insert(list(range(40)))
+    stream = SummaryStream("r1@7")
+    snapshot = stream.encode(summary_of(radix, num_running_tokens=12, num_running=1))
+    radix.insert(list(range(100, 108)))
+    delta = stream.encode(CacheSummary.from_radix(radix, 4, replica_id="r1", version=4, timestamp_s=13.5))
+    for sent in (snapshot, delta):
+        wire = json.loads(json.dumps(sent.to_dict()))
+        assert (wire["version"], wire["epoch"]) == (sent.version, "r1@7")  # the router's has_seen reads these
+        assert CacheSummary.from_dict(wire) == sent
+    wire = delta.to_dict()
+    assert "q" not in wire and "nw" not in wire and "rm" not in wire  # zero / empty: left out
+    assert wire["bv"] == 3 and len(base64.b64decode(wire["h"])) == 8 * 2  # two blocks added
+    full_v1 = len(json.dumps(delta.to_dict(compact=False)))
+    assert len(json.dumps(wire)) < 0.6 * full_v1
+
+
+def good_wire(compact=False):
     radix = RadixCache(100, 4)
     radix.insert(list(range(12)))
-    return summary_of(radix).to_dict()
+    return summary_of(radix).to_dict(compact)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -60,8 +82,31 @@ def good_wire():
     (lambda d: d.update(num_queued_tokens=-5), "num_queued_tokens"),
     (lambda d: d.update(num_running=1.5), "num_running"),
 ])
-def test_malformed_wire_raises_value_error_naming_the_field(change, message):
+def test_malformed_v1_wire_raises_value_error_naming_the_field(change, message):
     wire = good_wire()
+    change(wire)
+    with pytest.raises(ValueError, match=message):
+        CacheSummary.from_dict(wire)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(format="kvroute.cs.v9"), "format"),
+    (lambda d: d.pop("version"), "version"),
+    (lambda d: d.pop("bs"), "bs"),
+    (lambda d: d.update(version=-1), "version"),
+    (lambda d: d.update(replica_id=""), "replica_id"),
+    (lambda d: d.update(bs=0), "block_size"),
+    (lambda d: d.update(t="now"), "timestamp_s"),
+    (lambda d: d.update(h="@@not base64@@"), "base64"),
+    (lambda d: d.update(h=[1, 2]), "base64"),
+    (lambda d: d.update(h=base64.b64encode(b"1234567").decode()), "multiple of 8"),
+    (lambda d: d.update(q=-5), "num_queued_tokens"),
+    (lambda d: d.update(nr=1.5), "num_running"),
+    (lambda d: d.update(mo="many"), "mean_output_tokens"),
+    (lambda d: d.update(rm=base64.b64encode(bytes(8)).decode()), "removed_hashes"),  # on a snapshot
+])
+def test_malformed_compact_wire_raises_value_error_naming_the_field(change, message):
+    wire = good_wire(compact=True)
     change(wire)
     with pytest.raises(ValueError, match=message):
         CacheSummary.from_dict(wire)
@@ -82,7 +127,7 @@ def test_mean_output_tokens_round_trips_and_defaults_to_zero():
     radix = RadixCache(1000, 4)
     summary = CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0, mean_output_tokens=37.5)
     assert CacheSummary.from_dict(summary.to_dict()).mean_output_tokens == 37.5
-    wire = summary.to_dict()
+    wire = summary.to_dict(compact=False)
     del wire["mean_output_tokens"]  # an older worker
     assert CacheSummary.from_dict(wire).mean_output_tokens == 0.0
     with pytest.raises(ValueError, match="mean_output_tokens"):
