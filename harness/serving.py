@@ -5,10 +5,15 @@
 ``serve shutdown -y`` → stop the Ray processes *this object started* (by
 their session directory, never a broad ``ray stop``, so other Ray clusters on
 the machine are left alone). Used by the load test and the integration tests.
+
+``num_nodes=2`` starts a second Ray node on this machine joined to the head
+(harness/ray_nodes.py): one Worker replica per node, so KV fetched between
+replicas crosses two object stores; both nodes stop with the cluster.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -22,6 +27,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from harness.ray_nodes import node_resources, place_one_worker_per_node, replica_nodes, worker_node_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +46,10 @@ class ServeApp:
     private head node is started on free ports and stopped on exit.
     ``args_overrides`` / ``deployment_overrides`` patch the config's app args
     and per-deployment options (e.g. ``{"Worker": {"num_replicas": 3}}``).
+    ``num_nodes``: Ray nodes to start on this machine (only without
+    ``address``); with more than one, each Worker replica asks for a node's
+    one worker slot, so there is at most one per node. ``object_store_memory``:
+    bytes per node's object store (None: Ray's default).
     """
 
     def __init__(
@@ -51,7 +62,13 @@ class ServeApp:
         args_overrides: dict | None = None,
         deployment_overrides: dict | None = None,
         ready_timeout_s: float = 240.0,
+        num_nodes: int = 1,
+        object_store_memory: int | None = None,
     ) -> None:
+        if type(num_nodes) is not int or num_nodes < 1:
+            raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+        if num_nodes > 1 and address is not None:
+            raise ValueError("num_nodes > 1 starts its own cluster: pass no address")
         self.config_path = (REPO_ROOT / config_path) if not Path(config_path).is_absolute() else Path(config_path)
         self.address = address
         self.http_port = http_port or (8000 if address else free_port())
@@ -59,6 +76,8 @@ class ServeApp:
         self.args_overrides = dict(args_overrides or {})
         self.deployment_overrides = dict(deployment_overrides or {})
         self.ready_timeout_s = ready_timeout_s
+        self.num_nodes = num_nodes
+        self.object_store_memory = object_store_memory
         self.dashboard_port: int | None = None
         self._temp_dir: str | None = None
         self._started_ray = False
@@ -113,9 +132,19 @@ class ServeApp:
         ]
         if self.num_cpus is not None:
             command.append(f"--num-cpus={self.num_cpus}")
+        if self.object_store_memory is not None:
+            command.append(f"--object-store-memory={self.object_store_memory}")
+        if self.num_nodes > 1:
+            command += ["--node-ip-address=127.0.0.1", f"--resources={json.dumps(node_resources(0))}"]
         self.address = f"127.0.0.1:{gcs_port}"
         self._started_ray = True
         subprocess.run(command, check=True, capture_output=True, text=True, env=self._env(), timeout=120)
+        for index in range(1, self.num_nodes):
+            node_dir = os.path.join(self._temp_dir, f"node{index}")
+            os.makedirs(node_dir)
+            subprocess.run(worker_node_command(_bin("ray"), self.address, node_dir, index, free_port, self.num_cpus,
+                                               self.object_store_memory),
+                           check=True, capture_output=True, text=True, env=self._env(), timeout=120)
 
     def stop_ray(self) -> None:
         """Stop the processes of the cluster this object started, and only those."""
@@ -142,8 +171,17 @@ class ServeApp:
     def ray_pids(self) -> list[int]:
         return _pids_mentioning(self._temp_dir) if self._temp_dir else []
 
+    def replica_nodes(self) -> dict:
+        """Alive Ray nodes and the node of each Worker replica (by its PID)."""
+        return replica_nodes(self.address, self._env(), str(REPO_ROOT))
+
     # -------------------------------------------------------------------- app
-    def write_config(self, router: str | None = None, router_kwargs: dict | None = None) -> str:
+    def write_config(self, router: str | None = None, router_kwargs: dict | None = None,
+                     engine_overrides: dict | None = None) -> str:
+        """The patched config in a temp file: ``args_overrides``, then
+        ``router`` / ``router_kwargs``, then ``engine_overrides`` key by key
+        into the engine args, then the deployment overrides (and one Worker
+        per node when there are several nodes)."""
         config = yaml.safe_load(self.config_path.read_text())
         config.setdefault("http_options", {})
         config["http_options"].update({"host": "127.0.0.1", "port": self.http_port})
@@ -153,17 +191,22 @@ class ServeApp:
             app["args"]["router"] = router
         if router_kwargs is not None:
             app["args"]["router_kwargs"] = router_kwargs
+        if engine_overrides:
+            app["args"]["engine"] = {**app["args"].get("engine", {}), **engine_overrides}
         for deployment in app.get("deployments", []):
             deployment.update(self.deployment_overrides.get(deployment["name"], {}))
+        if self.num_nodes > 1:
+            place_one_worker_per_node(config)
         handle, path = tempfile.mkstemp(prefix="kvroute-", suffix=".yaml")
         with os.fdopen(handle, "w") as file:
             yaml.safe_dump(config, file)
         self._config_file = path
         return path
 
-    def deploy(self, router: str | None = None, router_kwargs: dict | None = None) -> None:
+    def deploy(self, router: str | None = None, router_kwargs: dict | None = None,
+               engine_overrides: dict | None = None) -> None:
         """``serve run --non-blocking`` the (patched) config; wait until ready."""
-        path = self.write_config(router, router_kwargs)
+        path = self.write_config(router, router_kwargs, engine_overrides)
         subprocess.run(
             [_bin("serve"), "run", "--non-blocking", "--address", self.address, path],
             check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
