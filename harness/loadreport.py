@@ -11,6 +11,22 @@ def _fmt(value, digits=3) -> str:
     return str(value)
 
 
+def _counter(result: dict, key: str) -> str:
+    """A figure of the replicas' /stats counters over the run(s) (harness/replica_counters.py)."""
+    return _fmt(result.get("replica_counters", {}).get(key))
+
+
+def _mb_per_s(value) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f}"
+
+
+def _estimates(counters: dict) -> str:
+    """Each replica's own bandwidth estimate after the run (of the last run when pooled)."""
+    estimates = counters.get("estimated_bandwidth_bytes_per_s") or {}
+    values = estimates[-1] if isinstance(estimates, list) else sorted(estimates.values())
+    return " ".join(_mb_per_s(v) for v in values) or "-"
+
+
 def print_table(report: dict) -> None:
     results = report["results"]
     rows = [
@@ -32,6 +48,12 @@ def print_table(report: dict) -> None:
         ("hit rate/replica", lambda r: " ".join(_fmt(v["hit_rate"], 2) for v in r["per_replica"].values())),
         ("hit rate/round", lambda r: " ".join(_fmt(x["cluster_hit_rate"], 3) for x in r.get("rounds", [])) or "-"),
         ("TTFT p99 s/round", lambda r: " ".join(_fmt(x["ttft_s"]["p99"], 2) for x in r.get("rounds", [])) or "-"),
+        ("computed prompt tok", lambda r: _counter(r, "computed_prompt_tokens")),
+        ("reused local tok", lambda r: _counter(r, "reused_local_tokens")),
+        ("fetched tok", lambda r: _counter(r, "fetched_tokens")),
+        ("fetches/fallbacks", lambda r: f"{_counter(r, 'num_fetches')}/{_counter(r, 'num_fallbacks')}"),
+        ("fetch MB/s (runs)", lambda r: _mb_per_s(r.get("replica_counters", {}).get("fetch_bandwidth_bytes_per_s"))),
+        ("probe MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),
         ("errors", lambda r: str(r["errors"] or "-")),
     ]
     names = list(results)

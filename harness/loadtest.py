@@ -4,6 +4,8 @@ routers side by side.
     python -m harness.loadtest --url http://127.0.0.1:8000 --workload shared-prefix
     python -m harness.loadtest --compare-routers pow2,prefix_affinity,kvroute \\
         --workload shared-prefix --rounds 3 --json results/loadtest.json --plot results/loadtest.png
+    python -m harness.loadtest --compare-fetch --workload hot-prefix --nodes 2 --rounds 2 \\
+        --tiny-llama-shape 125m --json results/fetch.json
 
 Every request is a streamed ``POST /generate`` so the client measures TTFT and
 inter-token latency itself. ``--compare-routers`` deploys ``deploy/config.yaml``
@@ -14,6 +16,15 @@ again; the router order rotates from round to round (whoever runs first on a
 fresh cluster has an edge) and each router's requests pool over its rounds. It needs a running Ray cluster (``ray start --head``) or
 starts one itself and stops it at the end. Targets 127.0.0.1 by default; every
 loop is bounded in request count and wall time.
+
+``--compare-fetch`` does the same with our router twice, the app's
+``fetch_enabled`` on and off (issue 13: a replica may fetch a hot prefix's
+KV from the replica holding it instead of recomputing it). ``--nodes 2``
+starts a second Ray node on this machine with one Worker per node, so the
+KV crosses two object stores. Every run reports, from the replicas' own
+/stats counters before and after it (harness/replica_counters.py), the
+prompt tokens computed, reused and fetched, and the bandwidth the workers
+measured.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from dataclasses import asdict, dataclass, replace
 import httpx
 
 from harness.loadstats import RequestRecord, summarize
+from harness.replica_counters import pool_counters, run_counters
 from harness.sse import DONE, sse_event
 from harness.workloads import WORKLOADS, Session, build_workload, shared_prefix
 
@@ -157,16 +169,27 @@ def _progress_bar(total: int, label: str):
     return bar.update, bar.close
 
 
+STATS_SETTLE_S = 2.5  # replicas post /stats every stats_period_s (1 s): the last requests show after this
+
+
+def _stats_or_error(url: str) -> dict:
+    try:
+        return asyncio.run(fetch_stats(url))
+    except Exception as error:  # noqa: BLE001 - stats are a bonus, the run already happened
+        return {"error": str(error)}
+
+
 def run_one(options: RunOptions, sessions: list[Session], label: str) -> tuple[list[RequestRecord], float, dict]:
-    """One measured run: records, wall time, and the server's /stats after it."""
+    """One measured run: records, wall time, and the server's /stats after it
+    (its ``run_counters``: the replicas' counters over the run, after minus before)."""
     total = sum(len(s.turns) for s in sessions)
+    before = _stats_or_error(options.url)
     update, close = _progress_bar(total, label)
     records, wall_s = asyncio.run(run_workload(options, sessions, update))
     close()
-    try:
-        server_stats = asyncio.run(fetch_stats(options.url))
-    except Exception as error:  # noqa: BLE001 - stats are a bonus, the run already happened
-        server_stats = {"error": str(error)}
+    time.sleep(STATS_SETTLE_S)
+    server_stats = _stats_or_error(options.url)
+    server_stats["run_counters"] = run_counters(before, server_stats)
     return records, wall_s, server_stats
 
 
@@ -188,37 +211,78 @@ def _rank_replicas(records: list[RequestRecord]) -> list[RequestRecord]:
     return [dataclasses.replace(r, replica_id=rank.get(r.replica_id, r.replica_id)) for r in records]
 
 
-def compare_routers(args, options: RunOptions, sessions: list[Session], slo: dict) -> dict[str, dict]:
-    """Each round deploys every router in turn (fresh replicas and caches),
-    rotating the order so none always goes first; records pool per router."""
-    from harness.serving import ServeApp
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One side of a comparison: its label, the router, the router's kwargs
+    (None: the config's) and app args replacing the config's for it."""
 
-    routers = args.compare_routers.split(",")
-    pooled: dict[str, list] = {router: [] for router in routers}
-    per_round: dict[str, list] = {router: [] for router in routers}
-    with ServeApp(args.config) as app:
+    label: str
+    router: str
+    router_kwargs: dict | None = None
+    app_args: dict | None = None
+
+
+def router_arms(args) -> list[Arm]:
+    """``--compare-routers``: one arm per router; ``--kvroute-kwargs`` for ours."""
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    return [Arm(router, router, kvroute_kwargs if router == "kvroute" else None)
+            for router in args.compare_routers.split(",")]
+
+
+def fetch_arms(args) -> list[Arm]:
+    """``--compare-fetch``: our router with the app's ``fetch_enabled`` on, then off."""
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    return [Arm(f"fetch-{state}", "kvroute", kvroute_kwargs, {"fetch_enabled": state == "on"})
+            for state in ("on", "off")]
+
+
+def app_for(args):
+    """The ServeApp every arm deploys on: ``--nodes``, the engine as the
+    config has it with ``--engine-args`` and ``--tiny-llama-shape`` applied."""
+    from harness.serving import ServeApp, config_engine_args
+
+    engine_changes = json.loads(args.engine_args)
+    if args.tiny_llama_shape:
+        from worker.bench import MODELS  # torch: only when a shape is asked for
+
+        engine_changes["tiny_llama"] = asdict(MODELS[args.tiny_llama_shape])
+    overrides = {"engine": config_engine_args(args.config, **engine_changes)} if engine_changes else {}
+    memory = args.object_store_mb * 2**20 if args.object_store_mb else None
+    return ServeApp(args.config, num_nodes=args.nodes, object_store_memory=memory, args_overrides=overrides)
+
+
+def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, arms: list[Arm]) -> dict[str, dict]:
+    """Each round deploys every arm in turn (fresh replicas and caches),
+    rotating the order so none always goes first; records pool per arm."""
+    labels = [arm.label for arm in arms]
+    pooled: dict[str, list] = {label: [] for label in labels}
+    per_round: dict[str, list] = {label: [] for label in labels}
+    with app_for(args) as app:
         options = replace(options, url=app.url)
         num_workers = None
         for round_index in range(args.rounds):
-            shift = round_index % len(routers)
-            for router in routers[shift:] + routers[:shift]:
-                kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs and router == "kvroute" else None
-                app.deploy(router=router, router_kwargs=kwargs)
+            shift = round_index % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
+                app.deploy(router=arm.router, router_kwargs=arm.router_kwargs, app_args=arm.app_args)
                 warm_up(options, args.warmup_requests, args.seed)
-                records, wall_s, stats = run_one(options, sessions, f"{router} (round {round_index + 1})")
+                records, wall_s, stats = run_one(options, sessions, f"{arm.label} (round {round_index + 1})")
                 num_workers = app.expected_workers()
+                if args.nodes > 1:
+                    stats["replica_nodes"] = app.replica_nodes()
                 app.shutdown_app()
-                pooled[router].append((records, wall_s))
+                pooled[arm.label].append((records, wall_s))
                 round_summary = summarize(records, wall_s, slo, num_workers)
+                round_summary["replica_counters"] = stats.pop("run_counters")
                 round_summary["server_stats"] = stats
                 round_summary["load_average"] = os.getloadavg()  # 1/5/15 min, at the round's end
-                per_round[router].append(round_summary)
+                per_round[arm.label].append(round_summary)
     results = {}
-    for router in routers:
-        records = [r for round_records, _ in pooled[router] for r in _rank_replicas(round_records)]
-        summary = summarize(records, sum(wall for _, wall in pooled[router]), slo, num_workers)
-        summary["rounds"] = per_round[router]
-        results[router] = summary
+    for label in labels:
+        records = [r for round_records, _ in pooled[label] for r in _rank_replicas(round_records)]
+        summary = summarize(records, sum(wall for _, wall in pooled[label]), slo, num_workers)
+        summary["rounds"] = per_round[label]
+        summary["replica_counters"] = pool_counters([r["replica_counters"] for r in per_round[label]])
+        results[label] = summary
     return results
 
 
@@ -228,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--compare-routers", default=None, help="comma list, e.g. pow2,prefix_affinity,kvroute")
+    parser.add_argument("--compare-fetch", action="store_true", help="our router with fetch_enabled on and off")
+    parser.add_argument("--nodes", type=int, default=1, help="comparisons: Ray nodes on this machine, one Worker each")
+    parser.add_argument("--object-store-mb", type=int, default=None, help="comparisons: object store per node (MiB)")
+    parser.add_argument("--engine-args", default="{}", help='comparisons: JSON engine changes, e.g. {"max_batch_tokens": 256}')
+    parser.add_argument("--tiny-llama-shape", default=None, choices=["bench", "tiny", "125m"],
+                        help="comparisons: the built-in random Llama's shape (worker/bench.py's MODELS)")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--rounds", type=int, default=3, help="--compare-routers: rounds, router order rotated")
     parser.add_argument("--warmup-requests", type=int, default=8, help="untimed requests before each run")
@@ -255,13 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"workload": args.workload, "scale": args.scale, "mode": args.mode, "concurrency": args.concurrency,
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
-    if args.compare_routers:
-        meta["rounds"] = args.rounds
-        results = compare_routers(args, options, sessions, slo)
+    if args.compare_routers and args.compare_fetch:
+        parser.error("--compare-routers and --compare-fetch are separate comparisons: pick one")
+    if args.compare_routers or args.compare_fetch:
+        meta.update(rounds=args.rounds, nodes=args.nodes, engine_args=json.loads(args.engine_args),
+                    tiny_llama_shape=args.tiny_llama_shape)
+        arms = router_arms(args) if args.compare_routers else fetch_arms(args)
+        results = compare_arms(args, options, sessions, slo, arms)
     else:
         warm_up(options, args.warmup_requests, args.seed)
         records, wall_s, stats = run_one(options, sessions, "server")
-        results = {"server": summarize(records, wall_s, slo) | {"server_stats": stats}}
+        counters = stats.pop("run_counters")
+        results = {"server": summarize(records, wall_s, slo) | {"server_stats": stats, "replica_counters": counters}}
     report = {"meta": meta, "results": results}
     print_table(report)
     if args.json:

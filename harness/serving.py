@@ -177,22 +177,21 @@ class ServeApp:
 
     # -------------------------------------------------------------------- app
     def write_config(self, router: str | None = None, router_kwargs: dict | None = None,
-                     engine_overrides: dict | None = None) -> str:
-        """The patched config in a temp file: ``args_overrides``, then
-        ``router`` / ``router_kwargs``, then ``engine_overrides`` key by key
-        into the engine args, then the deployment overrides (and one Worker
-        per node when there are several nodes)."""
+                     app_args: dict | None = None) -> str:
+        """The patched config in a temp file: ``args_overrides``, then this
+        deployment's ``app_args`` (e.g. ``{"fetch_enabled": False}``), then
+        ``router`` / ``router_kwargs``, then the deployment overrides (and
+        one Worker per node when there are several nodes)."""
         config = yaml.safe_load(self.config_path.read_text())
         config.setdefault("http_options", {})
         config["http_options"].update({"host": "127.0.0.1", "port": self.http_port})
         app = config["applications"][0]
         app.setdefault("args", {}).update(self.args_overrides)
+        app["args"].update(app_args or {})
         if router is not None:
             app["args"]["router"] = router
         if router_kwargs is not None:
             app["args"]["router_kwargs"] = router_kwargs
-        if engine_overrides:
-            app["args"]["engine"] = {**app["args"].get("engine", {}), **engine_overrides}
         for deployment in app.get("deployments", []):
             deployment.update(self.deployment_overrides.get(deployment["name"], {}))
         if self.num_nodes > 1:
@@ -204,9 +203,9 @@ class ServeApp:
         return path
 
     def deploy(self, router: str | None = None, router_kwargs: dict | None = None,
-               engine_overrides: dict | None = None) -> None:
+               app_args: dict | None = None) -> None:
         """``serve run --non-blocking`` the (patched) config; wait until ready."""
-        path = self.write_config(router, router_kwargs, engine_overrides)
+        path = self.write_config(router, router_kwargs, app_args)
         subprocess.run(
             [_bin("serve"), "run", "--non-blocking", "--address", self.address, path],
             check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,

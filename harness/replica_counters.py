@@ -1,0 +1,108 @@
+"""What the replicas' own ``/stats`` counters say about one load-test run:
+prompt tokens computed, reused from the local cache, and fetched from
+another replica (issue 13), with the fetch bandwidth the workers measured.
+
+The counters are cumulative since each replica started, so a run's figures
+are the difference of two ``GET /stats`` snapshots taken around it (after
+the warm-up and after the last request, each at least one stats period
+after the traffic it should include). Replicas present in only one snapshot
+are left out and named. Keys a replica does not report (a build without
+fetch) read as absent, never as zero: ``missing`` names them.
+"""
+
+from __future__ import annotations
+
+COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "fetch_tokens", "fetch_bytes",
+            "fetch_seconds", "fetch_exports", "fetch_exported_bytes")
+FALLBACK_PREFIX = "fetch_fallback_"
+# Point-in-time estimates (not counters): taken from the snapshot after the run.
+GAUGES = ("fetch_bandwidth_bytes_per_s", "prefill_s_per_token", "fetch_enabled")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def replica_deltas(before: dict, after: dict) -> dict[str, dict]:
+    """Per replica id in both snapshots: each counter's increase (and each
+    ``fetch_fallback_<reason>``'s), plus the gauges as ``after`` has them."""
+    start, end = before.get("replicas", {}), after.get("replicas", {})
+    deltas = {}
+    for replica_id in sorted(set(start) & set(end)):
+        first, last = start[replica_id], end[replica_id]
+        keys = [*COUNTERS, *sorted(k for k in last if k.startswith(FALLBACK_PREFIX))]
+        row = {key: last[key] - first[key] for key in keys
+               if _is_number(last.get(key)) and _is_number(first.get(key))}
+        row.update({key: last[key] for key in GAUGES if key in last})
+        deltas[replica_id] = row
+    return deltas
+
+
+def run_counters(before: dict, after: dict) -> dict:
+    """The run's totals over the replicas in both snapshots.
+
+    ``computed_prompt_tokens``: prompt positions run through the model
+    (``prefill_tokens``); ``fetched_tokens``: positions imported from another
+    replica's bundle; ``reused_local_tokens``: positions reused that were
+    not just fetched (``tokens_saved - fetched_tokens``; a fetched prefix is
+    then reused like any cached one). ``fetch_bandwidth_bytes_per_s``: the
+    run's fetched bytes ÷ the fetches' wall time (round trip, owner's copy
+    and import included); ``estimated_bandwidth_bytes_per_s``: each
+    replica's own estimate after the run (start-up probe, refined by
+    fetches). ``None`` where the replicas report no such figure.
+    """
+    deltas = replica_deltas(before, after)
+    start, end = set(before.get("replicas", {})), set(after.get("replicas", {}))
+
+    def total(key: str):
+        values = [row[key] for row in deltas.values() if key in row]
+        return sum(values) if values else None
+
+    totals = {key: total(key) for key in COUNTERS}
+    fallback_keys = sorted({k for row in deltas.values() for k in row if k.startswith(FALLBACK_PREFIX)})
+    fallbacks = {k[len(FALLBACK_PREFIX):]: total(k) for k in fallback_keys}
+    fetched, saved = totals["fetch_tokens"], totals["tokens_saved"]
+    fetch_s, fetch_bytes = totals["fetch_seconds"], totals["fetch_bytes"]
+    return {
+        "computed_prompt_tokens": totals["prefill_tokens"],
+        "fetched_tokens": fetched,
+        "reused_local_tokens": None if saved is None else saved - (fetched or 0),
+        "num_fetches": totals["fetch_count"],
+        "num_exports": totals["fetch_exports"],
+        "fetched_bytes": fetch_bytes,
+        "fetch_seconds": fetch_s,
+        "fetch_bandwidth_bytes_per_s": fetch_bytes / fetch_s if fetch_s and fetch_bytes is not None else None,
+        "num_fallbacks": sum(fallbacks.values()) if fallbacks else None,
+        "fallbacks": {reason: n for reason, n in fallbacks.items() if n},
+        "estimated_bandwidth_bytes_per_s": {r: row["fetch_bandwidth_bytes_per_s"] for r, row in deltas.items()
+                                            if _is_number(row.get("fetch_bandwidth_bytes_per_s"))},
+        "fetch_enabled": sorted({row["fetch_enabled"] for row in deltas.values() if "fetch_enabled" in row}),
+        "per_replica": deltas,
+        "missing": sorted(key for key, value in totals.items() if value is None),
+        "replicas_not_in_both": sorted(start ^ end),
+    }
+
+
+def pool_counters(runs: list[dict]) -> dict:
+    """Several runs' :func:`run_counters` as one: counts summed (``None`` if
+    no run had the figure), the fetch bandwidth over all fetched bytes and
+    fetch seconds, each run's estimates kept in order."""
+
+    def total(key: str):
+        values = [run[key] for run in runs if run.get(key) is not None]
+        return sum(values) if values else None
+
+    keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_fetches", "num_exports",
+            "fetched_bytes", "fetch_seconds", "num_fallbacks")
+    pooled = {key: total(key) for key in keys}
+    fallbacks: dict[str, int] = {}
+    for run in runs:
+        for reason, count in run.get("fallbacks", {}).items():
+            fallbacks[reason] = fallbacks.get(reason, 0) + count
+    fetch_s, fetch_bytes = pooled["fetch_seconds"], pooled["fetched_bytes"]
+    pooled["fetch_bandwidth_bytes_per_s"] = fetch_bytes / fetch_s if fetch_s and fetch_bytes is not None else None
+    pooled["fallbacks"] = fallbacks
+    pooled["estimated_bandwidth_bytes_per_s"] = [sorted(run.get("estimated_bandwidth_bytes_per_s", {}).values())
+                                                 for run in runs]
+    pooled["fetch_enabled"] = sorted({flag for run in runs for flag in run.get("fetch_enabled", [])})
+    return pooled
