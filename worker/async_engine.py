@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from cache.summary import CacheSummary, cached_block_hashes
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.kv_fetch import PrefillRate
 from worker.results import EngineOverloaded, GenerationResult, TokenEvent
 from worker.sampling import SamplingParams
 
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._snapshot = self.engine.stats
         self._output_lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)  # engine thread appends
         self._num_output_tokens_total = 0  # tokens of every finished request (engine thread)
+        self._prefill_rate = PrefillRate()  # engine thread observes; fetch decisions read
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._thread.start()
 
@@ -222,6 +224,7 @@ class AsyncEngine:
                     self._deliver(deliveries)
                     return
                 try:
+                    started_s = self._clock()
                     events = self.engine.step() if self.engine.has_work() else []
                     if self.engine.has_work() and not self.engine.last_step_ran:
                         raise RuntimeError(f"no progress with {self.engine.scheduler.num_waiting} waiting")
@@ -232,7 +235,8 @@ class AsyncEngine:
                     events = []
                     self._fail_all(RuntimeError(f"engine step failed: {error!r}"), deliveries)
                 self._route(events, deliveries)
-                self._snapshot = self.engine.stats
+                previous, self._snapshot = self._snapshot, self.engine.stats
+                self._prefill_rate.observe_step(previous, self._snapshot, self._clock() - started_s)
             self._deliver(deliveries)
 
     def _drain_inbox(self, deliveries: list) -> None:
@@ -315,6 +319,16 @@ class AsyncEngine:
         with self._lock:
             copied = self.engine.copy_prefix_rows(token_ids, salt, max_tokens=max_tokens)
         return None if copied is None else self.engine.bundle_rows(*copied, salt)
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """Measured seconds per prefilled token (EWMA; None before the first prefill step)."""
+        return self._prefill_rate.s_per_token
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Leading positions of ``token_ids`` cached under ``salt`` (a pure read, between steps)."""
+        with self._lock:
+            return self.engine.cache.match(token_ids, salt, touch=False).num_tokens
 
     def import_prefix(self, bundle) -> int:
         """:meth:`Engine.import_prefix`: checked (checksum included) outside the

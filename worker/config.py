@@ -95,3 +95,29 @@ class EngineConfig:
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if type(value) is not int or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchConfig:
+    """How a Worker fetches a cached prefix from the replica holding it
+    (issue 13; worker/kv_fetch.py); composed at the edge (deploy/settings.py).
+
+    ``enabled``: follow the router's fetch hints and serve other replicas'
+    exports. ``timeout_s``: the longest a request waits for an owner's bundle
+    before it recomputes (an owner that evicted the prefix or died answers at
+    once; a slow or hung one costs this much). ``probe_bytes``: the size of
+    the object-store round trip timed at start, the bandwidth estimate until
+    real fetches refine it.
+    """
+
+    enabled: bool = True
+    timeout_s: float = 2.0
+    probe_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"fetch enabled must be a bool, got {self.enabled!r}")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
+            raise ValueError(f"fetch timeout_s must be a number in (0, 600], got {timeout!r}")
+        _check_int("probe_bytes", self.probe_bytes, minimum=1)

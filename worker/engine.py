@@ -21,7 +21,7 @@ from cache.kv_cache import KVCache
 from worker import host
 from worker.config import EngineConfig
 from worker.kv import bytes_per_token, pool_tokens_from_free_memory
-from worker.kv_bundle import KVBundle, gather_rows, scatter_rows
+from worker.kv_bundle import KVBundle, gather_rows, scatter_rows, weights_fingerprint
 from worker.results import GenerationResult, TokenEvent
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams, make_generator, sample
@@ -60,6 +60,7 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
         self.bytes_per_token = bytes_per_token(loaded.geometry, self.runner.dtype)
+        self.weights_fingerprint = weights_fingerprint(loaded.model)  # bundles carry it; imports check it
         pool_tokens = self._pool_tokens()
         num_blocks = -(-pool_tokens // config.block_size)
         self.pool = self.runner.new_pool(num_blocks, config.block_size)
@@ -283,11 +284,12 @@ class Engine:
         geometry = self.runner.geometry
         return KVBundle.build(
             model_id=self.model_id, num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
-            head_dim=geometry.head_dim, block_size=self.config.block_size, token_ids=token_ids, salt=salt, rows=rows,
+            head_dim=geometry.head_dim, block_size=self.config.block_size, weights_fingerprint=self.weights_fingerprint,
+            token_ids=token_ids, salt=salt, rows=rows,
         )
 
     def check_bundle(self, bundle: KVBundle) -> None:
-        """Raise ValueError unless ``bundle`` fits this engine: model, dtype,
+        """Raise ValueError unless ``bundle`` fits this engine: model, weights, dtype,
         geometry, token ids in the vocabulary, checksum (touches no engine
         state: callers run it outside the engine lock)."""
         if not isinstance(bundle, KVBundle):
@@ -295,7 +297,7 @@ class Engine:
         geometry = self.runner.geometry
         bundle.check(
             model_id=self.model_id, dtype=self.runner.dtype, num_layers=geometry.num_layers,
-            num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+            num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, weights_fingerprint=self.weights_fingerprint,
         )
         self._check_tokens(bundle.token_ids, "bundle token_ids")
 

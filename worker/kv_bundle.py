@@ -32,6 +32,9 @@ class KVBundle:
     0 keys, 1 values; ``rows[:, :, p]`` is position ``p``), ``num_tokens ==
     len(token_ids) >= 1`` and ``checksum == bundle_checksum(...)`` of the
     other fields. ``block_size`` is the exporter's (information only).
+    ``weights_fingerprint``: :func:`weights_fingerprint` of the exporter's
+    model; an importer whose weights differ (same name, other checkpoint or
+    seed) refuses the bundle, since its KV would be wrong for them.
     """
 
     model_id: str
@@ -40,6 +43,7 @@ class KVBundle:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    weights_fingerprint: int
     token_ids: tuple[int, ...]
     salt: str | None
     rows: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim], CPU, contiguous
@@ -63,6 +67,7 @@ class KVBundle:
         num_kv_heads: int,
         head_dim: int,
         block_size: int,
+        weights_fingerprint: int,
         token_ids: Sequence[int],
         salt: str | None,
         rows: torch.Tensor,
@@ -71,16 +76,22 @@ class KVBundle:
         rows = rows.detach().to("cpu").contiguous()
         dtype = dtype_name(rows.dtype)
         token_ids = tuple(int(t) for t in token_ids)
-        checksum = bundle_checksum(model_id, dtype, num_layers, num_kv_heads, head_dim, token_ids, salt, rows)
-        return cls(model_id, dtype, num_layers, num_kv_heads, head_dim, block_size, token_ids, salt, rows, checksum)
+        checksum = bundle_checksum(model_id, dtype, num_layers, num_kv_heads, head_dim, weights_fingerprint,
+                                   token_ids, salt, rows)
+        return cls(model_id, dtype, num_layers, num_kv_heads, head_dim, block_size, weights_fingerprint,
+                   token_ids, salt, rows, checksum)
 
-    def check(self, *, model_id: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    def check(self, *, model_id: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
+              weights_fingerprint: int) -> None:
         """Raise ValueError (naming the mismatch) unless this bundle fits a pool
-        of that model, dtype and geometry and its checksum holds."""
+        of that model, weights, dtype and geometry and its checksum holds."""
         if not isinstance(self.rows, torch.Tensor):
             raise ValueError(f"bundle rows must be a torch.Tensor, got {type(self.rows).__name__}")
         if self.model_id != model_id:
             raise ValueError(f"bundle is for model {self.model_id!r}, this engine serves {model_id!r}")
+        if self.weights_fingerprint != weights_fingerprint:
+            raise ValueError(f"bundle was computed with weights {self.weights_fingerprint:#x}, this engine's are"
+                             f" {weights_fingerprint:#x}")
         if self.dtype != dtype_name(dtype) or self.rows.dtype != dtype:
             raise ValueError(f"bundle dtype {self.dtype} (rows {self.rows.dtype}), this pool holds {dtype}")
         geometry = (num_layers, num_kv_heads, head_dim)
@@ -100,7 +111,7 @@ class KVBundle:
             raise ValueError("bundle rows must be a contiguous CPU tensor")
         expected = bundle_checksum(
             self.model_id, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim,
-            self.token_ids, self.salt, self.rows,
+            self.weights_fingerprint, self.token_ids, self.salt, self.rows,
         )
         if self.checksum != expected:
             raise ValueError(f"bundle checksum {self.checksum:#x} does not match its contents ({expected:#x})")
@@ -117,17 +128,43 @@ def bundle_checksum(
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
+    weights_fingerprint: int,
     token_ids: Sequence[int],
     salt: str | None,
     rows: torch.Tensor,
 ) -> int:
-    """xxh3-64 over a header (model, dtype, geometry, salt, token ids) and the rows' raw bytes."""
+    """xxh3-64 over a header (model, dtype, geometry, weights, salt, token ids) and the rows' raw bytes."""
     digest = xxhash.xxh3_64()
-    header = f"{model_id}\x00{dtype}\x00{num_layers}\x00{num_kv_heads}\x00{head_dim}\x00{salt!r}\x00"
+    header = (f"{model_id}\x00{dtype}\x00{num_layers}\x00{num_kv_heads}\x00{head_dim}\x00"
+              f"{weights_fingerprint}\x00{salt!r}\x00")
     digest.update(header.encode("utf-8", "surrogatepass"))
     digest.update(",".join(map(str, token_ids)).encode())
     digest.update(b"\x00")
     digest.update(rows.contiguous().view(-1).view(torch.uint8).numpy().data)
+    return digest.intdigest()
+
+
+FINGERPRINT_TENSORS = 4  # parameter tensors hashed: the first, last and two between
+FINGERPRINT_ELEMENTS = 4096  # leading elements hashed of each
+
+
+def weights_fingerprint(model: torch.nn.Module) -> int:
+    """A cheap identity of a model's weights, computed once at load: xxh3-64
+    over every parameter's name and shape and the leading
+    ``FINGERPRINT_ELEMENTS`` values of ``FINGERPRINT_TENSORS`` of them (spread
+    over the model). Equal weights give equal fingerprints; another seed or
+    checkpoint of the same architecture differs with near certainty (a
+    fine-tune touching none of the sampled values would not: a cheap check,
+    not a proof)."""
+    digest = xxhash.xxh3_64()
+    named = list(model.named_parameters())
+    for name, parameter in named:
+        digest.update(f"{name}:{tuple(parameter.shape)}\x00".encode())
+    if named:
+        picks = sorted({round(i * (len(named) - 1) / max(FINGERPRINT_TENSORS - 1, 1)) for i in range(FINGERPRINT_TENSORS)})
+        for index in picks:
+            values = named[index][1].detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu", torch.float32)
+            digest.update(values.contiguous().numpy().tobytes())
     return digest.intdigest()
 
 

@@ -6,13 +6,23 @@ request routers read from a request's first argument: ``block_hashes``,
 LLM's PrefixCacheAffinityRouter). ``prompt`` maps token ``t`` to the character
 ``chr(0x10000 + t)``: one character per token, so a character prefix is exactly
 a token prefix and text-based routers see the same sharing we do.
+
+``fetch`` is the router's :class:`router.fetch.FetchHint` for the replica it
+chose (``router/serve.py`` sets it on the way out; the ingress never does).
+:class:`ExportRequest` is what one Worker asks another for: the KV of a
+cached prefix, routed only to ``target_replica`` (issue 13).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from worker import SamplingParams
+
+if TYPE_CHECKING:
+    from router.fetch import FetchHint
+    from worker.kv_bundle import KVBundle
 
 _TOKEN_CHAR_BASE = 0x10000
 
@@ -30,6 +40,7 @@ class WorkerRequest:
     params: SamplingParams
     salt: str | None
     block_hashes: tuple[int, ...]  # chained, at the app's router_block_size, salted
+    fetch: FetchHint | None = None  # set by the request router only: fetch this prefix from its owner
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,6 +71,7 @@ class WorkerBatch:
     block_hashes: tuple[int, ...]
     shared_token_ids: tuple[int, ...]
     salt: str | None
+    fetch: FetchHint | None = None  # as WorkerRequest.fetch, for the shared prefix
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,3 +88,25 @@ class WorkerBatch:
     @property
     def token_ids(self) -> tuple[int, ...]:
         return self.shared_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class ExportRequest:
+    """Worker → Worker: "send me the KV of the longest prefix of ``token_ids``
+    (at most ``max_tokens``) you hold under ``salt``". The request router
+    routes it to ``target_replica`` only (any replica when that one is gone,
+    which then answers None at once: only the target exports)."""
+
+    target_replica: str
+    token_ids: tuple[int, ...]
+    salt: str | None
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExportReply:
+    """The answer to an :class:`ExportRequest`: who answered, and the bundle
+    (``None``: the answering replica is not the target, or holds none of it)."""
+
+    replica_id: str
+    bundle: KVBundle | None

@@ -1,7 +1,10 @@
 """The Worker deployment: one engine per replica, exposed to Ray Serve.
 
 A thin adapter over ``worker.AsyncEngine``, ``worker.replica_core`` (stats,
-cache summaries, drain) and ``worker.stats_publisher``: it names them for Serve.
+cache summaries, drain), ``worker.stats_publisher`` and ``worker.kv_fetch``
+(a hinted request first fetches its prefix from the owner; ``export_prefix``
+is the owner's side, reached through ``worker.kv_transport``): it names them
+for Serve.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from worker import AsyncEngine, EngineConfig
-from worker.messages import WorkerBatch, WorkerRequest
+from worker.config import FetchConfig
+from worker.kv_fetch import PrefixFetcher
+from worker.kv_transport import ServePeerTransport, probe_bandwidth
+from worker.messages import ExportReply, ExportRequest, WorkerBatch, WorkerRequest
 from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
 from worker.stats_board import RayBoard
 from worker.replica_core import ReplicaReporter, drain_and_shutdown
@@ -26,28 +32,41 @@ DRAIN_TIMEOUT_S = 20.0  # __del__ waits this long for work Serve's drain left be
 
 @serve.deployment(name="Worker")
 class Worker:
-    def __init__(self, engine_config: EngineConfig, router_block_size: int, stats_period_s: float) -> None:
+    def __init__(self, engine_config: EngineConfig, router_block_size: int, stats_period_s: float,
+                 fetch_config: FetchConfig | None = None) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()
         self.engine = AsyncEngine(engine_config)
-        self._reporter = ReplicaReporter(self.engine, self.replica_id, router_block_size, clock=time.time, pid=os.getpid())
+        fetch_config = fetch_config or FetchConfig()
+        transport = ServePeerTransport(context.app_name, context.deployment)
+        bandwidth = probe_bandwidth(fetch_config.probe_bytes) if fetch_config.enabled else None
+        self._fetcher = PrefixFetcher(self.engine, self.replica_id, fetch_config, transport, bandwidth_bytes_per_s=bandwidth)
+        self._reporter = ReplicaReporter(self.engine, self.replica_id, router_block_size, clock=time.time, pid=os.getpid(),
+                                         extra_stats=self._fetcher.stats)
         self._publisher = StatsPublisher(self.replica_id, stats_period_s, self._reporter.stats_with_audit, lambda: RayBoard(context.app_name))
         self._publisher.start()
 
     async def generate(self, request: WorkerRequest) -> GenerationResult:
+        await self._fetcher.prepare(request.prompt_token_ids, request.salt, request.fetch)
         result = await self.engine.generate(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
         return dataclasses.replace(result, replica_id=self.replica_id)
 
     async def generate_stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
         """Each token as it is produced, then the result."""
+        await self._fetcher.prepare(request.prompt_token_ids, request.salt, request.fetch)
         stream = self.engine.stream(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
         async for item in stream:
             yield dataclasses.replace(item, replica_id=self.replica_id)
 
     async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]:
         """Results in batch order; a failed item becomes an :class:`ItemError`."""
+        await self._fetcher.prepare(batch.shared_token_ids, batch.salt, batch.fetch)
         results = await asyncio.gather(*(self.generate(r) for r in batch.requests), return_exceptions=True)
         return [r if isinstance(r, GenerationResult) else ItemError.from_exception(r) for r in results]
+
+    async def export_prefix(self, request: ExportRequest) -> ExportReply:
+        """Another replica's fetch: the KV of a prefix this one caches, as the call's return (object store)."""
+        return await self._fetcher.export(request)
 
     def stats(self) -> ReplicaStats:
         return self._reporter.stats()

@@ -23,23 +23,28 @@ logger = logging.getLogger("kvroute.worker")
 
 
 class ReplicaReporter:
-    """One replica's figures: ``stats()`` (the engine's, with the pid),
+    """One replica's figures: ``stats()`` (the engine's, then ``extra_stats()``'s
+    keys such as the fetch counters, with the pid),
     ``stats_with_audit()`` (plus an :func:`~worker.audit.audit` when the engine
     is idle: invariants, no leaked blocks) and ``routing_summary()`` (the cache
     summary at the router's block size, numbered 1, 2, ... and stamped by
     ``clock``)."""
 
     def __init__(self, engine: AsyncEngine, replica_id: str, router_block_size: int, *,
-                 clock: Callable[[], float], pid: int) -> None:
+                 clock: Callable[[], float], pid: int, extra_stats: Callable[[], dict] | None = None) -> None:
         self._engine = engine
         self._replica_id = replica_id
         self._router_block_size = router_block_size
         self._clock = clock
         self._pid = pid
+        self._extra_stats = extra_stats
         self._summary_versions = itertools.count(1)
 
     def stats(self) -> ReplicaStats:
-        return ReplicaStats(self._replica_id, self._pid, self._engine.stats)
+        engine = self._engine.stats
+        if self._extra_stats is not None:
+            engine.update(self._extra_stats())
+        return ReplicaStats(self._replica_id, self._pid, engine)
 
     async def stats_with_audit(self) -> ReplicaStats:
         stats = self.stats()

@@ -132,12 +132,14 @@ def test_bad_bundles_raise_and_change_nothing(pair, tokens):
         "tokens": tampered(bundle, token_ids=bundle.token_ids[:-1] + (4,)),
         "salt": tampered(bundle, salt="other"),
         "model": tampered(bundle, model_id="some/other-model"),
+        "weights": tampered(bundle, weights_fingerprint=bundle.weights_fingerprint ^ 1),
         "geometry": tampered(bundle, num_kv_heads=bundle.num_kv_heads + 1),
         "shape": tampered(bundle, rows=bundle.rows[:, :, :-1].contiguous()),
         "dtype": tampered(bundle, rows=bundle.rows.to(torch.float64), dtype="float64"),
         "vocab": KVBundle.build(
             model_id=bundle.model_id, num_layers=bundle.num_layers, num_kv_heads=bundle.num_kv_heads,
-            head_dim=bundle.head_dim, block_size=16, token_ids=(10**6,), salt=None, rows=bundle.rows[:, :, :1],
+            head_dim=bundle.head_dim, block_size=16, weights_fingerprint=bundle.weights_fingerprint,
+            token_ids=(10**6,), salt=None, rows=bundle.rows[:, :, :1],
         ),
     }
     for name, candidate in bad.items():
@@ -240,10 +242,10 @@ def test_async_engines_export_and_import_between_steps_and_audit_clean(make_asyn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bundle_checksum_covers_every_dtype_and_field(dtype):
     rows = torch.arange(2 * 2 * 3 * 1 * 4, dtype=torch.float32).view(2, 2, 3, 1, 4).to(dtype)
-    geometry = dict(num_layers=2, num_kv_heads=1, head_dim=4)
+    geometry = dict(num_layers=2, num_kv_heads=1, head_dim=4, weights_fingerprint=99)
     bundle = KVBundle.build(model_id="m", block_size=16, token_ids=[5, 6, 7], salt="s", rows=rows, **geometry)
     bundle.check(model_id="m", dtype=dtype, **geometry)
     assert bundle.dtype == str(dtype).removeprefix("torch.") and bundle.num_bytes == rows.numel() * rows.element_size()
-    for changed in (dict(salt=None), dict(token_ids=(5, 6, 8)), dict(model_id="n")):
+    for changed in (dict(salt=None), dict(token_ids=(5, 6, 8)), dict(model_id="n"), dict(weights_fingerprint=98)):
         with pytest.raises(ValueError):
             dataclasses.replace(bundle, **changed).check(model_id=changed.get("model_id", "m"), dtype=dtype, **geometry)

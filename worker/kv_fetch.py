@@ -1,0 +1,228 @@
+"""Fetching a cached prefix from the replica that holds it instead of
+recomputing it (issue 13): the decision, the fetch, the owner's export and
+their counters. No Ray here: the transport is injected (the Ray one,
+``worker/kv_transport.py``, calls the owner through the Worker deployment's
+handle, pinned to it by ``router/serve.py``; the bundle travels through
+Ray's object store as the call's return value).
+
+Per hinted request, :meth:`PrefixFetcher.prepare` runs before the request is
+queued:
+
+1. Ignore the hint when fetch is off, the hint names this replica (Ray fell
+   back to the owner itself) or this replica already holds the prefix.
+2. Estimate ``transfer_s = num_tokens * bytes_per_token / bandwidth`` and
+   ``recompute_s = missing_tokens * prefill_s_per_token``; fetch only if the
+   transfer is faster (``slower`` otherwise). ``bandwidth``: an EWMA over a
+   start-up object-store round trip (``probe_bytes``) and every completed
+   fetch's bytes ÷ wall time (round trip, owner's copy and checksum
+   included, so small fetches read slow: conservative). ``prefill_s_per_token``:
+   the engine's EWMA over its prefill steps
+   (``AsyncEngine.prefill_s_per_token``); before the first one, the hint is
+   trusted.
+3. Ask the owner for at most ``num_tokens`` of the prompt under the
+   request's own salt (a tenant's export never reads another namespace) and
+   wait at most ``timeout_s``. Every failure falls back to recomputing,
+   counted by reason (:data:`FALLBACK_REASONS`); ``prepare`` raises nothing
+   but ``CancelledError``.
+4. Import the bundle (checked, checksum and weights fingerprint included,
+   outside the engine lock; written under it in one bounded copy). The
+   request then finds the prefix in the local cache like any hit.
+
+Cancellation: cancelling ``prepare`` cancels the call to the owner; an
+import already handed to its thread completes (it is atomic under the engine
+lock and leaves a consistent cache), so nothing leaks either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from worker.config import FetchConfig
+from worker.messages import ExportReply, ExportRequest
+
+if TYPE_CHECKING:
+    from worker.async_engine import AsyncEngine
+    from worker.kv_bundle import KVBundle
+
+logger = logging.getLogger("kvroute.worker")
+
+# Why a hinted request recomputed instead: the estimate said recompute is faster (slower),
+# the owner no longer held the prefix (evicted), the owner was gone (owner_gone), it did not
+# answer within timeout_s (timeout), the call failed (owner_failed), the bundle was refused
+# (rejected: wrong tenant or tokens, checksum, weights) or there was no room to import it (no_room).
+FALLBACK_REASONS = ("slower", "evicted", "owner_gone", "timeout", "owner_failed", "rejected", "no_room")
+EWMA_WEIGHT = 0.3  # weight of the newest sample in the bandwidth and prefill-rate estimates
+
+
+@dataclass(slots=True)
+class Ewma:
+    """An exponentially weighted mean; ``value`` is None before the first sample."""
+
+    weight: float = EWMA_WEIGHT
+    value: float | None = None
+
+    def observe(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+
+class PrefillRate:
+    """Seconds per token of the engine's prefill-heavy steps, as an EWMA (the
+    cost of recomputing a prefix). Fed by the engine thread after each step
+    with the stats before and after it; a step counts when at least half of
+    its tokens were prefill (decode-heavy steps say little about a prefill)."""
+
+    def __init__(self) -> None:
+        self._ewma = Ewma()
+
+    @property
+    def s_per_token(self) -> float | None:
+        return self._ewma.value
+
+    def observe_step(self, before: dict, after: dict, elapsed_s: float) -> None:
+        prefilled = after["prefill_tokens"] - before["prefill_tokens"]
+        decoded = after["decode_tokens"] - before["decode_tokens"]
+        if prefilled > 0 and prefilled >= decoded and elapsed_s > 0:
+            self._ewma.observe(elapsed_s / (prefilled + decoded))
+
+
+class PeerTransport(Protocol):
+    """How a replica reaches another's :meth:`PrefixFetcher.export`."""
+
+    async def fetch(self, request: ExportRequest) -> ExportReply:
+        """The reply of ``request.target_replica`` (or of whichever replica took it
+        when the target is gone); cancelling the call cancels it on the owner."""
+        ...
+
+
+@dataclass(slots=True)
+class FetchCounters:
+    """A replica's fetch figures since start (the keys :meth:`to_stats` adds to its stats)."""
+
+    num_fetches: int = 0  # bundles imported
+    num_fetched_tokens: int = 0  # positions newly cached from fetched bundles
+    num_fetched_bytes: int = 0  # KV bytes of the fetched bundles
+    fetch_s: float = 0.0  # wall time of the completed fetches (request to imported)
+    num_exports: int = 0  # bundles this replica served to others
+    num_exported_bytes: int = 0
+    fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACK_REASONS, 0))
+
+    def to_stats(self) -> dict:
+        return {
+            "fetch_count": self.num_fetches,
+            "fetch_tokens": self.num_fetched_tokens,
+            "fetch_bytes": self.num_fetched_bytes,
+            "fetch_seconds": round(self.fetch_s, 6),
+            "fetch_exports": self.num_exports,
+            "fetch_exported_bytes": self.num_exported_bytes,
+            **{f"fetch_fallback_{reason}": count for reason, count in self.fallbacks.items()},
+        }
+
+
+class PrefixFetcher:
+    """One replica's side of fetching: :meth:`prepare` (receiver), :meth:`export` (owner).
+
+    Invariant: every hinted request that did not end in an import is counted
+    in exactly one of ``fallbacks`` unless its hint was ignored (step 1).
+    """
+
+    def __init__(self, engine: AsyncEngine, replica_id: str, config: FetchConfig, transport: PeerTransport, *,
+                 bandwidth_bytes_per_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._engine = engine
+        self._replica_id = replica_id
+        self._config = config
+        self._transport = transport
+        self._clock = clock
+        self.bandwidth = Ewma()
+        if bandwidth_bytes_per_s is not None:
+            self.bandwidth.observe(bandwidth_bytes_per_s)
+        self.counters = FetchCounters()
+
+    def stats(self) -> dict:
+        """The counters, with the estimates behind the decisions."""
+        return {**self.counters.to_stats(), "fetch_enabled": self._config.enabled,
+                "fetch_bandwidth_bytes_per_s": self.bandwidth.value,
+                "prefill_s_per_token": self._engine.prefill_s_per_token}
+
+    # ----------------------------------------------------------------- receiver
+    def should_fetch(self, num_tokens: int, num_missing: int) -> bool:
+        """Step 2: is moving ``num_tokens`` positions faster than computing ``num_missing``?"""
+        s_per_token, bandwidth = self._engine.prefill_s_per_token, self.bandwidth.value
+        if s_per_token is None or bandwidth is None:
+            return True  # nothing measured yet: trust the router's hint
+        transfer_s = num_tokens * self._engine.engine.bytes_per_token / bandwidth
+        return transfer_s < num_missing * s_per_token
+
+    async def prepare(self, token_ids: Sequence[int], salt: str | None, hint) -> int:
+        """Fetch what ``hint`` (a ``router.fetch.FetchHint`` or None) names of
+        ``token_ids`` into the local cache when that pays; the positions newly
+        cached (0: recompute). Raises nothing but ``CancelledError``."""
+        if hint is None or not self._config.enabled or hint.owner == self._replica_id:
+            return 0
+        num_tokens = min(int(hint.num_tokens), len(token_ids))
+        if num_tokens <= 0:
+            return 0
+        prefix = tuple(token_ids[:num_tokens])
+        num_cached = await asyncio.to_thread(self._engine.cached_prefix_tokens, prefix, salt)
+        if num_cached >= num_tokens:
+            return 0
+        if not self.should_fetch(num_tokens, num_tokens - num_cached):
+            return self._fall_back("slower")
+        start = self._clock()
+        request = ExportRequest(hint.owner, prefix, salt, num_tokens)
+        try:
+            reply = await asyncio.wait_for(self._transport.fetch(request), self._config.timeout_s)
+        except TimeoutError:
+            return self._fall_back("timeout", hint.owner)
+        except Exception as error:  # noqa: BLE001 - a failed owner means recompute, never a failed request
+            return self._fall_back("owner_failed", hint.owner, error)
+        if not isinstance(reply, ExportReply) or reply.replica_id != hint.owner:
+            return self._fall_back("owner_gone", hint.owner)
+        if reply.bundle is None:
+            return self._fall_back("evicted", hint.owner)
+        return await self._import(reply.bundle, prefix, salt, start)
+
+    async def _import(self, bundle: KVBundle, prefix: tuple[int, ...], salt: str | None, start: float) -> int:
+        if bundle.salt != salt or bundle.token_ids != prefix[: len(bundle.token_ids)]:
+            return self._fall_back("rejected", None, "the bundle is for other tokens or another tenant")
+        try:
+            num_new = await asyncio.to_thread(self._engine.import_prefix, bundle)
+        except ValueError as error:  # checksum, model, weights fingerprint, geometry
+            return self._fall_back("rejected", None, error)
+        if num_new == 0:
+            return self._fall_back("no_room")
+        elapsed_s = max(self._clock() - start, 1e-9)
+        counters = self.counters
+        counters.num_fetches += 1
+        counters.num_fetched_tokens += num_new
+        counters.num_fetched_bytes += bundle.num_bytes
+        counters.fetch_s += elapsed_s
+        self.bandwidth.observe(bundle.num_bytes / elapsed_s)
+        return num_new
+
+    def _fall_back(self, reason: str, owner: str | None = None, error: object = None) -> int:
+        self.counters.fallbacks[reason] += 1
+        if error is not None or reason in ("timeout", "owner_gone"):
+            logger.info("%s: fetch from %s fell back to recompute (%s): %s", self._replica_id, owner, reason, error)
+        return 0
+
+    # -------------------------------------------------------------------- owner
+    async def export(self, request: ExportRequest) -> ExportReply:
+        """The KV of the longest cached prefix of ``request.token_ids`` (at most
+        ``max_tokens``) under the request's salt; no bundle when this replica is
+        not the target, fetch is off or nothing of it is cached. ValueError for
+        a malformed request."""
+        if not isinstance(request, ExportRequest):
+            raise ValueError(f"expected an ExportRequest, got {type(request).__name__}")
+        if request.target_replica != self._replica_id or not self._config.enabled:
+            return ExportReply(self._replica_id, None)
+        bundle = await asyncio.to_thread(self._engine.export_prefix, request.token_ids, request.salt,
+                                         max_tokens=request.max_tokens)
+        if bundle is not None:
+            self.counters.num_exports += 1
+            self.counters.num_exported_bytes += bundle.num_bytes
+        return ExportReply(self._replica_id, bundle)
