@@ -18,6 +18,16 @@ Ray's prefix-affinity rule on its own router-side tree of routed prompts, as
 it runs live (``ray_prefix_tree``; the simulator's ``ray_prefix_affinity``
 reads the replicas' true caches instead, which lag a queued request).
 
+The live engines share the machine's two cores with the HTTP proxy, the
+ingress, the load generator (and, on a shared machine, whatever else runs),
+so a step takes longer than the profile measured on an idle core.
+``--engine-slowdown measured`` (the default) takes that factor from the same
+live run, from quantities the comparison does not score: the clients' mean
+inter-token latency (each token is one engine step) over the mean step time
+the profile gives for the steps the live engines reported (``/stats``:
+steps, prefill tokens, decode tokens, summed over replicas and rounds); the
+profile's times are multiplied by it.
+
 Between the engine and the client lies the ingress (HTTP proxy, FastAPI,
 tokenising, routing, the Ray call, streaming back). It is *measured* in the
 live run — each response's done event carries the engine's own TTFT, and the
@@ -63,11 +73,42 @@ def live_figures(report: dict) -> dict[str, dict]:
             "imbalance": result["load_imbalance"],
             "ingress_p50": (result.get("ingress_overhead_s") or {}).get("p50"),
             "engine_ttft_p50": (result.get("server_ttft_s") or {}).get("p50"),
+            "engine_ttft_p99": (result.get("server_ttft_s") or {}).get("p99"),
             "load_average": [r.get("load_average") for r in result.get("rounds", [])],
             "rounds_hit": [r["cluster_hit_rate"] for r in result.get("rounds", [])],
             "rounds_ttft_p99": [r["ttft_s"]["p99"] for r in result.get("rounds", [])],
         }
     return figures
+
+
+def measured_slowdown(report: dict, profile: StepProfile) -> float:
+    """Live mean inter-token latency / the profile's mean step for the steps the live engines ran."""
+    itl_sum = itl_count = steps = prefill = decode = 0
+    for result in report["results"].values():
+        for round_ in result.get("rounds", []):
+            if round_["itl_s"]["mean"] is None:
+                continue
+            num_itl = round_["output_tokens_per_s"] * round_["wall_s"] - round_["num_ok"]  # gaps: tokens - 1 each
+            itl_sum += round_["itl_s"]["mean"] * num_itl
+            itl_count += num_itl
+            for replica in round_["server_stats"].get("replicas", {}).values():
+                steps += replica["num_steps"]
+                prefill += replica["prefill_tokens"]
+                decode += replica["decode_tokens"]
+    if not steps or not itl_count:
+        raise ValueError("the live run has no inter-token latencies or engine step counts; give --engine-slowdown")
+    profile_step_s = (steps * profile.base_s + prefill * profile.prefill_token_s
+                      + decode * profile.decode_seq_s) / steps
+    return (itl_sum / itl_count) / profile_step_s
+
+
+def slowed(profile: StepProfile, factor: float) -> StepProfile:
+    """``profile`` with every time ``factor`` times longer (limits unchanged)."""
+    if not factor > 0:
+        raise ValueError(f"slowdown must be > 0, got {factor!r}")
+    return replace(profile, base_s=profile.base_s * factor, prefill_token_s=profile.prefill_token_s * factor,
+                   decode_seq_s=profile.decode_seq_s * factor, context_token_s=profile.context_token_s * factor,
+                   name=f"{profile.name} x{factor:.2f}")
 
 
 def measured_ingress_s(live: dict[str, dict]) -> float:
@@ -104,7 +145,7 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, w
         f = result["policies"][name]
         figures[router] = {"hit": f["hit_rate"], "ttft_p50": client_ttft(f["ttft_p50_s"], ingress_s),
                            "ttft_p99": client_ttft(f["ttft_p99_s"], ingress_s), "imbalance": f["prompt_imbalance"],
-                           "engine_ttft_p50": f["ttft_p50_s"]}
+                           "engine_ttft_p50": f["ttft_p50_s"], "engine_ttft_p99": f["ttft_p99_s"]}
     return figures, result
 
 
@@ -125,31 +166,41 @@ def compare(live: dict[str, dict], sim: dict[str, dict]) -> dict:
             "ttft_p99_ratio": sm["ttft_p99"] / lv["ttft_p99"],
             "imbalance_diff": sm["imbalance"] - lv["imbalance"],
         }
+        if lv.get("engine_ttft_p50"):
+            rows[router]["engine_ttft_p50_ratio"] = sm["engine_ttft_p50"] / lv["engine_ttft_p50"]
+            rows[router]["engine_ttft_p99_ratio"] = sm["engine_ttft_p99"] / lv["engine_ttft_p99"]
         rows[router]["met"] = {
             "hit": abs(rows[router]["hit_diff"]) <= GOALS["hit"],
             "ttft_p50": abs(rows[router]["ttft_p50_ratio"] - 1) <= GOALS["ttft_p50"],
             "ttft_p99": abs(rows[router]["ttft_p99_ratio"] - 1) <= GOALS["ttft_p99"],
         }
-    ranks = {key: {"live": ranking(live, key), "sim": ranking(sim, key)}
-             for key in ("hit", "ttft_p50", "ttft_p99", "imbalance")}
+    keys = ["hit", "ttft_p50", "ttft_p99", "imbalance"]
+    if all(live[r].get("engine_ttft_p50") for r in ROUTERS):
+        keys += ["engine_ttft_p50", "engine_ttft_p99"]
+    ranks = {key: {"live": ranking(live, key), "sim": ranking(sim, key)} for key in keys}
     for key in ranks:
         ranks[key]["same"] = ranks[key]["live"] == ranks[key]["sim"]
     return {"rows": rows, "rankings": ranks}
 
 
-def print_markdown(workload: str, comparison: dict, ingress_s: float) -> None:
-    print(f"{workload} (simulated client TTFT = engine TTFT + measured ingress {ingress_s * 1e3:.1f} ms)\n")
+def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: float) -> None:
+    print(f"{workload} (engine steps x{slowdown:.2f} the profile's, measured; simulated client TTFT = "
+          f"engine TTFT + measured ingress {ingress_s * 1e3:.1f} ms)\n")
     print("| router | hit live / sim (diff) | TTFT p50 s live / sim (ratio) | TTFT p99 s live / sim (ratio) "
-          "| imbalance live / sim | engine TTFT p50 s live / sim |")
-    print("|---|---|---|---|---|---|")
+          "| imbalance live / sim | engine TTFT p50 s live / sim (ratio) | engine TTFT p99 s live / sim (ratio) |")
+    print("|---|---|---|---|---|---|---|")
     for router, row in comparison["rows"].items():
         lv, sm, met = row["live"], row["sim"], row["met"]
         mark = {k: "" if v else " ✗" for k, v in met.items()}
-        engine_live = f"{lv['engine_ttft_p50']:.3f}" if lv["engine_ttft_p50"] is not None else "–"
+        engine = []
+        for q, goal in (("p50", GOALS["ttft_p50"]), ("p99", GOALS["ttft_p99"])):
+            ratio = row.get(f"engine_ttft_{q}_ratio")
+            engine.append("–" if ratio is None else f"{lv[f'engine_ttft_{q}']:.3f} / {sm[f'engine_ttft_{q}']:.3f} "
+                          f"({ratio:.2f}){'' if abs(ratio - 1) <= goal else ' ✗'}")
         print(f"| {router} | {lv['hit']:.3f} / {sm['hit']:.3f} ({row['hit_diff']:+.3f}){mark['hit']} "
               f"| {lv['ttft_p50']:.3f} / {sm['ttft_p50']:.3f} ({row['ttft_p50_ratio']:.2f}){mark['ttft_p50']} "
               f"| {lv['ttft_p99']:.3f} / {sm['ttft_p99']:.3f} ({row['ttft_p99_ratio']:.2f}){mark['ttft_p99']} "
-              f"| {lv['imbalance']:.3f} / {sm['imbalance']:.3f} | {engine_live} / {sm['engine_ttft_p50']:.3f} |")
+              f"| {lv['imbalance']:.3f} / {sm['imbalance']:.3f} | {engine[0]} | {engine[1]} |")
     print()
     for key, rank in comparison["rankings"].items():
         verdict = "same" if rank["same"] else "DIFFERENT"
@@ -164,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the live run's --seed")
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     parser.add_argument("--ingress-s", default="measured", help="'measured' (from the live run) or seconds")
+    parser.add_argument("--engine-slowdown", default="measured",
+                        help="'measured' (live mean ITL / the profile's mean step), or a factor (1: the profile as is)")
     parser.add_argument("--replicas", type=int, default=2, help="deploy/config.yaml: Worker num_replicas")
     parser.add_argument("--budget-tokens", type=int, default=65536, help="deploy/config.yaml: cache_budget_tokens")
     parser.add_argument("--block-tokens", type=int, default=64, help="deploy/config.yaml: router_block_size")
@@ -177,15 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"the live run lacks routers {missing}")
     ingress_s = measured_ingress_s(live) if args.ingress_s == "measured" else float(args.ingress_s)
-    sim, result = simulated_figures(report, StepProfile.load(args.profile), ingress_s,
+    profile = StepProfile.load(args.profile)
+    slowdown = measured_slowdown(report, profile) if args.engine_slowdown == "measured" else float(args.engine_slowdown)
+    sim, result = simulated_figures(report, slowed(profile, slowdown), ingress_s,
                                     workload_args=json.loads(args.workload_args), trace=args.trace, seed=args.seed,
                                     num_replicas=args.replicas, budget_tokens=args.budget_tokens,
                                     block_tokens=args.block_tokens, seeds=args.seeds)
     comparison = compare(live, sim)
-    print_markdown(report["meta"]["workload"], comparison, ingress_s)
+    print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"ingress_s": ingress_s, "profile": args.profile, "comparison": comparison,
+            json.dump({"ingress_s": ingress_s, "engine_slowdown": slowdown, "profile": args.profile, "comparison": comparison,
                        "simulated": result, "live_meta": report["meta"]}, handle, indent=2)
     return 0
 

@@ -79,11 +79,32 @@ def test_cli_replays_the_live_sessions_and_refuses_a_mismatched_workload(tmp_pat
     path = tmp_path / "live.json"
     path.write_text(json.dumps(report))
     out = tmp_path / "cmp.json"
-    assert main(["--live", str(path), "--workload-args", json.dumps(args), "--seeds", "1", "--json", str(out)]) == 0
+    assert main(["--live", str(path), "--workload-args", json.dumps(args), "--seeds", "1", "--json", str(out),
+                 "--engine-slowdown", "1"]) == 0
     saved = json.loads(out.read_text())
     assert saved["ingress_s"] == pytest.approx(0.06)
     assert set(saved["comparison"]["rows"]) == {"kvroute", "pow2", "prefix_affinity"}
     assert saved["simulated"]["setup"]["closed_loop"]["concurrency"] == 2
     assert "ranking by hit" in capsys.readouterr().out
     with pytest.raises(ValueError, match="rebuilt"):
-        main(["--live", str(path), "--seeds", "1"])  # the cpu preset's 128 requests, not the run's 20
+        main(["--live", str(path), "--seeds", "1", "--engine-slowdown", "1"])  # the cpu preset's 128 requests, not the run's 20
+
+
+def test_the_engine_slowdown_is_live_inter_token_latency_over_the_profiles_step():
+    from router.sim_vs_live import measured_slowdown, slowed
+
+    profile = StepProfile(0.002, 10e-6, 50e-6, 0.0, 512, 65536, name="test")
+    # 100 steps, 2,000 prefill tokens, 300 decode tokens: the profile's mean step is 2.35 ms
+    replicas = {"a": {"num_steps": 60, "prefill_tokens": 1500, "decode_tokens": 200},
+                "b": {"num_steps": 40, "prefill_tokens": 500, "decode_tokens": 100}}
+    round_ = {"itl_s": {"mean": 0.0235}, "output_tokens_per_s": 100.0, "wall_s": 3.0, "num_ok": 20,
+              "server_stats": {"replicas": replicas}}
+    report = {"results": {"kvroute": {"rounds": [round_]}}}
+    assert measured_slowdown(report, profile) == pytest.approx(10.0)
+    slow = slowed(profile, 10.0)
+    assert slow.step_s(100, 2, 0) == pytest.approx(10 * profile.step_s(100, 2, 0))
+    assert slow.max_batch_tokens == profile.max_batch_tokens
+    with pytest.raises(ValueError, match="slowdown"):
+        slowed(profile, 0.0)
+    with pytest.raises(ValueError, match="inter-token"):
+        measured_slowdown({"results": {}}, profile)
