@@ -66,6 +66,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
         if r.ttft_s is not None and r.ttft_s <= slo["ttft_s"]
         and (not r.itl_s or max(r.itl_s) <= slo["itl_s"])
     ]
+    overheads = [r.ttft_s - r.server_ttft_s for r in ok if r.ttft_s is not None and r.server_ttft_s is not None]
     per_replica_requests = Counter(r.replica_id for r in ok)
     per_replica_cached = Counter()
     per_replica_prompt = Counter()
@@ -86,8 +87,8 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
         "ttft_s": _dist(ttfts),
         # client TTFT less the engine's: HTTP proxy, ingress, routing, the Ray call, streaming back
         "server_ttft_s": _dist([r.server_ttft_s for r in ok if r.server_ttft_s is not None]),
-        "ingress_overhead_s": _dist([r.ttft_s - r.server_ttft_s for r in ok
-                                     if r.ttft_s is not None and r.server_ttft_s is not None]),
+        "ingress_overhead_s": _dist(overheads),
+        "ingress_overhead_samples_s": [round(x, 5) for x in sorted(overheads)],  # for a simulator to draw from
         "itl_s": _dist(itls),
         "latency_s": _dist([r.latency_s for r in ok]),
         "cluster_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,

@@ -45,6 +45,8 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
         "decision_us_p99": percentile(decision_us, 99),
         "busy_s": busy,
     }
+    if getattr(config, "closed_loop", None) is not None:  # a live comparison: small, and it needs the samples
+        figures["ttft_samples_s"] = ttfts
     if config.replica_model == "cb":
         num_steps = sum(r.num_steps for r in replicas)
         decode_tokens = sum(r.num_output_tokens for r in workload.requests)

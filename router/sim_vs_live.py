@@ -34,8 +34,11 @@ live run — each response's done event carries the engine's own TTFT, and the
 load test reports the client's TTFT less it (``ingress_overhead_s``) — and
 ``--ingress-s measured`` (the default) takes the median of the routers'
 medians: the simulated requests reach the engine that long after their
-session's previous one ended, and a simulated client TTFT is the engine's
-plus it. Nothing is fitted to the live TTFTs.
+session's previous one ended. A simulated client TTFT is the engine's plus
+one draw from the live run's per-request overheads, every router's pooled
+(the router's own cost in the ingress is not modelled: pooling keeps it out
+of the comparison), or plus the median where the run did not record them.
+Nothing is fitted to the live TTFTs.
 
 Compared: token hit rate (goal: within 0.02), TTFT p50 (within 25 %) and
 p99 (within 40 %), and imbalance as the load test measures it (max / mean
@@ -46,10 +49,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from dataclasses import replace
 
+from harness.loadstats import percentile
 from harness.workloads import build_workload
 from router.batching import StepProfile
 from router.closed_loop import ClosedLoopConfig, client_ttft
@@ -111,6 +116,11 @@ def slowed(profile: StepProfile, factor: float) -> StepProfile:
                    name=f"{profile.name} x{factor:.2f}")
 
 
+def ingress_samples(report: dict) -> list[float]:
+    """Every live request's client TTFT less the engine's, all routers pooled (empty: not recorded)."""
+    return sorted(x for result in report["results"].values() for x in result.get("ingress_overhead_samples_s", ()))
+
+
 def measured_ingress_s(live: dict[str, dict]) -> float:
     """Median over routers of the median client-less-engine TTFT; ValueError if the run did not record it."""
     values = [f["ingress_p50"] for f in live.values() if f["ingress_p50"] is not None]
@@ -121,7 +131,7 @@ def measured_ingress_s(live: dict[str, dict]) -> float:
 
 def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, workload_args: dict,
                       trace: str | None, seed: int, num_replicas: int, budget_tokens: int, block_tokens: int,
-                      seeds: int) -> tuple[dict[str, dict], dict]:
+                      seeds: int, ingress_samples: list[float] = ()) -> tuple[dict[str, dict], dict]:
     meta = report["meta"]
     if meta.get("mode", "closed") != "closed":
         raise ValueError(f"the live run was {meta['mode']}-loop; this compares closed-loop runs")
@@ -139,13 +149,25 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, w
         decode_token_cost=live_policy.decode_token_cost,
         closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=ingress_s),
     )
-    result = simulate(workload, config, list(ROUTERS.values()), seeds=range(seed, seed + seeds))
+    runs = [simulate(workload, config, list(ROUTERS.values()), seeds=[s]) for s in range(seed, seed + seeds)]
+    draws = random.Random(seed)
     figures = {}
     for router, name in ROUTERS.items():
-        f = result["policies"][name]
-        figures[router] = {"hit": f["hit_rate"], "ttft_p50": client_ttft(f["ttft_p50_s"], ingress_s),
-                           "ttft_p99": client_ttft(f["ttft_p99_s"], ingress_s), "imbalance": f["prompt_imbalance"],
-                           "engine_ttft_p50": f["ttft_p50_s"], "engine_ttft_p99": f["ttft_p99_s"]}
+        per_seed = [run["policies"][name] for run in runs]
+        engine = sorted(t for f in per_seed for t in f["ttft_samples_s"])  # the seeds' requests pooled
+        if ingress_samples:  # each request's trip through the ingress drawn from the live run's own
+            client = sorted(client_ttft(t, draws.choice(ingress_samples)) for t in engine)
+        else:
+            client = [client_ttft(t, ingress_s) for t in engine]
+        figures[router] = {"hit": statistics.fmean(f["hit_rate"] for f in per_seed),
+                           "imbalance": statistics.fmean(f["prompt_imbalance"] for f in per_seed),
+                           "ttft_p50": percentile(client, 50), "ttft_p99": percentile(client, 99),
+                           "engine_ttft_p50": percentile(engine, 50), "engine_ttft_p99": percentile(engine, 99)}
+    result = runs[0]
+    for run in runs:
+        for f in run["policies"].values():
+            f.pop("ttft_samples_s", None)
+    result["per_seed"] = [run["policies"] for run in runs[1:]]
     return figures, result
 
 
@@ -183,9 +205,10 @@ def compare(live: dict[str, dict], sim: dict[str, dict]) -> dict:
     return {"rows": rows, "rankings": ranks}
 
 
-def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: float) -> None:
-    print(f"{workload} (engine steps x{slowdown:.2f} the profile's, measured; simulated client TTFT = "
-          f"engine TTFT + measured ingress {ingress_s * 1e3:.1f} ms)\n")
+def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: float, drawn: bool) -> None:
+    ingress = "a draw from the live per-request ingress times" if drawn else "the live median ingress"
+    print(f"{workload} (engine steps x{slowdown:.2f} the profile's, measured; sessions' next turns "
+          f"{ingress_s * 1e3:.1f} ms after a completion; simulated client TTFT = engine TTFT + {ingress})\n")
     print("| router | hit live / sim (diff) | TTFT p50 s live / sim (ratio) | TTFT p99 s live / sim (ratio) "
           "| imbalance live / sim | engine TTFT p50 s live / sim (ratio) | engine TTFT p99 s live / sim (ratio) |")
     print("|---|---|---|---|---|---|---|")
@@ -235,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     sim, result = simulated_figures(report, slowed(profile, slowdown), ingress_s,
                                     workload_args=json.loads(args.workload_args), trace=args.trace, seed=args.seed,
                                     num_replicas=args.replicas, budget_tokens=args.budget_tokens,
-                                    block_tokens=args.block_tokens, seeds=args.seeds)
+                                    block_tokens=args.block_tokens, seeds=args.seeds,
+                                    ingress_samples=ingress_samples(report) if args.ingress_s == "measured" else ())
     comparison = compare(live, sim)
-    print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown)
+    print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown,
+                   drawn=args.ingress_s == "measured" and bool(ingress_samples(report)))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"ingress_s": ingress_s, "engine_slowdown": slowdown, "profile": args.profile, "comparison": comparison,
