@@ -40,7 +40,18 @@ class Candidates:
 def within_block(partial: PartialBlockIndex | None, index: PrefixIndex, ring: HashRing,
                  request: RoutingRequest, depth: int, block_size: int) -> tuple[str, int] | None:
     """``(replica, tokens)`` of block ``depth`` an earlier prompt's partial
-    last block shared, where that replica still holds blocks ``0..depth-1``."""
+    last block shared, where that replica still holds blocks ``0..depth-1``.
+
+    Given the prompt's token ids: the first ``sub_block_tokens`` multiples of
+    block ``m`` (the first block no replica is known to hold) that an earlier
+    prompt's *partial last block* shared, for the replica that prompt went to
+    if it still holds blocks ``0..m-1`` (:class:`PartialBlockIndex`, at most
+    ``block_size / sub_block_tokens - 1`` hashes). A chat's next turn extends
+    its previous prompt, whose partial last block the index of full blocks
+    cannot see; without it, when every replica holds the shared full blocks
+    (a system prompt), the turn goes by load — and the recent-work tie-break
+    then sends it *away* from its history. That replica joins the candidates.
+    """
     if partial is None or not request.token_ids:
         return None
     hashes = request.block_hashes

@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Iterable
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
 from router.candidates import gather, within_block
+from router.fetch import FetchHint, FetchPlan, RoutingDecision
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
@@ -68,17 +69,8 @@ class PrefixAffinityPolicy:
        same replica and cold prefixes spread by hash), then by a rendezvous
        hash of (k, replica); ``tie_by_recent_work`` puts this router's recent
        work first (the old rule: routers with different histories disagree).
-       ``within(r)``: given the prompt's token ids, the first
-       ``sub_block_tokens`` multiples of block ``m`` (the first block no
-       replica is known to hold) that an earlier prompt's *partial last
-       block* shared, for the replica that prompt went to if it still holds
-       blocks ``0..m-1`` (:class:`PartialBlockIndex`, at most
-       ``block_size / sub_block_tokens - 1`` hashes). A chat's next turn
-       extends its previous prompt, whose partial last block the index of
-       full blocks cannot see; without it, when every replica holds the
-       shared full blocks (a system prompt), the turn goes by load — and the
-       recent-work tie-break then sends it *away* from its history. That
-       replica joins the candidates.
+       ``within(r)``: tokens of block ``m`` the replica holding the previous
+       prompt's partial last block shares (:mod:`router.candidates`).
     4. **Bounded load.** A replica whose recent work (routed work decayed over
        ``load_window_s``) exceeds ``load_factor`` × the mean, plus one
        request's work, plus ``load_slack_sd × cached(r) / T`` standard
@@ -95,7 +87,13 @@ class PrefixAffinityPolicy:
        eligible, the ring walk from ``k`` continues to the first eligible
        node — the spill target, which then warms and joins the holders, so
        a hot prefix replicates in proportion to its load.
-    5. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
+    5. **Fetch** (``fetch_enabled``, :mod:`router.fetch`). A candidate
+       lacking more than ``fetch_min_tokens`` of the deepest holder's (the
+       owner's) prefix counts those tokens saved at ``1 - fetch_token_cost``,
+       so a light replica can beat queueing at a hot owner; when the first
+       choice is not the owner, :meth:`decide` hints it to fetch (the
+       receiver decides if that pays). Salted hashes keep owners in-tenant.
+    6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
        falls back to the next when the first is full. Given a
        ``request_id``, the first choice is *reserved* at once (its work
        counted, its blocks learned): Ray Serve reports a request routed only
@@ -229,20 +227,30 @@ class PrefixAffinityPolicy:
     # ------------------------------------------------------------------ routing
     def rank(self, request: object, candidate_ids: Collection[str] | None = None,
              request_id: str | None = None) -> list[str]:
-        """Replicas to try for ``request``, best first (at most ``num_ranked``).
+        """Replicas to try for ``request``, best first (at most ``num_ranked``):
+        ``decide(...).ranked``. Never raises."""
+        return list(self.decide(request, candidate_ids, request_id).ranked)
+
+    def decide(self, request: object, candidate_ids: Collection[str] | None = None,
+               request_id: str | None = None) -> RoutingDecision:
+        """Replicas to try for ``request``, best first (at most ``num_ranked``),
+        and the fetch hint for the first choice (step 5).
 
         ``request``: a :class:`RoutingRequest` or any object with its
         attributes. ``candidate_ids``: replicas the caller can reach now
         (default: all known). ``request_id``: when given, the first choice is
-        reserved at once (its work counted, its blocks learned), so the next
-        decision sees it even if :meth:`on_routed` comes later. Never raises.
+        reserved at once (its work counted, less what the hint saves; its
+        blocks learned), so the next decision sees it even if
+        :meth:`on_routed` comes later. Never raises.
         """
-        ranked = self._rank_any(request, candidate_ids)
+        ranked, fetch = self._decide_any(request, candidate_ids)
         if request_id is not None and ranked:
-            self._count(request, ranked[0], request_id, reserve=True)
-        return ranked
+            self._count(request, ranked[0], request_id, reserve=True,
+                        num_fetched_tokens=fetch.num_tokens if fetch is not None else 0)
+        return RoutingDecision(tuple(ranked), fetch)
 
-    def _rank_any(self, request: object, candidate_ids: Collection[str] | None) -> list[str]:
+    def _decide_any(self, request: object,
+                    candidate_ids: Collection[str] | None) -> tuple[list[str], FetchHint | None]:
         if candidate_ids is None:
             live: Collection[str] = self._ring.nodes
         elif isinstance(candidate_ids, (set, frozenset, dict)):
@@ -251,17 +259,17 @@ class PrefixAffinityPolicy:
             live = set(candidate_ids)
         if not live:
             logger.warning("no candidate replicas to route to")
-            return []
+            return [], None
         try:
             routing = RoutingRequest.from_object(request)
         except ValueError as error:
             logger.warning("request without usable routing attributes (%s); least loaded fallback", error)
-            return self._least_loaded(live)
-        ranked = self._rank(routing, live)
+            return self._least_loaded(live), None
+        ranked, fetch = self._rank(routing, live)
         if not ranked:
             logger.warning("no candidate among %d replicas is on the ring; least loaded fallback", len(live))
-            return self._least_loaded(live)
-        return ranked
+            return self._least_loaded(live), None
+        return ranked, fetch
 
     def on_routed(self, request: object, replica_id: str, request_id: str) -> None:
         """The request went to ``replica_id``: learn its blocks there, count its
@@ -271,7 +279,8 @@ class PrefixAffinityPolicy:
         if not self._loads.confirm(request_id, replica_id):
             self._count(request, replica_id, request_id, reserve=False)
 
-    def _count(self, request: object, replica_id: str, request_id: str, reserve: bool) -> None:
+    def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
+               num_fetched_tokens: int = 0) -> None:
         now = self._clock()
         if reserve and self._loads.refresh(request_id, replica_id, now):
             return  # asked again (Ray retries): keep the work counted the first time
@@ -286,6 +295,8 @@ class PrefixAffinityPolicy:
         within = self._within_block(routing, depth)
         within_tokens = within[1] if within is not None and within[0] == replica_id else 0
         cached = self._cached_tokens(routing, depth, within_tokens)
+        if num_fetched_tokens > cached:  # a hinted fetch: those tokens cost fetch_token_cost each
+            cached += (1.0 - self.config.fetch_token_cost) * (num_fetched_tokens - cached)
         work = self._work_tokens(routing, cached, replica_id)
         queued = self._work_tokens(routing, cached, replica_id, self.config.queue_token_cost)
         self._typical_work += (work - self._typical_work) / 64  # moving average
@@ -299,7 +310,7 @@ class PrefixAffinityPolicy:
         self._loads.on_completed(request_id)
 
     # ----------------------------------------------------------------- private
-    def _rank(self, request: RoutingRequest, live: Collection[str]) -> list[str]:
+    def _rank(self, request: RoutingRequest, live: Collection[str]) -> tuple[list[str], FetchHint | None]:
         config, loads, ring = self.config, self._loads, self._ring
         found = gather(request, live, self._index, ring, loads, self._partial, config.block_size,
                        config.max_affinity_candidates, config.num_ring_candidates)
@@ -313,14 +324,18 @@ class PrefixAffinityPolicy:
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
         mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
         dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
-        scored = []
+        plan = FetchPlan(depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
+                         num_prompt, loads.load, config.fetch_min_tokens, config.fetch_token_cost) \
+            if config.fetch_enabled else None
+        scored, cached_at = [], {}
         for replica_id in candidates:
-            cached = self._cached_tokens(request, depths.get(replica_id, 0),
-                                         within_tokens if replica_id == within_replica else 0)
+            cached = cached_at[replica_id] = self._cached_tokens(
+                request, depths.get(replica_id, 0), within_tokens if replica_id == within_replica else 0)
             weight = 1.0 + (config.affinity_weight - 1.0) * cached / max(num_prompt, 1)
             recent = loads.recent_work(replica_id, now)
             balance_work = self._reported.value(replica_id, now) if shared else recent
             cost = (loads.load(replica_id) + num_prompt - weight * cached
+                    - (plan.credit(replica_id, cached) if plan is not None else 0.0)
                     + balance * _beyond(balance_work - mean_balance, dead))
             is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
@@ -336,7 +351,10 @@ class PrefixAffinityPolicy:
                     ranked.append(replica_id)
                     break
             ranked.extend(entry[-1] for entry in scored)  # then the rest, by cost
-        return ranked[: config.num_ranked]
+        ranked = ranked[: config.num_ranked]
+        if plan is None or not ranked:
+            return ranked, None
+        return ranked, plan.hint(ranked[0], cached_at.get(ranked[0], 0))
 
     def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float,
                replica_id: str | None = None) -> float:

@@ -9,7 +9,19 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """Knobs of :class:`PrefixAffinityPolicy` (the rule, defaults and reasons
-    are in its docstring). Token counts are in tokens, times in seconds."""
+    are in its docstring). Token counts are in tokens, times in seconds.
+
+    Fetch knobs: ``fetch_min_tokens`` = 256 (four 64-token blocks) because a
+    fetch has a fixed cost whatever its size (a round trip to the owner, its
+    export copy, a bundle through the object store and its checksum): a few
+    milliseconds, about what prefilling 256 tokens costs on a GPU
+    (~20k tokens/s), so a smaller difference is recomputed.
+    ``fetch_token_cost`` = 0.1: Llama-3.1-8B keeps 128 KiB per token in
+    bf16, so at 25 GB/s a token moves in ~5 µs against ~50 µs to prefill it
+    on an H100; the worker still decides with its own measured figures.
+    With ``fetch_enabled`` False the policy ranks exactly as before fetch
+    existed.
+    """
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
     sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4; 0: off
@@ -33,6 +45,10 @@ class PolicyConfig:
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
+    # Fetch (issue 13): a lighter replica may fetch a prefix from its holder instead of recomputing it.
+    fetch_enabled: bool = True  # decide() may carry a FetchHint; scoring counts fetchable tokens as mostly saved
+    fetch_min_tokens: int = 256  # hint only beyond this many tokens more than the first choice holds
+    fetch_token_cost: float = 0.1  # a fetched token's cost in computed-token units (scoring and load)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
@@ -52,8 +68,14 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
-        if not isinstance(self.tie_by_recent_work, bool):
-            raise ValueError(f"tie_by_recent_work must be a bool, got {self.tie_by_recent_work!r}")
+        for name in ("tie_by_recent_work", "fetch_enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
+            raise ValueError(f"fetch_min_tokens must be a non-negative int, got {self.fetch_min_tokens!r}")
+        cost = self.fetch_token_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 1:
+            raise ValueError(f"fetch_token_cost must be a number in [0, 1], got {cost!r}")
         queue_cost = self.queue_decode_token_cost
         if queue_cost is not None and (isinstance(queue_cost, bool) or not isinstance(queue_cost, (int, float))
                                        or not math.isfinite(queue_cost) or queue_cost < 0):

@@ -1,0 +1,135 @@
+"""A routing decision, and the fetch hint it may carry: fetch a cached prefix
+from the replica that holds it instead of recomputing it (issue 13)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FetchHint:
+    """The first choice may fetch the KV of the prompt's first ``num_tokens``
+    tokens from ``owner`` instead of computing them.
+
+    ``owner``: the replica id the router believes holds those tokens' blocks
+    (its own decisions, corrected by the owner's summaries; it may have
+    evicted them since). ``num_tokens``: a positive multiple of the router's
+    block size, below the prompt's length (the last prompt token is always
+    computed). The hashes behind it are salted with the request's tenant,
+    so the owner holds them under the same tenant: a hint never crosses
+    namespaces.
+
+    A hint, not an order: the receiving worker fetches only if its estimated
+    transfer (bytes from the KV geometry ÷ measured bandwidth) beats
+    recomputing those tokens, and recomputes after a bounded wait if the
+    owner has evicted them, died or is slow.
+    """
+
+    owner: str
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.owner, str) or not self.owner:
+            raise ValueError(f"owner must be a non-empty replica id, got {self.owner!r}")
+        if type(self.num_tokens) is not int or self.num_tokens <= 0:
+            raise ValueError(f"num_tokens must be a positive int, got {self.num_tokens!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """What :meth:`PrefixAffinityPolicy.decide` answers.
+
+    ``ranked``: replicas to try, best first (what ``rank()`` returns; empty
+    only when there is no candidate). ``fetch``: for the first choice only.
+
+    Invariants: ``fetch`` is None when fetch is disabled
+    (``PolicyConfig.fetch_enabled``), when ``ranked`` is empty, when the
+    first choice already holds at least as much of the prompt as any holder
+    minus ``fetch_min_tokens`` (a difference of at most ``fetch_min_tokens``
+    is not worth a fetch), or when the owner is the first choice. Otherwise
+    ``fetch.owner`` is a replica known to hold the prompt's first
+    ``fetch.num_tokens`` tokens, more than ``fetch_min_tokens`` beyond what
+    the first choice holds.
+    """
+
+    ranked: tuple[str, ...]
+    fetch: FetchHint | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranked, tuple):
+            object.__setattr__(self, "ranked", tuple(self.ranked))
+        if self.fetch is not None and (not self.ranked or self.fetch.owner == self.ranked[0]):
+            raise ValueError(f"a fetch hint needs a first choice other than its owner, got {self!r}")
+
+
+class FetchPlan:
+    """What a fetch could bring each candidate of one decision: the owner
+    (:func:`fetchable_tokens`) and, per candidate, what it already holds.
+
+    ``depths``: the candidates' known depths (blocks); ``depth_of``: the
+    index's depth of any replica, for a holder the candidates list missed
+    (one past ``max_affinity_candidates`` that joined as a ring node), so a
+    replica is never credited or hinted for tokens it holds already."""
+
+    def __init__(self, depths: Mapping[str, int], depth_of: Callable[[str], int], block_size: int,
+                 num_prompt_tokens: int, load_of: Callable[[str], float], min_tokens: int,
+                 fetch_token_cost: float) -> None:
+        self.fetchable = fetchable_tokens(depths, block_size, num_prompt_tokens, load_of)
+        self._depths, self._depth_of = depths, depth_of
+        self._block_size, self._num_prompt_tokens = block_size, num_prompt_tokens
+        self._min_tokens, self._fetch_token_cost = min_tokens, fetch_token_cost
+
+    def held(self, replica_id: str, cached: int) -> int:
+        """Tokens of the prompt ``replica_id`` holds (``cached``: what the score counts)."""
+        if self.fetchable is None or replica_id in self._depths:
+            return cached
+        depth_tokens = self._depth_of(replica_id) * self._block_size
+        return max(cached, min(depth_tokens, self._num_prompt_tokens - 1))
+
+    def credit(self, replica_id: str, cached: int) -> float:
+        return fetch_credit(self.fetchable, replica_id, self.held(replica_id, cached), self._min_tokens,
+                            self._fetch_token_cost)
+
+    def hint(self, first_id: str, cached: int) -> FetchHint | None:
+        return hint_for(first_id, self.held(first_id, cached), self.fetchable, self._min_tokens)
+
+
+def fetchable_tokens(depths: Mapping[str, int], block_size: int, num_prompt_tokens: int,
+                     load_of: Callable[[str], float]) -> tuple[str, int] | None:
+    """``(owner, tokens)``: the deepest holder among ``depths`` (replica →
+    leading blocks held; the least loaded among equally deep ones) and how
+    many leading prompt tokens a fetch from it could bring: whole blocks,
+    below the prompt's length. None if nobody holds a full block of it.
+    O(holders)."""
+    if not depths:
+        return None
+    deepest = max(depths.values())
+    num_blocks = min(deepest, (num_prompt_tokens - 1) // block_size) if num_prompt_tokens > 0 else 0
+    if num_blocks <= 0:
+        return None
+    owner = min((r for r, d in depths.items() if d == deepest), key=lambda r: (load_of(r), r))
+    return owner, num_blocks * block_size
+
+
+def fetch_credit(fetchable: tuple[str, int] | None, replica_id: str, cached: int, min_tokens: int,
+                 fetch_token_cost: float) -> float:
+    """Prefill-token equivalents ``replica_id`` saves by fetching rather than
+    computing what it lacks of the fetchable prefix: ``(1 - fetch_token_cost)``
+    per token, when it lacks more than ``min_tokens`` of it (else 0)."""
+    if fetchable is None or fetchable[0] == replica_id:
+        return 0.0
+    missing = fetchable[1] - cached
+    return (1.0 - fetch_token_cost) * missing if missing > min_tokens else 0.0
+
+
+def hint_for(first_id: str, first_cached: int, fetchable: tuple[str, int] | None,
+             min_tokens: int) -> FetchHint | None:
+    """The hint for a request whose first choice holds ``first_cached`` of its
+    tokens (RoutingDecision's invariants)."""
+    if fetchable is None:
+        return None
+    owner, num_tokens = fetchable
+    if owner == first_id or num_tokens - first_cached <= min_tokens:
+        return None
+    return FetchHint(owner, num_tokens)
