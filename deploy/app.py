@@ -18,6 +18,7 @@ from deploy.request_builder import ModelBounds, RequestBuilder
 from deploy.settings import ROUTERS, AppConfig
 from router.policy_config import PolicyConfig
 from worker import EngineConfig
+from worker.config import FetchConfig
 from worker.model import load_tokenizer, model_info
 from worker.replica import Worker
 
@@ -41,6 +42,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application for ``args`` (the config file's ``args`` block)."""
     config = AppConfig.from_args(args)
     engine_config = EngineConfig(model=config.model, **config.engine)
+    fetch_config = FetchConfig(enabled=config.fetch_enabled, timeout_s=config.fetch_timeout_s)
     router_kwargs = checked_router_kwargs(config)
     worker = Worker.options(
         request_router_config=RequestRouterConfig(
@@ -48,14 +50,15 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=config.routing_stats_period_s,
         ),
-    ).bind(engine_config, config.router_block_size, config.stats_period_s)
+    ).bind(engine_config, config.router_block_size, config.stats_period_s, fetch_config)
     return Ingress.bind(worker, config)
 
 
 def checked_router_kwargs(config: AppConfig) -> dict:
     """The request router's kwargs. For ours, its ``PolicyConfig`` is built
     here, so an unknown key, a bad value or a routing block size other than
-    ``router_block_size`` fails the app's start-up, not its first request."""
+    ``router_block_size`` fails the app's start-up, not its first request.
+    Its ``fetch_enabled`` is the app's (the workers follow the same switch)."""
     kwargs = dict(config.router_kwargs)
     if config.router_class_path != ROUTERS["kvroute"]:
         return kwargs
@@ -63,6 +66,10 @@ def checked_router_kwargs(config: AppConfig) -> dict:
     if kwargs["block_size"] != config.router_block_size:
         raise ValueError(f"router_kwargs.block_size {kwargs['block_size']!r} differs from router_block_size "
                          f"{config.router_block_size}: the ingress and the workers hash blocks of router_block_size")
+    kwargs.setdefault("fetch_enabled", config.fetch_enabled)
+    if kwargs["fetch_enabled"] != config.fetch_enabled:
+        raise ValueError(f"router_kwargs.fetch_enabled {kwargs['fetch_enabled']!r} differs from fetch_enabled "
+                         f"{config.fetch_enabled}: set fetch_enabled once, for the router and the workers")
     known = {f.name for f in fields(PolicyConfig)}
     unknown = sorted(set(kwargs) - known)
     if unknown:

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from worker.kv_fetch import FALLBACK_REASONS
 from worker.results import GenerationResult, ReplicaStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -41,6 +42,12 @@ _REPLICA_METRICS = {
     "num_running": ("kvroute_running_requests", "Requests running in the engine", False),
     "kv_blocks_free": ("kvroute_kv_free_blocks", "Free KV blocks in the pool", False),
     "kv_blocks_total": ("kvroute_kv_blocks", "KV blocks in the pool", False),
+    # fetch (issue 13): a prefix's KV fetched from the replica holding it instead of recomputed
+    "fetch_count": ("kvroute_fetches", "Prefix bundles fetched from another replica and imported", True),
+    "fetch_tokens": ("kvroute_fetched_tokens", "Token positions newly cached from fetched bundles", True),
+    "fetch_bytes": ("kvroute_fetched_bytes", "KV bytes of the fetched bundles", True),
+    "fetch_seconds": ("kvroute_fetch_seconds", "Wall time of the completed fetches (request to imported)", True),
+    "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
 }
 
 
@@ -100,8 +107,20 @@ class _ReplicaCollector:
                 if value is not None:
                     family.add_metric([replica_id], value)
         yield from families.values()
+        yield self._fetch_fallbacks()
         if self.model_name is not None:
             yield from self._vllm_families()
+
+    def _fetch_fallbacks(self):
+        """``reason``: one of the worker's fixed set (its ``fetch_fallback_<reason>`` stats)."""
+        family = CounterMetricFamily("kvroute_fetch_fallbacks", "Fetch-hinted requests that recomputed instead, by reason",
+                                     labels=["replica", "reason"])
+        for replica_id, stats in sorted(self.replica_to_stats.items()):
+            for reason in FALLBACK_REASONS:
+                value = _number(stats, f"fetch_fallback_{reason}")
+                if value is not None:
+                    family.add_metric([replica_id, reason], value)
+        return family
 
     def _vllm_families(self):
         families = {}

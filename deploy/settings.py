@@ -52,6 +52,11 @@ class AppConfig:
     ``max_in_flight_per_worker``: the ingress admits at most this many
     generation requests in flight per live Worker replica and answers the rest
     at once with 429 + ``Retry-After`` (0: no admission limit of its own).
+    ``fetch_enabled``: a replica lighter than the one holding a request's
+    prefix may fetch that prefix's KV from it instead of recomputing it (our
+    router hints, the worker decides by its measured bandwidth and prefill
+    rate; issue 13); ``fetch_timeout_s``: the longest a request waits for
+    the owner's bundle before recomputing.
     """
 
     model: str = "tiny-llama"
@@ -70,13 +75,15 @@ class AppConfig:
     max_in_flight_per_worker: int = 320  # deploy/config.yaml: max_num_seqs + max_queued_requests
     retry_after_s: int = 1
     body_timeout_s: float = 15.0  # a request body must arrive within this (else 408)
+    fetch_enabled: bool = True
+    fetch_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if type(self.router_block_size) is not int or self.router_block_size <= 0:
             raise ValueError(f"router_block_size must be a positive int, got {self.router_block_size!r}")
-        for name in ("routing_stats_period_s", "stats_period_s", "body_timeout_s"):
+        for name in ("routing_stats_period_s", "stats_period_s", "body_timeout_s", "fetch_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -90,7 +97,7 @@ class AppConfig:
             unknown = [key for key in keys if key not in self.api_keys]
             if unknown:
                 raise ValueError(f"cache_namespaces[{name!r}] lists {len(unknown)} key(s) that are not in api_keys")
-        for name in ("metrics_require_key", "vllm_metrics"):
+        for name in ("metrics_require_key", "vllm_metrics", "fetch_enabled"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if type(self.max_in_flight_per_worker) is not int or self.max_in_flight_per_worker < 0:

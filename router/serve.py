@@ -4,10 +4,28 @@ Configure the Worker deployment with ``RequestRouterConfig(request_router_class=
 "router.serve:KVRouteRouter", request_router_kwargs={...PolicyConfig fields...},
 request_routing_stats_period_s=...)``; each worker's ``record_routing_stats``
 returns ``cache.summary.CacheSummary(...).to_dict()``. No logic lives here.
+
+Two things ride on the request object (``pending_request.args[0]``):
+
+- A fetch hint (issue 13). When ``decide`` answers one, it is attached to the
+  request as its ``fetch`` field (``dataclasses.replace``; requests without
+  that field travel unchanged) and cleared when a retried decision has
+  none. Ray reads ``pending_request.args`` when it sends the request to the
+  replica it chose, after ``choose_replicas`` returns (ray 2.60:
+  ``Router._route_and_send_request_once`` → ``try_send_request`` →
+  ``send_request_python`` → ``method.remote(..., *pr.args)``);
+  tests/router/test_serve_fetch.py fails if that changes. The hint is for the
+  first choice; if Ray falls back to another replica, that one receives it
+  too and may still fetch, and the owner itself ignores a hint naming it.
+- A pin. A request with a ``target_replica`` attribute (a Worker's
+  ``ExportRequest``) is routed to that replica only, never through the
+  policy (no reservation, no load counted); when that replica is gone it
+  goes to any replica, which answers at once that it is not the target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
@@ -21,6 +39,19 @@ def _key(replica_id) -> str:
 
 def _request(pending_request):
     return pending_request.args[0] if pending_request is not None and pending_request.args else None
+
+
+def _pinned_to(request) -> str | None:
+    target = getattr(request, "target_replica", None)
+    return target if isinstance(target, str) else None
+
+
+def _attach_hint(pending_request, request, hint) -> None:
+    """Set ``request.fetch = hint`` on the args Ray will send (see the module docstring)."""
+    if not dataclasses.is_dataclass(request) or "fetch" not in {f.name for f in dataclasses.fields(request)}:
+        return
+    if request.fetch != hint:
+        pending_request.args[0] = dataclasses.replace(request, fetch=hint)
 
 
 class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
@@ -45,15 +76,24 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
         self._policy.remove_replica(_key(replica_id))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        request = _request(pending_request)
+        target = _pinned_to(request)
+        if target is not None:
+            pinned = [r for r in candidate_replicas if _key(r.replica_id) == target]
+            return [pinned or list(candidate_replicas)]
         by_key = {_key(r.replica_id): r for r in candidate_replicas}
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        ranked = [by_key[k] for k in self._policy.rank(_request(pending_request), by_key, request_id) if k in by_key]
+        decision = self._policy.decide(request, by_key, request_id)
+        _attach_hint(pending_request, request, decision.fetch)
+        ranked = [by_key[k] for k in decision.ranked if k in by_key]
         rest = [r for r in candidate_replicas if r not in ranked]
         return [[r] for r in ranked] + ([rest] if rest else [])
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        self._policy.on_routed(_request(pending_request), _key(replica_id), request_id)
+        request = _request(pending_request)
+        if _pinned_to(request) is not None:
+            return
+        self._policy.on_routed(request, _key(replica_id), pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._policy.on_completed(internal_request_id)

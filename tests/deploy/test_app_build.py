@@ -9,9 +9,10 @@ from deploy.app import build_app, checked_router_kwargs
 from deploy.settings import AppConfig
 
 
-def test_the_router_block_size_defaults_to_the_apps():
-    assert checked_router_kwargs(AppConfig(router_block_size=32)) == {"block_size": 32}
-    assert checked_router_kwargs(AppConfig(router_kwargs={"load_factor": 1.5})) == {"load_factor": 1.5, "block_size": 64}
+def test_the_router_block_size_and_fetch_switch_default_to_the_apps():
+    assert checked_router_kwargs(AppConfig(router_block_size=32)) == {"block_size": 32, "fetch_enabled": True}
+    assert checked_router_kwargs(AppConfig(router_kwargs={"load_factor": 1.5}, fetch_enabled=False)) == {
+        "load_factor": 1.5, "block_size": 64, "fetch_enabled": False}
 
 
 @pytest.mark.parametrize("args,message", [
@@ -19,6 +20,10 @@ def test_the_router_block_size_defaults_to_the_apps():
     ({"router_block_size": 64, "router_kwargs": {"block_size": 32}}, "differs from router_block_size 64"),
     ({"router_kwargs": {"load_factor": 0.5}}, "load_factor must be a finite number >= 1.0"),
     ({"router": "router.serve:KVRouteRouter", "router_kwargs": {"nope": 1}}, "unknown router_kwargs"),
+    ({"fetch_enabled": True, "router_kwargs": {"fetch_enabled": False}}, "set fetch_enabled once"),
+    ({"fetch_timeout_s": 0}, "fetch_timeout_s must be a positive number"),
+    ({"fetch_timeout_s": 900}, r"fetch timeout_s must be a number in \(0, 600\]"),
+    ({"fetch_enabled": "yes"}, "fetch_enabled must be true or false"),
 ])
 def test_a_bad_router_config_fails_the_build_with_a_clear_error(args, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,249 @@
+"""Fetching a prefix from the replica that holds it (worker/kv_fetch.py), in
+process: two real tiny-llama engines, the owner's real export, transports
+that hand its reply over directly or fail the ways a Ray call can."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from router.fetch import FetchHint
+from worker import SamplingParams, reference
+from worker.audit import audit
+from worker.config import FetchConfig
+from worker.kv_fetch import FALLBACK_REASONS, PrefillRate, PrefixFetcher
+from worker.messages import ExportReply, ExportRequest
+
+OWNER, RECEIVER = "owner-replica", "receiver-replica"
+GREEDY = SamplingParams(max_new_tokens=6, logprobs=True)
+
+
+class Direct:
+    """The owner's export called in process; records every request."""
+
+    def __init__(self, owner: PrefixFetcher) -> None:
+        self.owner = owner
+        self.requests = []
+
+    async def fetch(self, request):
+        self.requests.append(request)
+        return await self.owner.export(request)
+
+
+class Hangs:
+    """An owner that never answers; records whether the call was cancelled."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = False
+
+    async def fetch(self, request):
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+class Fails:
+    async def fetch(self, request):
+        raise ConnectionError("owner actor died")
+
+
+class Answers:
+    """Replies with a fixed ExportReply (another replica, a forged bundle, ...)."""
+
+    def __init__(self, reply) -> None:
+        self.reply = reply
+
+    async def fetch(self, request):
+        return self.reply
+
+
+def fallbacks(fetcher: PrefixFetcher) -> dict:
+    return {r: n for r, n in fetcher.counters.fallbacks.items() if n}
+
+
+def assert_clean(*engines) -> None:
+    for engine in engines:
+        report = audit(engine)
+        assert report.is_clean, report
+
+
+@pytest.fixture
+def pair(make_async_engine):
+    """(owner engine, receiver engine): same weights, separate caches."""
+    engines = make_async_engine(), make_async_engine()
+    yield engines
+    for engine in engines:
+        asyncio.run(engine.shutdown())
+
+
+def fetchers(owner_engine, receiver_engine, transport=None, **config):
+    owner = PrefixFetcher(owner_engine, OWNER, FetchConfig(**config), Answers(None))
+    receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(**config), transport or Direct(owner))
+    return owner, receiver
+
+
+def test_prefill_rate_counts_prefill_heavy_steps_only():
+    rate = PrefillRate()
+    assert rate.s_per_token is None
+    rate.observe_step({"prefill_tokens": 0, "decode_tokens": 0}, {"prefill_tokens": 1, "decode_tokens": 30}, 0.5)
+    assert rate.s_per_token is None  # a decode-heavy step
+    rate.observe_step({"prefill_tokens": 0, "decode_tokens": 0}, {"prefill_tokens": 90, "decode_tokens": 10}, 0.5)
+    assert rate.s_per_token == pytest.approx(0.005)
+    rate.observe_step({"prefill_tokens": 90, "decode_tokens": 10}, {"prefill_tokens": 190, "decode_tokens": 10}, 2.0)
+    assert rate.s_per_token == pytest.approx(0.005 + 0.3 * (0.02 - 0.005))
+
+
+def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(96)
+
+    async def main():
+        await receiver_engine.generate(tokens(80), GREEDY)  # measures the receiver's prefill rate
+        s_per_token = receiver_engine.prefill_s_per_token
+        assert s_per_token is not None and s_per_token > 0
+        await owner_engine.generate(prompt, GREEDY)
+        hint = FetchHint(OWNER, 64)
+        # moving 64 positions pays exactly when bandwidth > 64 * bytes_per_token / (64 * s_per_token)
+        breakeven = receiver_engine.engine.bytes_per_token / s_per_token
+        transport = Direct(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
+        slow = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport, bandwidth_bytes_per_s=breakeven / 2)
+        assert not slow.should_fetch(64, 64)
+        assert await slow.prepare(prompt, None, hint) == 0
+        assert fallbacks(slow) == {"slower": 1} and transport.requests == []
+        fast = fetchers(owner_engine, receiver_engine)[1]
+        fast.bandwidth.value = breakeven * 2
+        assert fast.should_fetch(64, 64) and not fast.should_fetch(64, 16)  # only 16 missing: recompute
+        assert await fast.prepare(prompt, None, hint) == 64
+        stats = fast.stats()
+        assert stats["fetch_count"] == 1 and stats["fetch_tokens"] == 64
+        assert stats["fetch_bytes"] == 64 * receiver_engine.engine.bytes_per_token and stats["fetch_seconds"] > 0
+        assert fast.bandwidth.value != breakeven * 2  # the fetch refined the estimate
+        assert await fast.prepare(prompt, None, hint) == 0  # held now: the hint is ignored
+        assert fast.stats()["fetch_count"] == 1 and fallbacks(fast) == {}
+
+    asyncio.run(main())
+    assert_clean(owner_engine, receiver_engine)
+
+
+def test_after_a_fetch_outputs_equal_the_reference_bit_for_bit(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(75)  # the hint: 4 blocks of 16; the rest (11 tokens) is computed
+
+    async def main():
+        owner, receiver = fetchers(owner_engine, receiver_engine)
+        await owner_engine.generate(prompt[:70], GREEDY)
+        assert await receiver.prepare(prompt, "tenant", FetchHint(OWNER, 64)) == 0  # owner holds it unsalted only
+        assert fallbacks(receiver) == {"evicted": 1}
+        await owner_engine.generate(prompt[:70], GREEDY, salt="tenant")
+        assert await receiver.prepare(prompt, "tenant", FetchHint(OWNER, 64)) == 64
+        assert owner.stats()["fetch_exports"] == 1 and owner.stats()["fetch_exported_bytes"] > 0
+        result = await receiver_engine.generate(prompt, GREEDY, salt="tenant")
+        return result
+
+    result = asyncio.run(main())
+    assert result.cached_tokens == 64
+    expected_tokens, expected_logprobs = reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
+    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+    assert_clean(owner_engine, receiver_engine)
+
+
+def test_other_weights_are_refused_and_the_request_recomputes(make_async_engine, tokens):
+    owner_engine = make_async_engine(tiny_llama={"seed": 1})
+    receiver_engine = make_async_engine()
+    assert owner_engine.engine.weights_fingerprint != receiver_engine.engine.weights_fingerprint
+    assert make_async_engine().engine.weights_fingerprint == receiver_engine.engine.weights_fingerprint
+    prompt = tokens(70)
+
+    async def main():
+        _, receiver = fetchers(owner_engine, receiver_engine)
+        await owner_engine.generate(prompt, GREEDY)
+        assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
+        return await receiver_engine.generate(prompt, GREEDY), receiver
+
+    result, receiver = asyncio.run(main())
+    assert fallbacks(receiver) == {"rejected": 1} and result.cached_tokens == 0
+    assert (list(result.token_ids), list(result.logprobs)) == reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
+    assert_clean(owner_engine, receiver_engine)
+    for engine in (owner_engine, receiver_engine):
+        asyncio.run(engine.shutdown())
+
+
+def test_every_owner_failure_falls_back_to_recompute_by_reason(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(70)
+
+    async def main():
+        await owner_engine.generate(prompt, GREEDY)
+        owner = PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None))
+        other_tenant = await owner.export(dataclasses.replace(_request(prompt), salt="b"))
+        assert other_tenant.bundle is None  # an export reads the asking request's namespace only
+        good = (await owner.export(_request(prompt))).bundle
+        forged = dataclasses.replace(good, salt="b")  # a bundle for another tenant than the request's
+        cases = {
+            "owner_gone": Answers(ExportReply("some-other-replica", None)),
+            "evicted": Answers(ExportReply(OWNER, None)),
+            "owner_failed": Fails(),
+            "rejected": Answers(ExportReply(OWNER, forged)),
+        }
+        for reason, transport in cases.items():
+            receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
+            assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
+            assert fallbacks(receiver) == {reason: 1}, reason
+        hangs = Hangs()
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(timeout_s=0.2), hangs)
+        started = asyncio.get_running_loop().time()
+        assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
+        assert asyncio.get_running_loop().time() - started < 2.0 and hangs.cancelled
+        assert fallbacks(receiver) == {"timeout": 1}
+        result = await receiver_engine.generate(prompt, GREEDY)
+        assert result.cached_tokens == 0  # recomputed, never failed
+        ignored = PrefixFetcher(receiver_engine, OWNER, FetchConfig(), Fails())  # the hint names this replica
+        off = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(enabled=False), Fails())
+        for fetcher in (ignored, off):
+            assert await fetcher.prepare(tokens(70), None, FetchHint(OWNER, 64)) == 0 and fallbacks(fetcher) == {}
+        assert (await off.export(dataclasses.replace(_request(prompt), target_replica=RECEIVER))).bundle is None
+
+    asyncio.run(main())
+    assert set(FALLBACK_REASONS) >= {"owner_gone", "evicted", "owner_failed", "rejected", "timeout", "slower"}
+    assert_clean(owner_engine, receiver_engine)
+
+
+def _request(prompt):
+    return ExportRequest(OWNER, tuple(prompt[:64]), None, 64)
+
+
+def test_a_request_cancelled_mid_fetch_cancels_the_call_and_leaks_nothing(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(70)
+
+    async def main():
+        hangs = Hangs()
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(timeout_s=30), hangs)
+        task = asyncio.create_task(receiver.prepare(prompt, None, FetchHint(OWNER, 64)))
+        await hangs.started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert hangs.cancelled and fallbacks(receiver) == {}
+        # cancelled while its import runs: the import completes, consistent, and the next request hits
+        await owner_engine.generate(prompt, GREEDY)
+        transport = Direct(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
+        task = asyncio.create_task(receiver.prepare(prompt, None, FetchHint(OWNER, 64)))
+        while not transport.requests:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await receiver_engine.wait_idle()
+        return await receiver_engine.generate(prompt, GREEDY)
+
+    result = asyncio.run(main())
+    assert result.cached_tokens in (0, 64)  # whether the import had begun when the cancel landed
+    assert_clean(owner_engine, receiver_engine)
