@@ -12,6 +12,7 @@ from pathlib import Path
 from cache import RadixCache
 from cache.summary import CacheSummary
 from router.cluster import Completion, Outcome, OutputWindow, observed_summary
+from router.sim_fetch import FetchCounts, SimFetch, plan_fetch
 from router.workload import SimRequest
 
 
@@ -118,6 +119,9 @@ class _Seq:
     num_cached: int = 0
     num_prefilled: int = 0  # prompt positions in KV (cached ones included)
     num_generated: int = 0
+    fetch: SimFetch | None = None  # the hint, until the admission that plans it
+    num_fetched: int = 0  # prompt tokens fetched from the owner
+    ready_s: float = 0.0  # when the fetched KV has arrived; no prefill chunk before
 
     @property
     def is_prefilled(self) -> bool:
@@ -150,6 +154,13 @@ class BatchingReplica:
     Steps with decodes only are taken in closed form up to the next finish
     or arrival.
 
+    Fetch: a hinted request is planned when first admitted, against the
+    owner's cache then (:func:`router.sim_fetch.plan_fetch`); a fetch counts
+    its tokens as prefilled but gives the sequence no prefill chunk until the
+    transfer has arrived (other sequences' steps go on; with nothing else to
+    run the replica waits, idle). An export delays the owner's next step by
+    its copy time (counted busy).
+
     Invariants: ``kv_used == sum(num_kv_tokens of running)`` ≤ capacity
     (bar a single sequence larger than it); waiting holds no admitted sequence.
     """
@@ -169,14 +180,23 @@ class BatchingReplica:
         self.num_steps = 0
         self.num_preemptions = 0
         self._prefill_total = self._output_total = 0  # tokens prefilled / of finished requests
+        self.fetch_counts = FetchCounts()
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
-    def submit(self, number: int, request: SimRequest, now: float) -> None:
+    def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
+        self.radix.match(units, touch=True)
         if not self._running and not self._waiting:
             self._clock_s = max(self._clock_s, now)
-        self._waiting.append(_Seq(number, request, now))
+        self._clock_s += busy_s
+        self.busy_s += busy_s
+        self.fetch_counts.export_busy_s += busy_s
+
+    def submit(self, number: int, request: SimRequest, now: float, fetch: SimFetch | None = None) -> None:
+        if not self._running and not self._waiting:
+            self._clock_s = max(self._clock_s, now)
+        self._waiting.append(_Seq(number, request, now, fetch=fetch))
 
     def advance(self, until: float) -> list[Completion]:
         """Run every step that starts before ``until``; release the finishes up to it."""
@@ -203,16 +223,20 @@ class BatchingReplica:
         for seq in self._running:
             if budget <= 0:
                 break
-            if not seq.is_prefilled:
+            if not seq.is_prefilled and seq.ready_s <= self._clock_s:
                 chunk = min(budget, seq.request.num_prompt_tokens - seq.num_prefilled)
                 chunks.append((seq, chunk))
                 budget -= chunk
         while budget > 0 and self._can_admit():
             seq = self._admit()
             chunk = min(budget, seq.request.num_prompt_tokens - seq.num_prefilled)
-            if chunk > 0:
+            if chunk > 0 and seq.ready_s <= self._clock_s:
                 chunks.append((seq, chunk))
                 budget -= chunk
+        if not chunks and not decoding:  # only fetches in flight: wait for the first, idle
+            first_ready = min(s.ready_s for s in self._running)
+            self._clock_s = min(first_ready, until) if math.isfinite(until) else first_ready
+            return
         num_prefill = 0
         for seq, chunk in chunks:
             num_prefill += chunk
@@ -231,7 +255,7 @@ class BatchingReplica:
             if seq.is_prefilled:  # first token
                 seq.num_generated = 1
                 self._kv_used += 1
-                self.outcomes.setdefault(seq.number, Outcome(seq.num_cached, end_s - seq.arrival_s))
+                self.outcomes.setdefault(seq.number, Outcome(seq.num_cached, end_s - seq.arrival_s, seq.num_fetched))
         self._finish_done(end_s)
 
     def _decode_steps(self, decoding: list[_Seq], until: float) -> None:
@@ -290,7 +314,16 @@ class BatchingReplica:
     def _admit(self) -> _Seq:
         seq = self._waiting.popleft()
         request = seq.request
-        seq.num_cached = request.cached_tokens(self.radix.match(request.units, touch=True).num_tokens)
+        num_units = self.radix.match(request.units, touch=True).num_tokens
+        seq.num_cached = request.cached_tokens(num_units)
+        if seq.fetch is not None:
+            plan = plan_fetch(seq.fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,
+                              self.profile, self._clock_s)
+            seq.fetch = None  # planned once: a preempted sequence finds the fetched prefix in its own tree
+            self.fetch_counts.count(plan)
+            if plan.num_units:
+                seq.num_cached = request.cached_tokens(plan.num_units)
+                seq.num_fetched, seq.ready_s = plan.num_tokens, self._clock_s + plan.transfer_s
         seq.num_prefilled, seq.num_generated = seq.num_cached, 0
         self._kv_used += request.num_prompt_tokens  # the whole prompt's KV is reserved at admission
         self.radix.insert(request.units)

@@ -3,7 +3,12 @@
 Every simulated replica (this one and :class:`router.batching.BatchingReplica`)
 offers the same small surface to the simulator:
 
-- ``submit(number, request, now)``: a request arrives;
+- ``submit(number, request, now, fetch=None)``: a request arrives, with
+  the fetch hint our policy gave it (:mod:`router.sim_fetch`; peers never
+  give one);
+- ``match_units(units)``, ``export(units, now, busy_s)``: what a receiver
+  asks of the owner of a fetched prefix;
+- ``fetch_counts``: fetches this replica received, by outcome;
 - ``advance(until) -> list[Completion]``: run to ``until``; the requests that
   finished by then, in time order;
 - ``summary(version, now, unit_tokens, units_per_block) -> CacheSummary``:
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 from cache import RadixCache
 from cache.summary import CacheSummary, cached_block_hashes
+from router.sim_fetch import FetchCounts, SimFetch, plan_fetch
 from router.workload import SimRequest
 
 OUTPUT_WINDOW = 64  # finished requests a replica's mean output length covers (as the live worker)
@@ -69,10 +75,13 @@ class CostModel:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What happened to one request."""
+    """What happened to one request. ``cached_tokens`` counts every prompt
+    token not computed, ``fetched_tokens`` (of them) those fetched from
+    another replica."""
 
     cached_tokens: int
     ttft_s: float
+    fetched_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +129,14 @@ class SimReplica:
     sharing does). Its outcome is therefore known at once; :meth:`advance`
     only releases completions, and :meth:`summary` reads the state a worker
     would see at ``now`` (who waits, who runs, how far it decoded).
+
+    Fetch: a hinted request is planned at arrival against the owner's cache
+    then (:func:`router.sim_fetch.plan_fetch`); a fetch replaces the
+    prefill of the tokens it brings by the transfer, which the replica
+    waits for when the request starts (a stall, counted busy). An export
+    occupies this replica from ``now`` for its copy time: it delays the
+    requests that arrive after it (those already queued keep the times
+    the FIFO model gave them at arrival).
     """
 
     def __init__(self, replica_id: str, budget_units: int, cost: CostModel) -> None:
@@ -134,15 +151,29 @@ class SimReplica:
         self._outputs = OutputWindow()
         self._time_s = 0.0
         self._prefill_total = self._output_total = 0  # counted when done (prefill at submit: FIFO order)
+        self.fetch_counts = FetchCounts()
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
-    def submit(self, number: int, request: SimRequest, now: float) -> Outcome:
+    def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
+        self.radix.match(units, touch=True)
+        self.free_at_s = max(self.free_at_s, now) + busy_s
+        self.busy_s += busy_s
+        self.fetch_counts.export_busy_s += busy_s
+
+    def submit(self, number: int, request: SimRequest, now: float, fetch: SimFetch | None = None) -> Outcome:
         num_units = self.radix.match(request.units, touch=True).num_tokens
         cached = request.cached_tokens(num_units)
+        fetched, transfer_s = 0, 0.0
+        if fetch is not None:
+            plan = plan_fetch(fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,
+                              self.cost, now)
+            self.fetch_counts.count(plan)
+            if plan.num_units:
+                cached, fetched, transfer_s = request.cached_tokens(plan.num_units), plan.num_tokens, plan.transfer_s
         start = max(now, self.free_at_s)
-        prefill_s = (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
+        prefill_s = transfer_s + (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
         service_s = prefill_s + request.num_output_tokens * self.cost.decode_s_per_token
         self.free_at_s = start + service_s
         self.busy_s += service_s
@@ -151,7 +182,7 @@ class SimReplica:
         heapq.heappush(self._completions, (self.free_at_s, number, request.num_output_tokens))
         self.radix.insert(request.cache_units)
         self._prefill_total += request.num_prompt_tokens - cached
-        outcome = Outcome(cached, start - now + prefill_s)
+        outcome = Outcome(cached, start - now + prefill_s, fetched)
         self.outcomes[number] = outcome
         return outcome
 

@@ -9,7 +9,9 @@ from router.workload import Workload
 def replay_figures(workload: Workload, config, replicas: list, decision_us: list[float]) -> dict:
     """Hit rates, load imbalance (max / mean busy time; ``prompt_imbalance``: of
     prompt tokens, as the load test measures it), TTFT percentiles, queueing
-    delay (TTFT less the request's own prefill alone), decision cost."""
+    delay (TTFT less the request's own prefill alone), decision cost; fetches
+    (tokens fetched count as hits; ``fetched_rate`` is their share of prompt
+    tokens) and fetch hints that fell back to recompute."""
     outcomes = {}
     for replica in replicas:
         outcomes.update(replica.outcomes)
@@ -45,6 +47,16 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
         "decision_us_p99": percentile(decision_us, 99),
         "busy_s": busy,
     }
+    counts = [r.fetch_counts for r in replicas]
+    num_fetched_tokens = sum(c.num_fetched_tokens for c in counts)
+    figures.update({  # of the hits above, those fetched from another replica (issue 13)
+        "fetched_tokens": num_fetched_tokens,
+        "fetched_rate": num_fetched_tokens / max(prompt_total, 1),
+        "num_fetches": sum(c.num_fetched for c in counts),
+        "num_fetch_evicted": sum(c.num_evicted for c in counts),  # the owner no longer held more: recomputed
+        "num_fetch_slower": sum(c.num_slower for c in counts),  # recomputing was cheaper: recomputed
+        "export_busy_s": sum(c.export_busy_s for c in counts),
+    })
     if getattr(config, "closed_loop", None) is not None:  # a live comparison: small, and it needs the samples
         figures["ttft_samples_s"] = ttfts
     if config.replica_model == "cb":

@@ -23,6 +23,10 @@ def print_table(result: dict) -> None:
         print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
               f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}"
               f" {f.get('mean_decode_batch', 1.0):6.2f}")
+        if f.get("num_fetch_hints"):
+            print(f"{'':>20} fetch: {f['num_fetch_hints']:.0f} hints, {f['num_fetches']:.0f} fetched "
+                  f"({f['fetched_rate']:.4f} of prompt tokens), {f['num_fetch_evicted']:.0f} owner evicted, "
+                  f"{f['num_fetch_slower']:.0f} recompute faster; owners' export {f['export_busy_s']:.2f} s")
         if "summary_bytes_per_replica_s" in f:
             print(f"{'':>20} summaries ({setup['summary_mode']}): {f['summary_bytes_per_replica_s']:,.0f} B/s per "
                   f"replica; router {f['router_summary_cpu_ms_per_s']:.2f} ms CPU per s applying them")

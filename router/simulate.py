@@ -4,6 +4,12 @@
     python -m router.simulate --workload shared-prefix|multi-turn --replicas N --budget-tokens B --json OUT
         [--replica-model fifo|cb] [--profile PROFILE.json] [--max-tokens N] [--routers K]
         [--arrivals open|closed --concurrency N --ingress-s S]
+        [--kv-bytes-per-token B --fetch-bandwidth-gbps G --fetch-export-fraction F]
+
+Fetch (issue 13, :mod:`router.sim_fetch`): ``ours`` hints a lighter replica
+to fetch a prefix from its owner; the receiver fetches when the transfer
+beats recomputing; ``ours_nofetch`` is the same policy with fetch off.
+Peers never fetch.
 
 Replica models: ``fifo`` (:class:`router.cluster.CostModel`: prefill time ∝
 tokens computed, a decode time per output token, one request at a time) and
@@ -40,11 +46,12 @@ from router.closed_loop import ClosedLoopConfig, arrivals
 from router.cluster import CostModel, SimReplica
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
+from router.sim_fetch import FetchModel, SimFetch
 from router.sim_report import plot, replay_figures
 from router.sim_table import print_table
 from router.workload import Workload, load_mooncake, multi_turn, scale_arrivals, shared_prefix
 
-POLICY_NAMES = ("ours", "round_robin", "pow2", "ray_prefix_affinity", "sglang_cache_aware", "dynamo_kv", "llm_d")
+POLICY_NAMES = ("ours", "ours_nofetch", "round_robin", "pow2", "ray_prefix_affinity", "sglang_cache_aware", "dynamo_kv", "llm_d")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,7 @@ class SimConfig:
     decode_token_cost: float | None = None  # ours' price of an output token; None: the timing's
     summary_mode: str = "full"  # "full": every block each period; "stream": snapshots + cumulative deltas
     closed_loop: ClosedLoopConfig | None = None  # None: open loop at the workload's (scaled) arrival times
+    fetch: FetchModel = field(default_factory=FetchModel)  # KV transfer figures for ours' fetch hints
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -113,13 +121,18 @@ class Ours:
     simulated replica) and completion events; it never reads a replica.
     With ``num_routers > 1`` each router takes every ``num_routers``-th
     request and sees only its own decisions and completions, plus every
-    summary."""
+    summary. A decision's fetch hint goes to the chosen replica as a
+    :class:`SimFetch` (:meth:`take_fetch`); ``fetch=False`` (``ours_nofetch``)
+    turns fetch off in the policy."""
 
     name = "ours"
 
-    def __init__(self, workload: Workload, replicas: list, config: SimConfig) -> None:
+    def __init__(self, workload: Workload, replicas: list, config: SimConfig, fetch: bool = True) -> None:
         self.now = 0.0
-        policy_config = replace(config.policy, block_size=workload.router_block_tokens,
+        self._replicas, self._fetch_model, self._fetch = replicas, config.fetch, None
+        self.num_fetch_hints = 0
+        policy_config = replace(config.policy, fetch_enabled=config.policy.fetch_enabled and fetch,
+                                block_size=workload.router_block_tokens,
                                 decode_token_cost=config.decode_token_cost if config.decode_token_cost is not None
                                 else config.timing.decode_token_cost,
                                 queue_decode_token_cost=config.policy.queue_decode_token_cost
@@ -154,10 +167,20 @@ class Ours:
         self.now = now
         router = self.routers[number % len(self.routers)]
         routing = self.routing_request(request)
-        replica_id = router.rank(routing)[0]
+        decision = router.decide(routing, request_id=str(number))
+        replica_id = decision.ranked[0]
         router.on_routed(routing, replica_id, str(number))
         self._router_of[str(number)] = router
+        hint = decision.fetch
+        self._fetch = None if hint is None else SimFetch(self._replicas[self._index_of[hint.owner]],
+                                                         hint.num_tokens, self._fetch_model)
+        self.num_fetch_hints += hint is not None
         return self._index_of[replica_id]
+
+    def take_fetch(self) -> SimFetch | None:
+        """The last decision's fetch hint, once."""
+        fetch, self._fetch = self._fetch, None
+        return fetch
 
 
 class _Peer:
@@ -174,6 +197,7 @@ def make_policies(names, workload: Workload, replicas: list, config: SimConfig):
     rng = random.Random(config.seed)
     factories = {
         "ours": lambda: Ours(workload, replicas, config),
+        "ours_nofetch": lambda: Ours(workload, replicas, config, fetch=False),
         "round_robin": lambda: _Peer(RoundRobin(), replicas),
         "pow2": lambda: _Peer(PowerOfTwo(rng), replicas),
         "ray_prefix_affinity": lambda: _Peer(RayPrefixAffinity(), replicas),
@@ -245,9 +269,11 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         started = time.thread_time()  # CPU time: other processes on a shared machine do not count
         index = policy.choose(number, request, now)
         decision_us.append((time.thread_time() - started) * 1e6)
-        replicas[index].submit(number, request, now)
+        replicas[index].submit(number, request, now, policy.take_fetch() if hears else None)
     run_to(math.inf)
     figures = replay_figures(workload, config, replicas, decision_us)
+    if hears:
+        figures["num_fetch_hints"] = policy.num_fetch_hints
     if hears and version:
         span_s = version * config.summary_period_s
         figures["summary_bytes_per_replica_s"] = summary_bytes / (span_s * len(replicas))
@@ -323,6 +349,7 @@ def simulate(
             "closed_loop": asdict(config.closed_loop) if config.closed_loop else None,
             "router_block_tokens": workload.router_block_tokens,
             "policy_config": asdict(config.policy),
+            "fetch": asdict(config.fetch),
         },
     }
     for name in names:
@@ -380,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingress-s", type=float, default=0.0,
                         help="--arrivals closed: measured client TTFT less engine TTFT, between a completion and "
                              "the next request at the engine")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=FetchModel().kv_bytes_per_token,
+                        help="KV bytes per token a fetch moves (default: Llama-3.1-8B bf16, 128 KiB)")
+    parser.add_argument("--fetch-bandwidth-gbps", type=float, default=FetchModel().bandwidth_bytes_per_s / 1e9,
+                        help="fetch bandwidth in GB/s (default 25: RDMA-class)")
+    parser.add_argument("--fetch-export-fraction", type=float, default=FetchModel().export_fraction,
+                        help="the owner's busy time per fetch, as a fraction of the transfer time")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     kind = args.workload or ("mooncake" if args.trace else None)
@@ -408,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_token_cost=args.decode_token_cost,
         summary_mode=args.summary_mode,
         closed_loop=ClosedLoopConfig(args.concurrency, ingress_s=args.ingress_s) if args.arrivals == "closed" else None,
+        fetch=FetchModel(args.kv_bytes_per_token, args.fetch_bandwidth_gbps * 1e9,
+                         export_fraction=args.fetch_export_fraction),
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     seeds = range(args.seed, args.seed + args.seeds)

@@ -10,6 +10,7 @@ import router.simulate as simulate
 from cache.summary import CacheSummary
 from router.batching import BatchingReplica, StepProfile
 from router.cluster import CostModel, SimReplica
+from router.fetch import FetchHint, RoutingDecision
 from router.request import RoutingRequest
 from router.simulate import SimConfig, replay
 from router.workload import SimRequest, Workload, shared_prefix
@@ -30,6 +31,12 @@ class SpyPolicy:
     def rank(self, request, *args, **kwargs):
         SpyPolicy.calls.append(("rank", request))
         return self._replicas
+
+    def decide(self, request, candidate_ids=None, request_id=None):
+        """Ranks as rank() and hints a fetch from the second replica (the fetch path)."""
+        SpyPolicy.calls.append(("decide", request, request_id))
+        hint = FetchHint(self._replicas[1], 64) if request.num_prompt_tokens > 64 else None
+        return RoutingDecision(tuple(self._replicas), hint)
 
     def on_routed(self, request, replica_id, request_id):
         SpyPolicy.calls.append(("on_routed", request, replica_id, request_id))
@@ -57,9 +64,9 @@ def test_the_policy_gets_only_routing_requests_summaries_and_completions(monkeyp
                        summary_period_s=0.05)
     replay(workload, config, "ours")
     kinds = {call[0] for call in SpyPolicy.calls}
-    assert kinds == {"set_replicas", "rank", "on_routed", "on_completed", "on_summary"}
+    assert kinds == {"set_replicas", "decide", "on_routed", "on_completed", "on_summary"}
     for call in SpyPolicy.calls:
-        if call[0] in ("rank", "on_routed"):
+        if call[0] in ("decide", "on_routed"):
             assert type(call[1]) is RoutingRequest
             assert call[1].num_output_tokens == 512  # max_tokens, though outputs are 1..5
         if call[0] == "on_summary":
@@ -71,6 +78,25 @@ def test_the_policy_gets_only_routing_requests_summaries_and_completions(monkeyp
     reported = [c[1] for c in SpyPolicy.calls if c[0] == "on_summary"]
     assert any(s.mean_output_tokens > 0 for s in reported)
     assert all(s.mean_output_tokens <= 5 for s in reported)  # learned from finished requests only
+
+
+@pytest.mark.parametrize("replica_model", ["fifo", "cb"])
+def test_a_fetch_hint_reaches_the_chosen_replica_and_the_policy_still_sees_only_its_inputs(monkeypatch, replica_model):
+    """The fetch path adds nothing to what the policy reads: the hint it
+    returned goes to the replica it chose (which reads the owner's cache,
+    as a live worker asks its owner), never back into the policy."""
+    monkeypatch.setattr(simulate, "PrefixAffinityPolicy", SpyPolicy)
+    SpyPolicy.calls = []
+    workload = workload_with_short_outputs()
+    config = SimConfig(num_replicas=2, budget_tokens=10_000, max_tokens=512, replica_model=replica_model,
+                       summary_period_s=0.05)
+    figures = replay(workload, config, "ours")
+    num_hints = sum(1 for c in SpyPolicy.calls if c[0] == "decide" and c[1].num_prompt_tokens > 64)
+    assert num_hints == len(workload.requests) == figures["num_fetch_hints"]
+    planned = figures["num_fetches"] + figures["num_fetch_evicted"] + figures["num_fetch_slower"]
+    assert planned == num_hints  # every hint planned once, by the chosen replica-0
+    assert {c[0] for c in SpyPolicy.calls} == {"set_replicas", "decide", "on_routed", "on_completed", "on_summary"}
+    assert all(type(c[1]) is RoutingRequest for c in SpyPolicy.calls if c[0] in ("decide", "on_routed"))
 
 
 def test_generated_workloads_send_their_fixed_output_length_as_max_tokens():

@@ -1,0 +1,137 @@
+"""The simulator's KV fetch (issue 13, item 3): what moving a cached prefix
+from its owner to the receiving replica costs, whether the receiver takes
+it, and what it leaves on both sides.
+
+Both replica models (:class:`router.cluster.SimReplica`,
+:class:`router.batching.BatchingReplica`) call :func:`plan_fetch` where the
+request starts (FIFO: when it arrives, the moment the FIFO model fixes its
+outcome; batching: when it is admitted), with the :class:`SimFetch` our
+policy's decision carried. The receiver decides as the live worker does
+(``worker``'s fetcher): it reads the owner's cache *then* (an owner that has
+evicted the prefix gives what it still holds, possibly nothing), and fetches
+only if the estimated transfer of the tokens it lacks beats recomputing
+them with its own timing (``prefill_s``), else recomputes. Fetched tokens
+count as saved prefill (a hit) and are reported separately.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+# Llama-3.1-8B in bf16: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
+LLAMA_8B_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
+
+@dataclass(frozen=True, slots=True)
+class FetchModel:
+    """Transfer figures of a fetch.
+
+    ``transfer_s(n) = latency_s + n × kv_bytes_per_token / bandwidth_bytes_per_s``:
+    the receiver waits that long for ``n`` tokens' KV (defaults: Llama-3.1-8B
+    bf16, 128 KiB per token, over a 25 GB/s RDMA-class link, plus 1 ms for
+    the round trip to the owner and the bundle's checksum). The owner is
+    busy for ``export_fraction × transfer_s(n)`` copying the blocks out of
+    its KV pool (0.1: a device-to-host copy at PCIe-class ~250 GB/s is a
+    tenth of the 25 GB/s network's time), which delays its own work.
+    """
+
+    kv_bytes_per_token: int = LLAMA_8B_KV_BYTES_PER_TOKEN
+    bandwidth_bytes_per_s: float = 25e9
+    latency_s: float = 0.001
+    export_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if type(self.kv_bytes_per_token) is not int or self.kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be a positive int, got {self.kv_bytes_per_token!r}")
+        for name, low in (("bandwidth_bytes_per_s", 0.0), ("latency_s", None), ("export_fraction", None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (low is not None and value <= low):
+                raise ValueError(f"{name} must be a finite number {'>' if low is not None else '>='} 0, "
+                                 f"got {value!r}")
+
+    def transfer_s(self, num_tokens: int) -> float:
+        return self.latency_s + num_tokens * self.kv_bytes_per_token / self.bandwidth_bytes_per_s
+
+    def export_s(self, num_tokens: int) -> float:
+        return self.export_fraction * self.transfer_s(num_tokens)
+
+
+class Owner(Protocol):
+    """What a fetch needs of the owning replica (both models provide it)."""
+
+    replica_id: str
+
+    def match_units(self, units: tuple[int, ...]) -> int:
+        """Leading units of ``units`` cached now (no LRU touch)."""
+
+    def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
+        """Copy ``units`` out: touch them (a use) and stay busy ``busy_s`` from ``now``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimFetch:
+    """A hint as the simulator hands it to the receiving replica: the owner
+    replica itself, the hinted tokens (``FetchHint.num_tokens``), the model."""
+
+    owner: Owner
+    num_tokens: int
+    model: FetchModel
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """What the receiver does: ``num_units`` leading units fetched (0: it
+    recomputes), in ``transfer_s``; ``reason`` for the figures:
+    ``"fetched"``, ``"evicted"`` (the owner holds no more than the receiver),
+    ``"slower"`` (recomputing was cheaper)."""
+
+    num_units: int
+    num_tokens: int
+    transfer_s: float
+    reason: str
+
+
+class Timing(Protocol):
+    def prefill_s(self, num_computed_tokens: int, num_cached_tokens: int = 0) -> float: ...
+
+
+def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_own_units: int,
+               cached_tokens, timing: Timing, now: float) -> FetchPlan:
+    """Decide a hinted fetch for a request whose receiver holds
+    ``num_own_units`` of ``units``; ``cached_tokens(units) -> tokens`` (the
+    request's rule, at most prompt - 1). If the fetch pays, the owner is
+    charged its export time at ``now``."""
+    hinted = units[:min(fetch.num_tokens // unit_tokens, len(units))]
+    held = fetch.owner.match_units(hinted)  # the owner's cache now: it may have evicted them
+    own_tokens = cached_tokens(num_own_units)
+    missing = cached_tokens(held) - own_tokens
+    if held <= num_own_units or missing <= 0:
+        return FetchPlan(0, 0, 0.0, "evicted")
+    transfer_s = fetch.model.transfer_s(missing)
+    if transfer_s >= timing.prefill_s(missing, own_tokens):
+        return FetchPlan(0, 0, 0.0, "slower")
+    fetch.owner.export(hinted[:held], now, fetch.model.export_s(missing))
+    return FetchPlan(held, missing, transfer_s, "fetched")
+
+
+@dataclass(slots=True)
+class FetchCounts:
+    """Per replica: fetches received by outcome, tokens fetched, export time given."""
+
+    num_fetched: int = 0
+    num_evicted: int = 0
+    num_slower: int = 0
+    num_fetched_tokens: int = 0
+    export_busy_s: float = 0.0
+
+    def count(self, plan: FetchPlan) -> None:
+        if plan.reason == "fetched":
+            self.num_fetched += 1
+            self.num_fetched_tokens += plan.num_tokens
+        elif plan.reason == "evicted":
+            self.num_evicted += 1
+        else:
+            self.num_slower += 1
