@@ -89,6 +89,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
         "server_ttft_s": _dist([r.server_ttft_s for r in ok if r.server_ttft_s is not None]),
         "ingress_overhead_s": _dist(overheads),
         "ingress_overhead_samples_s": [round(x, 5) for x in sorted(overheads)],  # for a simulator to draw from
+        "itl_samples_s": [round(x, 5) for x in sorted(itls)],  # each gap is one engine step, as the client saw it
         "itl_s": _dist(itls),
         "latency_s": _dist([r.latency_s for r in ok]),
         "cluster_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,

@@ -57,3 +57,4 @@ def test_ingress_overhead_is_client_ttft_less_the_engines_own():
     assert summary["ingress_overhead_s"]["p50"] == pytest.approx(0.02)
     assert summary["ingress_overhead_s"]["p99"] == pytest.approx(0.05)
     assert summary["ingress_overhead_samples_s"] == [0.02, 0.05]
+    assert summary["itl_samples_s"] == []
