@@ -52,7 +52,7 @@ import json
 import random
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from harness.loadstats import percentile
 from harness.workloads import build_workload
@@ -113,6 +113,37 @@ def measured_slowdown(report: dict, profile: StepProfile) -> float:
     profile_step_s = (steps * profile.base_s + prefill * profile.prefill_token_s
                       + decode * profile.decode_seq_s) / steps
     return (itl_sum / itl_count) / profile_step_s
+
+
+@dataclass(frozen=True)
+class VariableSteps(StepProfile):
+    """A profile whose prefill and mixed steps (the ones a request's first
+    token comes from) each take a factor drawn from ``factors`` (mean 1) times
+    the profile's time; decode-only runs, taken in closed form, keep the mean.
+    The factors are the live run's inter-token gaps over their mean: how
+    unevenly the shared machine lets an engine step (a stall of another
+    process lands on whichever step runs then)."""
+
+    factors: tuple[float, ...] = (1.0,)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.factors or min(self.factors) < 0:
+            raise ValueError("factors must be a non-empty tuple of numbers >= 0")
+        object.__setattr__(self, "_draws", random.Random(self.seed))
+
+    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> float:
+        return super().step_s(num_prefill_tokens, num_decode_seqs, num_context_tokens) * self._draws.choice(self.factors)
+
+
+def step_factors(report: dict) -> tuple[float, ...]:
+    """The live inter-token gaps over their mean, every router pooled (empty: not recorded)."""
+    gaps = [x for result in report["results"].values() for x in result.get("itl_samples_s", ())]
+    if not gaps:
+        return ()
+    mean = statistics.fmean(gaps)
+    return tuple(x / mean for x in gaps)
 
 
 def slowed(profile: StepProfile, factor: float) -> StepProfile:
@@ -266,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-tokens", type=int, default=65536, help="deploy/config.yaml: cache_budget_tokens")
     parser.add_argument("--block-tokens", type=int, default=64, help="deploy/config.yaml: router_block_size")
     parser.add_argument("--seeds", type=int, default=3, help="pow2's random draws: seeds, figures averaged")
+    parser.add_argument("--step-variability", choices=("measured", "none"), default="measured",
+                        help="measured: prefill/mixed steps drawn from the live inter-token gaps (when recorded)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     with open(args.live) as handle:
@@ -277,17 +310,24 @@ def main(argv: list[str] | None = None) -> int:
     ingress_s = measured_ingress_s(live) if args.ingress_s == "measured" else float(args.ingress_s)
     profile = StepProfile.load(args.profile)
     slowdown = measured_slowdown(report, profile) if args.engine_slowdown == "measured" else float(args.engine_slowdown)
-    sim, result = simulated_figures(report, slowed(profile, slowdown), ingress_s,
+    engine = slowed(profile, slowdown)
+    factors = step_factors(report) if args.step_variability == "measured" else ()
+    if factors:
+        engine = VariableSteps(**engine.to_dict(), factors=factors, seed=args.seed)
+    sim, result = simulated_figures(report, engine, ingress_s,
                                     workload_args=json.loads(args.workload_args), trace=args.trace, seed=args.seed,
                                     num_replicas=args.replicas, budget_tokens=args.budget_tokens,
                                     block_tokens=args.block_tokens, seeds=args.seeds,
                                     ingress_samples=ingress_samples(report) if args.ingress_s == "measured" else ())
     comparison = compare(live, sim)
+    print(f"step times: x{slowdown:.2f} the profile's"
+          + (f", prefill/mixed steps varied by {len(factors)} live inter-token gaps" if factors else ", fixed"))
     print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown,
                    drawn=args.ingress_s == "measured" and bool(ingress_samples(report)))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"ingress_s": ingress_s, "engine_slowdown": slowdown, "profile": args.profile, "comparison": comparison,
+            json.dump({"ingress_s": ingress_s, "engine_slowdown": slowdown, "profile": args.profile,
+                       "step_variability": bool(factors), "comparison": comparison,
                        "simulated": result, "live_meta": report["meta"]}, handle, indent=2)
     return 0
 

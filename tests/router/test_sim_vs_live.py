@@ -112,3 +112,19 @@ def test_the_engine_slowdown_is_live_inter_token_latency_over_the_profiles_step(
         slowed(profile, 0.0)
     with pytest.raises(ValueError, match="inter-token"):
         measured_slowdown({"results": {}}, profile)
+
+
+def test_variable_steps_draw_live_gaps_over_their_mean_for_prefill_steps_only():
+    from router.sim_vs_live import VariableSteps, step_factors
+
+    report = {"results": {"a": {"itl_samples_s": [0.01, 0.01]}, "b": {"itl_samples_s": [0.04]}}}
+    factors = step_factors(report)
+    assert factors == pytest.approx((0.5, 0.5, 2.0))  # pooled, mean 0.02
+    assert step_factors({"results": {"a": {}}}) == ()
+    profile = StepProfile(0.002, 10e-6, 50e-6, 0.0, 512, 65536, name="test")
+    varied = VariableSteps(**profile.to_dict(), factors=factors, seed=3)
+    draws = {round(varied.step_s(100, 0, 0) / profile.step_s(100, 0, 0), 6) for _ in range(50)}
+    assert draws == {0.5, 2.0}
+    assert (varied.base_s, varied.decode_seq_s) == (profile.base_s, profile.decode_seq_s)  # closed-form decodes: mean
+    with pytest.raises(ValueError, match="factors"):
+        VariableSteps(**profile.to_dict(), factors=())
