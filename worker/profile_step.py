@@ -1,10 +1,13 @@
 """Where one engine step's time goes, by kind of work (a script, not a test).
 
     python -m worker.profile_step [--model 125m] [--context 544] [--batch 32] [--threads 2] \\
-        [--steps 5] [--deterministic] [--gemm auto|packed|plain] [--table 25]
+        [--steps 5] [--deterministic] [--gemm auto|packed|plain] [--groups 4 --shared-tokens 512] [--table 25]
 
 Fills ``--batch`` sequences of ``--context`` tokens (prompts prefilled
-through the engine's own steps), then profiles ``--steps`` decode steps and
+through the engine's own steps; with ``--groups G``, sequence ``i`` shares
+the blocks of its first ``--shared-tokens`` positions with the others of
+group ``i % G``, as a cached system prompt: the bench's shared-prefix
+workload), then profiles ``--steps`` decode steps and
 one prefill step of ``--max-batch-tokens`` new tokens (after a
 ``--context``-token cached prefix) with ``torch.profiler``, and prints each
 step's wall time and the share of its operators' self time per kind:
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--gemm", default="auto")
+    parser.add_argument("--groups", type=int, default=0, help="0: every context in blocks of its own")
+    parser.add_argument("--shared-tokens", type=int, default=512, help="with --groups: positions a group shares")
     parser.add_argument("--table", type=int, default=0, help="also print the top N operators")
     args = parser.parse_args(argv)
     if args.threads:
@@ -86,11 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     runner, pool = engine.runner, engine.pool
     blocks_per_seq = -(-positions // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(args.batch + 1)]
+    shared_blocks = min(args.shared_tokens, args.context) // block_size if args.groups else 0
+    for i in range(args.groups, args.batch):  # group members read their group leader's prefix blocks
+        tables[i][:shared_blocks] = tables[i % args.groups][:shared_blocks]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 259, (args.context,), generator=generator).tolist()
     with torch.inference_mode():
-        for table in tables:  # fill every context, a chunk per step
-            for lo in range(0, args.context, args.max_batch_tokens):
+        for index, table in enumerate(tables):  # fill every context (a shared prefix once), a chunk per step
+            first = shared_blocks * block_size if args.groups <= index < args.batch else 0
+            for lo in range(first, args.context, args.max_batch_tokens):
                 runner.forward([SeqChunk(prompt[lo : lo + args.max_batch_tokens], lo, table, False)], pool)
         params = [SamplingParams(max_new_tokens=1)] * args.batch
         tokens = [5] * args.batch
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
         decode_step(args.context)  # warm-up
         print(f"model {args.model}, batch {args.batch}, context {args.context}, threads {torch.get_num_threads()}, "
-              f"gemm {runner.gemm}, deterministic {args.deterministic}")
+              f"gemm {runner.gemm}, deterministic {args.deterministic}, groups {args.groups}")
         for step in range(args.steps):
             profiled(f"decode step {step}", lambda: decode_step(args.context + 1 + step), args.table if step == 0 else 0)
         new = [7] * args.max_batch_tokens

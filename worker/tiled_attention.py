@@ -47,8 +47,23 @@ MIN_EXACT_ROWS = 4  # below this, matmuls switch kernels (measured)
 
 
 @dataclass(slots=True)
+class PairRound:
+    """A run ``[lo, hi)`` of a tile group's pairs whose keys are gathered at once."""
+
+    lo: int
+    hi: int
+    masked: torch.Tensor | None  # [M] pairs (counted from lo) with at least one invisible key; None: none
+    mask: torch.Tensor | None  # [M, rows_per_tile, key_block] True where the key is not visible
+    spans: list[tuple[int, int, int]]  # per key block in the round, in block order: (first pair - lo, tiles a..b)
+
+
+@dataclass(slots=True)
 class TileGroup:
-    """Tiles of one shape, their pairs, and the order to add the pairs up in."""
+    """Tiles of one shape, longest first, and their pairs in key-block-major order.
+
+    Tiles are numbered by descending count of key blocks, so key block ``j``
+    is read by tiles ``0 .. count_j - 1``: its pairs are one contiguous run
+    and their results add into one contiguous slice of the tiles' sums."""
 
     rows_per_tile: int
     num_tiles: int
@@ -56,8 +71,7 @@ class TileGroup:
     pair_tile: torch.Tensor  # [num_pairs] tile of each pair, key-block-major order
     pair_query_rows: torch.Tensor  # [num_pairs * rows_per_tile] = tile_rows[pair_tile]
     pair_slabs: torch.Tensor  # [num_pairs * slabs_per_pair] pool slabs holding each pair's keys
-    pair_masked: torch.Tensor  # [num_pairs, rows_per_tile, key_block] True where the key is not visible
-    block_steps: list[tuple[int, int, torch.Tensor]]  # per key block j, in order: (first pair, end, their tiles)
+    rounds: list[PairRound]
 
 
 @dataclass(slots=True)
@@ -128,57 +142,69 @@ def build_tiled_plan(
     classes = [(np.flatnonzero(is_decode), decode_tile_rows), (np.flatnonzero(~is_decode), prefill_tile_rows)]
     if decode_tile_rows == prefill_tile_rows:
         classes = [(np.arange(len(chunks.lengths)), prefill_tile_rows)]
+    pairs_per_round = max(1, scratch_tokens // KEY_BLOCK)
     groups = [
-        _build_group(chunks, members, rows, num_rows, group, rows_per_slab, pad_row, device)
+        _build_group(chunks, members, rows, num_rows, group, rows_per_slab, pad_row, device, pairs_per_round)
         for members, rows in classes
         if len(members)
     ]
-    return TiledPlan(KEY_BLOCK, rows_per_slab, pad_row, groups, max(1, scratch_tokens // KEY_BLOCK))
+    return TiledPlan(KEY_BLOCK, rows_per_slab, pad_row, groups, pairs_per_round)
 
 
-def _build_group(chunks, members, rows_per_tile, num_rows, group, rows_per_slab, pad_row, device) -> TileGroup:
+def _build_group(
+    chunks, members, rows_per_tile, num_rows, group, rows_per_slab, pad_row, device, pairs_per_round
+) -> TileGroup:
     lengths, starts, offsets = chunks.lengths[members], chunks.starts[members], chunks.offsets[members]
     tiles_per_chunk = -(-lengths * group // rows_per_tile)
     num_chunk_tiles = int(tiles_per_chunk.sum())
     tile_member = np.repeat(np.arange(len(members)), tiles_per_chunk)
     tile_local = np.arange(num_chunk_tiles) - np.repeat(np.cumsum(tiles_per_chunk) - tiles_per_chunk, tiles_per_chunk)
-    local_row = tile_local[:, None] * rows_per_tile + np.arange(rows_per_tile)  # [tiles, rows]
+    local_row = tile_local[:, None] * rows_per_tile + np.arange(rows_per_tile)  # [chunk tiles, rows]
     row_valid = local_row < (lengths * group)[tile_member][:, None]
     token = np.minimum(local_row // group, lengths[tile_member][:, None] - 1)
-    row_pos = starts[tile_member][:, None] + token  # padding rows repeat the last token
+    row_pos = starts[tile_member][:, None] + token  # ascending; padding rows repeat the last token
     row_base = offsets[tile_member][:, None] * group + local_row
-    blocks_per_tile = row_pos.max(axis=1) // KEY_BLOCK + 1
-    pair_tile = np.repeat(np.arange(num_chunk_tiles), blocks_per_tile)
-    pair_block = np.arange(len(pair_tile)) - np.repeat(np.cumsum(blocks_per_tile) - blocks_per_tile, blocks_per_tile)
-    pair_chunk = members[tile_member[pair_tile]]
-    key_pos = pair_block[:, None] * KEY_BLOCK + np.arange(KEY_BLOCK)  # [pairs, key_block]
-    masked = key_pos[:, None, :] > row_pos[pair_tile][:, :, None]  # [pairs, rows, key_block]
-    slab_pos = pair_block[:, None] * KEY_BLOCK + np.arange(0, KEY_BLOCK, rows_per_slab)  # [pairs, slabs]
-    slab_blocks = chunks.blocks(pair_chunk[:, None], slab_pos)
+    blocks_per_tile = row_pos[:, -1] // KEY_BLOCK + 1
 
-    # Replicate per KV head: head h's query rows start at h * num_rows * group.
-    heads = np.arange(chunks.num_kv_heads)
-    tile_rows = np.where(row_valid[None], row_base[None] + heads[:, None, None] * num_rows * group, pad_row)
-    tile_rows = tile_rows.reshape(-1, rows_per_tile)
-    all_pair_tile = (pair_tile[None] + heads[:, None] * num_chunk_tiles).reshape(-1)
-    all_pair_block = np.tile(pair_block, len(heads))
-    slabs = chunks.slab_ids(slab_blocks[None], heads[:, None, None], slab_pos[None], rows_per_slab)
-    order = np.argsort(all_pair_block, kind="stable")  # key-block-major: blocks are added in order
-    all_pair_tile, all_pair_block = all_pair_tile[order], all_pair_block[order]
-    slabs = slabs.reshape(-1, slabs.shape[-1])[order]
-    masked = np.tile(masked, (len(heads), 1, 1))[order]
-    bounds = np.searchsorted(all_pair_block, np.arange(all_pair_block[-1] + 2))
-    pair_tile_t = torch.from_numpy(all_pair_tile).to(device)
-    block_steps = [(int(lo), int(hi), pair_tile_t[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    # Every (KV head, chunk tile), longest first (stable). Head h's query rows start at h * num_rows * group.
+    tile_head = np.repeat(np.arange(chunks.num_kv_heads), num_chunk_tiles)
+    tile_of = np.tile(np.arange(num_chunk_tiles), chunks.num_kv_heads)  # chunk tile of each tile
+    order = np.argsort(-blocks_per_tile[tile_of], kind="stable")
+    tile_head, tile_of = tile_head[order], tile_of[order]
+    tile_blocks = blocks_per_tile[tile_of]  # descending
+    tile_rows = np.where(row_valid[tile_of], row_base[tile_of] + (tile_head * num_rows * group)[:, None], pad_row)
+    num_tiles = len(tile_of)
+    counts = num_tiles - np.cumsum(np.bincount(tile_blocks, minlength=int(tile_blocks[0]) + 1))[:-1]  # [key blocks]
+    firsts = np.cumsum(counts) - counts
+    pair_block = np.repeat(np.arange(len(counts)), counts)
+    pair_tile = np.arange(len(pair_block)) - np.repeat(firsts, counts)
+    pair_of = tile_of[pair_tile]
+    slab_pos = pair_block[:, None] * KEY_BLOCK + np.arange(0, KEY_BLOCK, rows_per_slab)  # [pairs, slabs]
+    slab_blocks = chunks.blocks(members[tile_member[pair_of]][:, None], slab_pos)
+    slabs = chunks.slab_ids(slab_blocks, tile_head[pair_tile][:, None], slab_pos, rows_per_slab)
+    needs_mask = pair_block * KEY_BLOCK + KEY_BLOCK - 1 > row_pos[pair_of, 0]  # some key past the tile's first row
+
+    rounds = []
+    for lo in range(0, len(pair_block), pairs_per_round):
+        hi = min(len(pair_block), lo + pairs_per_round)
+        masked = np.flatnonzero(needs_mask[lo:hi])
+        mask = None
+        if len(masked):
+            key_pos = pair_block[lo + masked][:, None] * KEY_BLOCK + np.arange(KEY_BLOCK)
+            mask = torch.from_numpy(key_pos[:, None, :] > row_pos[pair_of[lo + masked]][:, :, None]).to(device)
+        spans = []
+        for j in range(int(pair_block[lo]), int(pair_block[hi - 1]) + 1):
+            a, b = max(int(firsts[j]), lo), min(int(firsts[j] + counts[j]), hi)
+            spans.append((a - lo, a - int(firsts[j]), b - int(firsts[j])))
+        rounds.append(PairRound(lo, hi, torch.from_numpy(masked).to(device) if len(masked) else None, mask, spans))
     return TileGroup(
         rows_per_tile=rows_per_tile,
-        num_tiles=len(tile_rows),
+        num_tiles=num_tiles,
         tile_rows=torch.from_numpy(tile_rows).to(device),
-        pair_tile=pair_tile_t,
-        pair_query_rows=torch.from_numpy(tile_rows[all_pair_tile].reshape(-1)).to(device),
+        pair_tile=torch.from_numpy(pair_tile).to(device),
+        pair_query_rows=torch.from_numpy(tile_rows[pair_tile].reshape(-1)).to(device),
         pair_slabs=torch.from_numpy(slabs.reshape(-1)).to(device),
-        pair_masked=torch.from_numpy(masked).to(device),
-        block_steps=block_steps,
+        rounds=rounds,
     )
 
 
@@ -193,50 +219,52 @@ def tiled_attention(q: torch.Tensor, pool, layer: int, plan: TiledPlan, scale: f
     values = pool.slabs(layer, 1, plan.rows_per_slab)
     out_rows = q_rows.new_zeros(q_rows.shape[0], head_dim)
     for tiles in plan.groups:
-        tile_out = _attend(q_rows, keys, values, tiles, plan.key_block, plan.pairs_per_round)
+        tile_out = _attend(q_rows, keys, values, tiles, plan.key_block)
         out_rows.index_copy_(0, tiles.tile_rows.view(-1), tile_out.view(-1, head_dim))
     out = out_rows[:-1].view(num_kv_heads, num_rows, group, head_dim).permute(1, 0, 2, 3)
     return out.reshape(num_rows, num_heads, head_dim)
 
 
-def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int, pairs_per_round: int) -> torch.Tensor:
-    """One tile group → ``[tiles, rows, D]``, its pairs in rounds of ``pairs_per_round``.
+def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int) -> torch.Tensor:
+    """One tile group → ``[tiles, rows, D]``, its pairs in the plan's rounds.
 
-    Rounds are runs of the key-block-major pair order. A first pass takes each
-    row's exact max over every round (max does not round); the second
-    recomputes each round's scores (kept from the first pass when there is one
-    round) and adds its pairs in, key block by key block: a row still gets one
-    add per key block in block order, so the bits do not depend on the rounds."""
+    A first pass takes each row's exact max over every round (max does not
+    round); the second recomputes each round's scores (kept from the first
+    pass when there is one round) and adds its pairs in, key block by key
+    block, each block's pairs into a contiguous slice of tiles: a row gets
+    one add per key block in block order, so the bits do not depend on the
+    rounds or on which other tiles share the step."""
     rows, head_dim = tiles.rows_per_tile, q_rows.shape[1]
-    num_pairs = tiles.pair_tile.shape[0]
-    slabs_per_pair = tiles.pair_slabs.shape[0] // num_pairs
-    rounds = [(lo, min(num_pairs, lo + pairs_per_round)) for lo in range(0, num_pairs, pairs_per_round)]
+    slabs_per_pair = tiles.pair_slabs.shape[0] // tiles.pair_tile.shape[0]
 
-    def scores_of(lo: int, hi: int) -> torch.Tensor:
+    def scores_of(work: PairRound) -> torch.Tensor:
+        lo, hi = work.lo, work.hi
         qp = q_rows.index_select(0, tiles.pair_query_rows[lo * rows : hi * rows]).view(hi - lo, rows, head_dim)
         kp = keys.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
         scores = torch.bmm(qp, kp.view(hi - lo, key_block, head_dim).transpose(1, 2))  # [P, rows, key_block]
-        return scores.masked_fill_(tiles.pair_masked[lo:hi], float("-inf"))
+        if work.masked is not None:  # only pairs that hold an invisible key
+            hidden = scores.index_select(0, work.masked).masked_fill_(work.mask, float("-inf"))
+            scores.index_copy_(0, work.masked, hidden)
+        return scores
 
     row_max = q_rows.new_full((tiles.num_tiles, rows), float("-inf"))
     kept = None
-    for lo, hi in rounds:
-        scores = scores_of(lo, hi)
+    for work in tiles.rounds:
+        scores = scores_of(work)
         pair_max = scores.amax(dim=-1)  # [P, rows]
-        row_max.scatter_reduce_(0, tiles.pair_tile[lo:hi, None].expand_as(pair_max), pair_max, "amax")  # exact
-        kept = scores if len(rounds) == 1 else None
+        for first, a, b in work.spans:
+            torch.maximum(row_max[a:b], pair_max[first : first + b - a], out=row_max[a:b])  # exact
+        kept = scores if len(tiles.rounds) == 1 else None
     total = q_rows.new_zeros(tiles.num_tiles, rows, head_dim)
     denom = q_rows.new_zeros(tiles.num_tiles, rows)
-    for lo, hi in rounds:
-        scores = kept if kept is not None else scores_of(lo, hi)
+    for work in tiles.rounds:
+        lo, hi = work.lo, work.hi
+        scores = kept if kept is not None else scores_of(work)
         scores.sub_(row_max.index_select(0, tiles.pair_tile[lo:hi]).unsqueeze(-1)).exp_()  # masked: exp(-inf) = 0
         sums = scores.sum(dim=-1)  # [P, rows], fixed length key_block
         vp = values.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
         partial = torch.bmm(scores, vp.view(hi - lo, key_block, head_dim))  # [P, rows, D]
-        for first, end, _ in tiles.block_steps:  # key block 0, 1, 2, ...: one add per element each
-            a, b = max(first, lo), min(end, hi)
-            if a < b:
-                tile_ids = tiles.pair_tile[a:b]
-                total.index_add_(0, tile_ids, partial[a - lo : b - lo])
-                denom.index_add_(0, tile_ids, sums[a - lo : b - lo])
+        for first, a, b in work.spans:  # key block 0, 1, 2, ...: one add per element each
+            total[a:b].add_(partial[first : first + b - a])
+            denom[a:b].add_(sums[first : first + b - a])
     return total / denom.unsqueeze(-1)
