@@ -82,10 +82,20 @@ def live_figures(report: dict) -> dict[str, dict]:
             "ttft_p99_rounds": _median_of_rounds(result, "ttft_s"),
             "engine_ttft_p99_rounds": _median_of_rounds(result, "server_ttft_s"),
             "load_average": [r.get("load_average") for r in result.get("rounds", [])],
-            "rounds_hit": [r["cluster_hit_rate"] for r in result.get("rounds", [])],
-            "rounds_ttft_p99": [r["ttft_s"]["p99"] for r in result.get("rounds", [])],
+            "rounds": {key: [v for v in (_round_value(r, key) for r in result.get("rounds", [])) if v is not None]
+                       for key, *_ in METRICS},
         }
     return figures
+
+
+def _round_value(round_: dict, key: str) -> float | None:
+    """One round's value of a compared figure (its p99 stands for the pooled and the median-round p99)."""
+    picks = {"hit": ("cluster_hit_rate", None), "imbalance": ("load_imbalance", None),
+             "ttft_p50": ("ttft_s", "p50"), "ttft_p99": ("ttft_s", "p99"), "ttft_p99_rounds": ("ttft_s", "p99"),
+             "engine_ttft_p50": ("server_ttft_s", "p50"), "engine_ttft_p99_rounds": ("server_ttft_s", "p99")}
+    name, quantile = picks[key]
+    value = round_.get(name)
+    return value.get(quantile) if quantile and isinstance(value, dict) else value
 
 
 def _median_of_rounds(result: dict, key: str) -> float | None:
@@ -255,7 +265,30 @@ def compare(live: dict[str, dict], sim: dict[str, dict]) -> dict:
         ranks[key] = {"live": ranking({r: {key: rows[r][key]["live"]} for r in ROUTERS}, key),
                       "sim": ranking({r: {key: rows[r][key]["sim"]} for r in ROUTERS}, key)}
         ranks[key]["same"] = ranks[key]["live"] == ranks[key]["sim"]
+        separated = separated_pairs({r: live[r].get("rounds", {}).get(key, []) for r in ROUTERS}, key)
+        sim_better = (lambda a, b: a > b) if key == "hit" else (lambda a, b: a < b)
+        ranks[key]["separated"] = separated
+        ranks[key]["contradicted"] = [(a, b) for a, b in separated
+                                      if not sim_better(rows[a][key]["sim"], rows[b][key]["sim"])]
     return {"rows": rows, "rankings": ranks}
+
+
+def separated_pairs(live_rounds: dict[str, list[float]], key: str) -> list[tuple[str, str]]:
+    """``(a, b)`` where the live run orders a before b beyond its own noise:
+    every round of a better than every round of b. Pairs whose rounds
+    overlap are ties the live run does not rank; the simulator must keep the
+    order of the separated pairs (a pair it ties or reverses is contradicted)."""
+    better = (lambda a, b: a > b) if key == "hit" else (lambda a, b: a < b)
+    out = []
+    for a in live_rounds:
+        for b in live_rounds:
+            if a == b or not live_rounds[a] or not live_rounds[b]:
+                continue
+            worst_a = min(live_rounds[a]) if key == "hit" else max(live_rounds[a])
+            best_b = max(live_rounds[b]) if key == "hit" else min(live_rounds[b])
+            if better(worst_a, best_b):
+                out.append((a, b))
+    return out
 
 
 def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: float, drawn: bool) -> None:
@@ -279,8 +312,11 @@ def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: 
         print(f"| {router} | " + " | ".join(cells) + " |")
     print()
     for key, rank in comparison["rankings"].items():
-        verdict = "same" if rank["same"] else "DIFFERENT"
-        print(f"- ranking by {key}: live {' > '.join(rank['live'])}; sim {' > '.join(rank['sim'])} ({verdict})")
+        verdict = "same order" if rank["same"] else "another order"
+        separated = ", ".join(f"{a} > {b}" for a, b in rank["separated"]) or "none"
+        against = ", ".join(f"{a} > {b}" for a, b in rank["contradicted"]) or "none"
+        print(f"- {key}: live {' > '.join(rank['live'])}; sim {' > '.join(rank['sim'])} ({verdict}). "
+              f"Separated in every live round: {separated}; of those the sim reverses: {against}")
 
 
 def main(argv: list[str] | None = None) -> int:

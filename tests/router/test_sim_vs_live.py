@@ -1,6 +1,7 @@
 """router.sim_vs_live and the faithful Ray prefix-tree peer it compares against."""
 
 import json
+import statistics
 
 import pytest
 
@@ -128,3 +129,17 @@ def test_variable_steps_draw_live_gaps_over_their_mean_for_prefill_steps_only():
     assert (varied.base_s, varied.decode_seq_s) == (profile.base_s, profile.decode_seq_s)  # closed-form decodes: mean
     with pytest.raises(ValueError, match="factors"):
         VariableSteps(**profile.to_dict(), factors=())
+
+
+def test_only_pairs_every_live_round_separates_bind_the_simulators_ranking():
+    from router.sim_vs_live import separated_pairs
+
+    rounds = {"kvroute": [0.20, 0.25, 0.22], "pow2": [0.30, 0.40, 0.35], "prefix_affinity": [0.24, 0.50, 0.30]}
+    assert separated_pairs(rounds, "ttft_p99") == [("kvroute", "pow2")]  # prefix_affinity overlaps both
+    assert separated_pairs({"a": [0.9, 0.8], "b": [0.7]}, "hit") == [("a", "b")]  # higher hit is better
+    live = {r: {"hit": 0.5, "ttft_p50": 0.1, "ttft_p99": statistics.median(v), "imbalance": 1.0,
+                "rounds": {"ttft_p99": v}} for r, v in rounds.items()}
+    sim = {r: {"hit": 0.5, "ttft_p50": 0.1, "ttft_p99": p99, "imbalance": 1.0}
+           for r, p99 in (("kvroute", 0.33), ("pow2", 0.31), ("prefix_affinity", 0.2))}
+    ranks = compare(live, sim)["rankings"]["ttft_p99"]
+    assert ranks["separated"] == [("kvroute", "pow2")] and ranks["contradicted"] == [("kvroute", "pow2")]
