@@ -293,7 +293,7 @@ def separated_pairs(live_rounds: dict[str, list[float]], key: str) -> list[tuple
 
 def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: float, drawn: bool) -> None:
     ingress = "a draw from the live per-request ingress times" if drawn else "the live median ingress"
-    print(f"{workload} (engine steps x{slowdown:.2f} the profile's, measured; sessions' next turns "
+    print(f"{workload} (engine steps x{slowdown:.2f} the profile's; sessions' next turns "
           f"{ingress_s * 1e3:.1f} ms after a completion; simulated client TTFT = engine TTFT + {ingress}). "
           f"Each cell: live / sim (difference or ratio); ✗: outside the goal\n")
     keys = [m for m in METRICS if all(m[0] in row for row in comparison["rows"].values())]

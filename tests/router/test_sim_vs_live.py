@@ -90,7 +90,7 @@ def test_cli_replays_the_live_sessions_and_refuses_a_mismatched_workload(tmp_pat
     assert saved["ingress_s"] == pytest.approx(0.06)
     assert set(saved["comparison"]["rows"]) == {"kvroute", "pow2", "prefix_affinity"}
     assert saved["simulated"]["setup"]["closed_loop"]["concurrency"] == 2
-    assert "ranking by hit" in capsys.readouterr().out
+    assert "- hit: live" in capsys.readouterr().out
     with pytest.raises(ValueError, match="rebuilt"):
         main(["--live", str(path), "--seeds", "1", "--engine-slowdown", "1"])  # the cpu preset's 128 requests, not the run's 20
 
