@@ -57,7 +57,8 @@ class DecodeRound:
 
     seqs: torch.Tensor  # [chunks, sharers]
     slabs: torch.Tensor  # [chunks * kv_heads * slabs_per_chunk] block slabs of each chunk's keys
-    mask: torch.Tensor | None  # [chunks, 1, 1, key_chunk] 0 where visible, -inf past the end; None: all visible
+    mask: torch.Tensor | None  # [chunks, 1, 1, key_len] 0 where visible, -inf past the end; None: all visible
+    key_len: int  # positions read per chunk: the key chunk, or (last chunks) the longest one's blocks
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class DefaultPlan:
     key_chunk: int  # positions per decode pair
     decode_rounds: list[DecodeRound]
     prefills: list[PrefillWork]
+    merge_pairs: int = 1  # decode partial results held before they are merged (all rounds' at once when they fit)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
         """``q [heads, T, D]``, this step's ``key``/``value [kv_heads, T, D]`` → ``[T, heads, D]``."""
@@ -102,7 +104,8 @@ def build_default_plan(
             rows = (blocks[None, :] * num_kv_heads + heads) * bs + positions[None, :] % bs  # [kv_heads, n]
             past_rounds.append(torch.from_numpy(rows.reshape(-1)).to(device))
         prefills.append(PrefillWork(int(chunks.offsets[index]), int(chunks.lengths[index]), past_rounds))
-    return DefaultPlan(decode_rows, key_chunk, rounds, prefills)
+    merge_pairs = max(len(decode), scratch_tokens // key_chunk)
+    return DefaultPlan(decode_rows, key_chunk, rounds, prefills, merge_pairs)
 
 
 def _decode_rounds(chunks: ChunkArrays, decode: np.ndarray, key_chunk: int, scratch_tokens: int, device) -> list:
@@ -129,22 +132,34 @@ def _decode_rounds(chunks: ChunkArrays, decode: np.ndarray, key_chunk: int, scra
     sharers = np.bincount(unit, minlength=len(unit_pair))
     members = np.split(pair_seq[order], np.cumsum(sharers)[:-1])  # decodes reading each unit
     heads = np.arange(num_kv_heads)[None, :, None]
+    valid = np.minimum(ends[pair_seq[unit_pair]] - pair_start[unit_pair], key_chunk)  # positions of each unit
     rounds = []
-    for count in np.unique(sharers):
-        units = np.flatnonzero(sharers == count)
-        rep = unit_pair[units]
-        seqs = np.stack([members[u] for u in units])  # [units, count]
-        slabs = chunks.slab_ids(blocks[rep][:, None, :], heads, slab_pos[rep][:, None, :], bs)
-        key_pos = pair_start[rep][:, None] + np.arange(key_chunk)
-        mask = np.where(key_pos < ends[pair_seq[rep]][:, None], 0.0, -np.inf).astype(np.float32)
-        needs_mask = not is_full[rep].all()
-        per_round = max(1, scratch_tokens // key_chunk)
+    # Full chunks by number of sharers; then the partial (last) chunks, shortest first, each round
+    # reading only the blocks its longest one needs: at most a block per sequence read in vain.
+    buckets = [np.flatnonzero((sharers == count) & is_full[unit_pair]) for count in np.unique(sharers)]
+    partial_units = np.flatnonzero(~is_full[unit_pair])
+    buckets.append(partial_units[np.argsort(valid[partial_units], kind="stable")])
+    per_round = max(1, scratch_tokens // key_chunk)
+    for units in buckets:
         for lo in range(0, len(units), per_round):
-            hi = lo + per_round
+            part = units[lo : lo + per_round]
+            if not len(part):
+                continue
+            rep = unit_pair[part]
+            key_len = key_chunk if is_full[rep].all() else -(-int(valid[part].max()) // bs) * bs
+            seqs = np.stack([members[u] for u in part])  # [units, sharers]
+            first_pos = pair_start[rep][:, None, None] + np.arange(0, key_len, bs)  # [units, 1, slabs]
+            slabs = chunks.slab_ids(blocks[rep][:, None, : key_len // bs], heads, first_pos, bs)
+            key_pos = pair_start[rep][:, None] + np.arange(key_len)
+            mask = None
+            if not is_full[rep].all():
+                mask = np.where(key_pos < ends[pair_seq[rep]][:, None], 0.0, -np.inf).astype(np.float32)
+                mask = torch.from_numpy(mask[:, None, None, :]).to(device)
             rounds.append(DecodeRound(
-                seqs=torch.from_numpy(seqs[lo:hi]).to(device),
-                slabs=torch.from_numpy(slabs[lo:hi].reshape(-1)).to(device),
-                mask=torch.from_numpy(mask[lo:hi, None, None, :]).to(device) if needs_mask else None,
+                seqs=torch.from_numpy(seqs).to(device),
+                slabs=torch.from_numpy(slabs.reshape(-1)).to(device),
+                mask=mask,
+                key_len=key_len,
             ))
     return rounds
 
@@ -205,11 +220,14 @@ def _default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale
         qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
         acc_out = qd.new_zeros(num_decodes, num_heads, head_dim)
         acc_lse = torch.full((num_decodes, num_heads), _EMPTY_LSE, dtype=torch.float32, device=q.device)
+        # Partial results merged once for all rounds (or per plan.merge_pairs pairs): fewer ops per layer.
+        held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        num_held = 0
         for work in plan.decode_rounds:
             num_chunks, num_sharers = work.seqs.shape
             seqs = work.seqs.view(-1)
-            k = keys.index_select(0, work.slabs).view(num_chunks, num_kv_heads, plan.key_chunk, head_dim)
-            v = values.index_select(0, work.slabs).view(num_chunks, num_kv_heads, plan.key_chunk, head_dim)
+            k = keys.index_select(0, work.slabs).view(num_chunks, num_kv_heads, work.key_len, head_dim)
+            v = values.index_select(0, work.slabs).view(num_chunks, num_kv_heads, work.key_len, head_dim)
             # The query heads of a kv head, of every decode sharing the chunk, are rows of one query.
             qp = qd.index_select(0, seqs).view(num_chunks, num_sharers, num_kv_heads, -1, head_dim)
             qp = qp.transpose(1, 2).reshape(num_chunks, num_kv_heads, -1, head_dim)  # [chunks, kv, sharers * group, D]
@@ -217,8 +235,12 @@ def _default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale
             o, lse = attend_with_lse(qp, k, v, mask=mask, scale=scale)
             o = o.view(num_chunks, num_kv_heads, num_sharers, -1, head_dim).transpose(1, 2)
             lse = lse.view(num_chunks, num_kv_heads, num_sharers, -1).transpose(1, 2)
-            acc_lse = _merge(acc_out, acc_lse, seqs, o.reshape(-1, num_heads, head_dim),
-                             lse.reshape(-1, num_heads).float())
+            held.append((seqs, o.reshape(-1, num_heads, head_dim), lse.reshape(-1, num_heads).float()))
+            num_held += seqs.shape[0]
+            if num_held >= plan.merge_pairs or work is plan.decode_rounds[-1]:
+                index, outs, lses = (torch.cat(parts) if len(held) > 1 else parts[0] for parts in zip(*held))
+                acc_lse = _merge(acc_out, acc_lse, index, outs, lses)
+                held, num_held = [], 0
         out[:, plan.decode_rows] = acc_out.transpose(0, 1)
     for work in plan.prefills:
         rows = slice(work.row, work.row + work.length)
