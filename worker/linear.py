@@ -137,6 +137,7 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
             module.qkv_sizes = [p.out_features for p in parts]
             module.qkv_proj = concat_linears(parts)
             module.apply_rotary = rotary
+            module.rotate_in_one_pass = rotary_matches(rotary)
             del module.q_proj, module.k_proj, module.v_proj
             module.forward = types.MethodType(_fused_attention_forward, module)
             counts["qkv"] += 1
@@ -150,18 +151,62 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+_SIGNED_SIN: list = [None, None]  # (the sin tensor last seen, its signed copy): shared by a step's layers
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed_sin(sin)``
+    bit for bit (negating is exact). Memoised on the tensor (every layer of a step gets the same one)."""
+    if _SIGNED_SIN[0] is not sin:
+        half = sin.shape[-1] // 2
+        _SIGNED_SIN[1] = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        _SIGNED_SIN[0] = sin
+    return _SIGNED_SIN[1]
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding ``x * cos + rotate_half(x) * sin`` on ``x [..., T, heads, D]``
+    (cos/sin ``[..., T, D]``) in four ops for all heads at once, with the same bits."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + swapped * signed_sin(sin).unsqueeze(-2)
+
+
+def rotary_matches(rotary) -> bool:
+    """Does a model's ``apply_rotary_pos_emb`` give exactly :func:`rotate_heads`' bits (seeded data)?"""
+    generator = torch.Generator().manual_seed(11)
+    q, k = torch.randn(1, 6, 5, 16, generator=generator), torch.randn(1, 2, 5, 16, generator=generator)
+    angles = torch.randn(1, 5, 8, generator=generator).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    try:
+        q_ref, k_ref = rotary(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - an unknown signature: keep the model's own function
+        return False
+    both = rotate_heads(torch.cat((q, k), dim=1).transpose(1, 2), cos, sin).transpose(1, 2)
+    return torch.equal(both[:, :6], q_ref) and torch.equal(both[:, 6:], k_ref)
+
+
 def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-    """A Llama-style attention forward over one fused q/k/v GEMM (same maths as the original)."""
+    """A Llama-style attention forward over one fused q/k/v GEMM (same maths as the original;
+    where :func:`rotary_matches`, the rotary embedding of q and k in one pass, same bits)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
-    query = query.view(hidden_shape).transpose(1, 2)  # [batch, heads, T, D]
-    key = key.view(hidden_shape).transpose(1, 2)  # [batch, kv_heads, T, D]
-    value = value.view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    query, key = self.apply_rotary(query, key, cos, sin)
+    if self.rotate_in_one_pass:
+        qkv = self.qkv_proj(hidden_states).view(hidden_shape)  # [batch, T, heads + 2 kv_heads, D]
+        num_q, num_k = self.qkv_sizes[0] // self.head_dim, self.qkv_sizes[1] // self.head_dim
+        qk = rotate_heads(qkv[..., : num_q + num_k, :], cos, sin)
+        query = qk[..., :num_q, :].transpose(1, 2)  # [batch, heads, T, D]
+        key = qk[..., num_q:, :].transpose(1, 2)  # [batch, kv_heads, T, D]
+        value = qkv[..., num_q + num_k :, :].transpose(1, 2)
+    else:
+        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        query = query.view(hidden_shape).transpose(1, 2)  # [batch, heads, T, D]
+        key = key.view(hidden_shape).transpose(1, 2)  # [batch, kv_heads, T, D]
+        value = value.view(hidden_shape).transpose(1, 2)
+        query, key = self.apply_rotary(query, key, cos, sin)
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     out, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights

@@ -59,3 +59,22 @@ def test_fused_projections_compute_the_same_model():
             assert pack_linears(fused) == spec.num_layers * 4 + 1
             assert not any(type(m) is nn.Linear for m in fused.modules())
             torch.testing.assert_close(fused(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rotary_in_one_pass_gives_hf_rotary_bits_for_q_and_k():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from worker.linear import rotary_matches, rotate_heads
+
+    generator = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 12, 7, 64, generator=generator), torch.randn(1, 4, 7, 64, generator=generator)
+    angles = torch.randn(1, 7, 32, generator=generator).repeat(1, 1, 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    both = rotate_heads(torch.cat((q, k), dim=1).transpose(1, 2), cos, sin).transpose(1, 2)
+    assert torch.equal(both[:, :12], q_ref) and torch.equal(both[:, 12:], k_ref)
+    assert rotary_matches(apply_rotary_pos_emb)
+    assert not rotary_matches(lambda q, k, cos, sin: (q * cos, k * cos))  # another maths: the model's own is kept
+    fused = build_tiny_llama(TinyLlamaSpec(), 259).eval()
+    fuse_projections(fused)
+    assert all(layer.self_attn.rotate_in_one_pass for layer in fused.model.layers)
