@@ -56,7 +56,9 @@ class AppConfig:
     prefix may fetch that prefix's KV from it instead of recomputing it (our
     router hints, the worker decides by its measured bandwidth and prefill
     rate; issue 13); ``fetch_timeout_s``: the longest a request waits for
-    the owner's bundle before recomputing.
+    the owner's bundle before recomputing; ``fetch_min_speedup``: fetch only
+    when recomputing is estimated to take that many times the transfer (0:
+    every hinted fetch).
     """
 
     model: str = "tiny-llama"
@@ -77,6 +79,7 @@ class AppConfig:
     body_timeout_s: float = 15.0  # a request body must arrive within this (else 408)
     fetch_enabled: bool = True
     fetch_timeout_s: float = 2.0
+    fetch_min_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

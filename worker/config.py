@@ -107,12 +107,16 @@ class FetchConfig:
     before it recomputes (an owner that evicted the prefix or died answers at
     once; a slow or hung one costs this much). ``probe_bytes``: the size of
     the object-store round trip timed at start, the bandwidth estimate until
-    real fetches refine it.
+    real fetches refine it. ``min_speedup``: fetch only when recomputing is
+    estimated to take more than this many times the transfer (1: whenever
+    the transfer is faster; above 1, a margin for the estimates' error; 0:
+    every hinted fetch, whatever the estimates, e.g. to test the mechanics).
     """
 
     enabled: bool = True
     timeout_s: float = 2.0
     probe_bytes: int = 4 << 20
+    min_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -121,3 +125,6 @@ class FetchConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
             raise ValueError(f"fetch timeout_s must be a number in (0, 600], got {timeout!r}")
         _check_int("probe_bytes", self.probe_bytes, minimum=1)
+        speedup = self.min_speedup
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 <= speedup <= 1000:
+            raise ValueError(f"fetch min_speedup must be a number in [0, 1000], got {speedup!r}")

@@ -11,8 +11,9 @@ queued:
 1. Ignore the hint when fetch is off, the hint names this replica (Ray fell
    back to the owner itself) or this replica already holds the prefix.
 2. Estimate ``transfer_s = num_tokens * bytes_per_token / bandwidth`` and
-   ``recompute_s = missing_tokens * prefill_s_per_token``; fetch only if the
-   transfer is faster (``slower`` otherwise). ``bandwidth``: an EWMA over a
+   ``recompute_s = missing_tokens * prefill_s_per_token``; fetch only if
+   ``recompute_s > min_speedup * transfer_s`` (``slower`` otherwise; the
+   default ``min_speedup`` 1: whenever the transfer is faster). ``bandwidth``: an EWMA over a
    start-up object-store round trip (``probe_bytes``) and every completed
    fetch's bytes ÷ wall time (round trip, owner's copy and checksum
    included, so small fetches read slow: conservative). ``prefill_s_per_token``:
@@ -150,12 +151,12 @@ class PrefixFetcher:
 
     # ----------------------------------------------------------------- receiver
     def should_fetch(self, num_tokens: int, num_missing: int) -> bool:
-        """Step 2: is moving ``num_tokens`` positions faster than computing ``num_missing``?"""
+        """Step 2: is moving ``num_tokens`` positions ``min_speedup`` times faster than computing ``num_missing``?"""
         s_per_token, bandwidth = self._engine.prefill_s_per_token, self.bandwidth.value
         if s_per_token is None or bandwidth is None:
             return True  # nothing measured yet: trust the router's hint
         transfer_s = num_tokens * self._engine.engine.bytes_per_token / bandwidth
-        return transfer_s < num_missing * s_per_token
+        return num_missing * s_per_token > self._config.min_speedup * transfer_s
 
     async def prepare(self, token_ids: Sequence[int], salt: str | None, hint) -> int:
         """Fetch what ``hint`` (a ``router.fetch.FetchHint`` or None) names of

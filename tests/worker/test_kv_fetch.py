@@ -119,6 +119,11 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
         fast = fetchers(owner_engine, receiver_engine)[1]
         fast.bandwidth.value = breakeven * 2
         assert fast.should_fetch(64, 64) and not fast.should_fetch(64, 16)  # only 16 missing: recompute
+        careful = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=4.0), transport,
+                                bandwidth_bytes_per_s=breakeven * 2)
+        eager = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport,
+                              bandwidth_bytes_per_s=breakeven / 100)
+        assert not careful.should_fetch(64, 64) and eager.should_fetch(64, 1)
         assert await fast.prepare(prompt, None, hint) == 64
         stats = fast.stats()
         assert stats["fetch_count"] == 1 and stats["fetch_tokens"] == 64
