@@ -252,3 +252,23 @@ def test_a_request_cancelled_mid_fetch_cancels_the_call_and_leaks_nothing(pair, 
     result = asyncio.run(main())
     assert result.cached_tokens in (0, 64)  # whether the import had begun when the cancel landed
     assert_clean(owner_engine, receiver_engine)
+
+
+def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
+    from deploy.metrics import IngressMetrics
+    from worker.replica_core import ReplicaReporter
+
+    engine = make_async_engine()
+    fetcher = PrefixFetcher(engine, RECEIVER, FetchConfig(), Fails())
+    fetcher.counters.num_fetches, fetcher.counters.num_fetched_tokens = 2, 128
+    fetcher.counters.fallbacks["timeout"] = 3
+    stats = ReplicaReporter(engine, RECEIVER, 64, clock=lambda: 0.0, pid=1, extra_stats=fetcher.stats).stats()
+    assert set(engine.stats) < set(stats.engine)  # the engine's keys, unchanged, and the fetch ones
+    assert stats.engine["fetch_count"] == 2 and stats.engine["fetch_fallback_timeout"] == 3
+    text = IngressMetrics().render({RECEIVER: stats}).decode()
+    assert f'kvroute_fetched_tokens_total{{replica="{RECEIVER}"}} 128.0' in text
+    assert f'kvroute_fetch_fallbacks_total{{reason="timeout",replica="{RECEIVER}"}} 3.0' in text
+    reasons = {line.split('reason="')[1].split('"')[0] for line in text.splitlines()
+               if line.startswith("kvroute_fetch_fallbacks_total{")}
+    assert reasons == set(FALLBACK_REASONS)  # a fixed label set
+    asyncio.run(engine.shutdown())
