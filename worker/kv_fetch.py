@@ -29,9 +29,14 @@ queued:
    outside the engine lock; written under it in one bounded copy). The
    request then finds the prefix in the local cache like any hit.
 
-Cancellation: cancelling ``prepare`` cancels the call to the owner; an
-import already handed to its thread completes (it is atomic under the engine
-lock and leaves a consistent cache), so nothing leaks either way.
+Requests hinted to the same prefix (salt and tokens) while its fetch is in
+flight join it instead of fetching it again (a hot prefix spilling a burst
+to one replica moves once); each joiner counts in ``fetch_joined``.
+
+Cancellation: cancelling ``prepare`` cancels the call to the owner once no
+request waits for it any more; an import already handed to its thread
+completes (it is atomic under the engine lock and leaves a consistent
+cache), so nothing leaks either way.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class FetchCounters:
     num_fetched_tokens: int = 0  # positions newly cached from fetched bundles
     num_fetched_bytes: int = 0  # KV bytes of the fetched bundles
     fetch_s: float = 0.0  # wall time of the completed fetches (request to imported)
+    num_joined: int = 0  # hinted requests that waited for a fetch of the same prefix already in flight
     num_exports: int = 0  # bundles this replica served to others
     num_exported_bytes: int = 0
     fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACK_REASONS, 0))
@@ -118,17 +124,29 @@ class FetchCounters:
             "fetch_tokens": self.num_fetched_tokens,
             "fetch_bytes": self.num_fetched_bytes,
             "fetch_seconds": round(self.fetch_s, 6),
+            "fetch_joined": self.num_joined,
             "fetch_exports": self.num_exports,
             "fetch_exported_bytes": self.num_exported_bytes,
             **{f"fetch_fallback_{reason}": count for reason, count in self.fallbacks.items()},
         }
 
 
+@dataclass(slots=True, eq=False)
+class _SharedFetch:
+    """One fetch in flight and how many hinted requests wait for it."""
+
+    task: asyncio.Future
+    num_waiters: int = 0
+
+
 class PrefixFetcher:
     """One replica's side of fetching: :meth:`prepare` (receiver), :meth:`export` (owner).
 
-    Invariant: every hinted request that did not end in an import is counted
-    in exactly one of ``fallbacks`` unless its hint was ignored (step 1).
+    Invariant: every hinted request whose hint was not ignored (step 1) was
+    judged not worth fetching (``fallbacks["slower"]``), joined a fetch in
+    flight (``num_joined``) or ran one, which ended in an import
+    (``num_fetches``) or in exactly one other fallback.
+    ``_in_flight`` holds exactly the fetches not yet finished, by (salt, prefix).
     """
 
     def __init__(self, engine: AsyncEngine, replica_id: str, config: FetchConfig, transport: PeerTransport, *,
@@ -142,6 +160,7 @@ class PrefixFetcher:
         if bandwidth_bytes_per_s is not None:
             self.bandwidth.observe(bandwidth_bytes_per_s)
         self.counters = FetchCounters()
+        self._in_flight: dict[tuple, _SharedFetch] = {}
 
     def stats(self) -> dict:
         """The counters, with the estimates behind the decisions."""
@@ -171,20 +190,41 @@ class PrefixFetcher:
         num_cached = await asyncio.to_thread(self._engine.cached_prefix_tokens, prefix, salt)
         if num_cached >= num_tokens:
             return 0
-        if not self.should_fetch(num_tokens, num_tokens - num_cached):
-            return self._fall_back("slower")
+        key = (salt, prefix)
+        shared = self._in_flight.get(key)
+        if shared is None:
+            if not self.should_fetch(num_tokens, num_tokens - num_cached):
+                return self._fall_back("slower")
+            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(self._fetch(hint.owner, prefix, salt)))
+            shared.task.add_done_callback(lambda _: self._forget(key, shared))
+        else:
+            self.counters.num_joined += 1
+        shared.num_waiters += 1
+        try:
+            return await asyncio.shield(shared.task)
+        finally:
+            shared.num_waiters -= 1
+            if shared.num_waiters == 0 and not shared.task.done():  # every waiter was cancelled
+                self._forget(key, shared)  # nobody joins a cancelled fetch
+                shared.task.cancel()
+
+    def _forget(self, key: tuple, shared: _SharedFetch) -> None:
+        if self._in_flight.get(key) is shared:
+            del self._in_flight[key]
+
+    async def _fetch(self, owner: str, prefix: tuple[int, ...], salt: str | None) -> int:
         start = self._clock()
-        request = ExportRequest(hint.owner, prefix, salt, num_tokens)
+        request = ExportRequest(owner, prefix, salt, len(prefix))
         try:
             reply = await asyncio.wait_for(self._transport.fetch(request), self._config.timeout_s)
         except TimeoutError:
-            return self._fall_back("timeout", hint.owner)
+            return self._fall_back("timeout", owner)
         except Exception as error:  # noqa: BLE001 - a failed owner means recompute, never a failed request
-            return self._fall_back("owner_failed", hint.owner, error)
-        if not isinstance(reply, ExportReply) or reply.replica_id != hint.owner:
-            return self._fall_back("owner_gone", hint.owner)
+            return self._fall_back("owner_failed", owner, error)
+        if not isinstance(reply, ExportReply) or reply.replica_id != owner:
+            return self._fall_back("owner_gone", owner)
         if reply.bundle is None:
-            return self._fall_back("evicted", hint.owner)
+            return self._fall_back("evicted", owner)
         return await self._import(reply.bundle, prefix, salt, start)
 
     async def _import(self, bundle: KVBundle, prefix: tuple[int, ...], salt: str | None, start: float) -> int:

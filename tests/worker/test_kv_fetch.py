@@ -48,6 +48,19 @@ class Hangs:
             raise
 
 
+class Gated(Direct):
+    """The owner's export, once ``gate`` is set."""
+
+    def __init__(self, owner: PrefixFetcher) -> None:
+        super().__init__(owner)
+        self.gate = asyncio.Event()
+
+    async def fetch(self, request):
+        self.requests.append(request)
+        await self.gate.wait()
+        return await self.owner.export(request)
+
+
 class Fails:
     async def fetch(self, request):
         raise ConnectionError("owner actor died")
@@ -235,6 +248,10 @@ def test_a_request_cancelled_mid_fetch_cancels_the_call_and_leaks_nothing(pair, 
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        for _ in range(100):  # the shared fetch is cancelled once its last waiter is
+            if hangs.cancelled:
+                break
+            await asyncio.sleep(0.01)
         assert hangs.cancelled and fallbacks(receiver) == {}
         # cancelled while its import runs: the import completes, consistent, and the next request hits
         await owner_engine.generate(prompt, GREEDY)
@@ -272,3 +289,30 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
                if line.startswith("kvroute_fetch_fallbacks_total{")}
     assert reasons == set(FALLBACK_REASONS)  # a fixed label set
     asyncio.run(engine.shutdown())
+
+
+def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(70)
+
+    async def main():
+        await owner_engine.generate(prompt, GREEDY)
+        transport = Gated(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
+        hint = FetchHint(OWNER, 64)
+        waiters = [asyncio.create_task(receiver.prepare(prompt[:66] + [i], None, hint)) for i in range(3)]
+        while len(transport.requests) < 1 or receiver.counters.num_joined < 2:
+            await asyncio.sleep(0.01)
+        waiters[0].cancel()  # the one that started it leaves: the others still get it
+        transport.gate.set()
+        assert await asyncio.gather(*waiters[1:]) == [64, 64]
+        with pytest.raises(asyncio.CancelledError):
+            await waiters[0]
+        assert len(transport.requests) == 1
+        assert receiver.stats()["fetch_count"] == 1 and receiver.stats()["fetch_joined"] == 2
+        assert fallbacks(receiver) == {} and receiver._in_flight == {}
+        return await receiver_engine.generate(prompt, GREEDY)
+
+    result = asyncio.run(main())
+    assert result.cached_tokens == 64
+    assert_clean(owner_engine, receiver_engine)
