@@ -23,7 +23,7 @@ from worker.linear import choose_gemm, fuse_projections, pack_linears
 from worker.model import LoadedModel, TinyLlamaSpec, load_model
 from worker.numerics import install_rope_table, make_batch_invariant
 from worker.step import SeqChunk, build_step
-from worker.tiled_attention import TILE_ROWS, choose_tile_rows
+from worker.tiled_attention import TILE_ROWS, choose_share_rows, choose_tile_rows
 
 
 class ModelRunner:
@@ -74,9 +74,11 @@ class ModelRunner:
             self.swapped = {"packed": pack_linears(self.loaded.model)}
         geometry = self.loaded.geometry
         self.tile_rows = (TILE_ROWS, TILE_ROWS)  # (decode, prefill) tiles of the batch-invariant kernel
+        self.share_rows = 0  # rows of its products over a key block several tiles read (0: not shared)
         if deterministic:
             group = geometry.num_heads // geometry.num_kv_heads
             self.tile_rows = choose_tile_rows(group, geometry.head_dim, self.dtype, self.device)
+            self.share_rows = choose_share_rows(self.tile_rows[0], geometry.head_dim, self.dtype, self.device)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:
@@ -102,6 +104,7 @@ class ModelRunner:
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
             tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
+            share_rows=self.share_rows,
         )
         output = self.loaded.model(
             input_ids=step.input_ids[None],

@@ -56,10 +56,12 @@ def build_step(
     tile_rows: tuple[int, int] = (16, 16),
     scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
     flashinfer: bool = False,
+    share_rows: int = 0,
 ) -> StepBatch:
     """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel;
     ``scratch_tokens``: K/V positions the default kernel gathers at once;
-    ``flashinfer``: default mode plans for FlashInfer's paged kernel (CUDA)."""
+    ``flashinfer``: default mode plans for FlashInfer's paged kernel (CUDA);
+    ``share_rows``: the batch-invariant kernel's shared-key products' row limit (0: no sharing)."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -99,6 +101,7 @@ def build_step(
         plan = build_tiled_plan(
             arrays, num_rows, num_heads // num_kv_heads, device,
             decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1], scratch_tokens=scratch_tokens,
+            share_rows=share_rows,
         )
     elif flashinfer:
         plan = build_flashinfer_plan(arrays, num_heads, pool.geometry.head_dim, pool.data.dtype, device)

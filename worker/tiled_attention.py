@@ -47,6 +47,18 @@ MIN_EXACT_ROWS = 4  # below this, matmuls switch kernels (measured)
 
 
 @dataclass(slots=True)
+class SharedKeys:
+    """Pairs of a round that read the same key block (a cached prefix several decodes
+    share), ``sharers`` at a time: each block is gathered once and its pairs' query
+    rows are the rows of one product (``sharers * rows_per_tile`` rows)."""
+
+    sharers: int
+    pairs: torch.Tensor  # [units * sharers] pairs (counted from the round's lo), unit-major
+    query_rows: torch.Tensor  # [units * sharers * rows_per_tile] their query rows
+    slabs: torch.Tensor  # [units * slabs_per_pair] each unit's key slabs
+
+
+@dataclass(slots=True)
 class PairRound:
     """A run ``[lo, hi)`` of a tile group's pairs whose keys are gathered at once."""
 
@@ -55,6 +67,7 @@ class PairRound:
     masked: torch.Tensor | None  # [M] pairs (counted from lo) with at least one invisible key; None: none
     mask: torch.Tensor | None  # [M, rows_per_tile, key_block] True where the key is not visible
     spans: list[tuple[int, int, int]]  # per key block in the round, in block order: (first pair - lo, tiles a..b)
+    shared: list[SharedKeys] | None  # where pairs share key blocks: every pair, by sharer count; None: one per pair
 
 
 @dataclass(slots=True)
@@ -115,6 +128,16 @@ def tile_rows_are_exact(row_counts: tuple[int, ...], head_dim: int, key_block: i
     return True
 
 
+def choose_share_rows(decode_tile_rows: int, head_dim: int, dtype, device) -> int:
+    """Most rows a product over one shared key block may have (decode tiles stacked):
+    :data:`PREFILL_TILE_ROWS` where every multiple of ``decode_tile_rows`` up to it gives a
+    row the same bits as its own tile does; else 0 (no sharing)."""
+    counts = tuple(range(decode_tile_rows, PREFILL_TILE_ROWS + 1, decode_tile_rows))
+    if decode_tile_rows >= MIN_EXACT_ROWS and tile_rows_are_exact(counts, head_dim, KEY_BLOCK, dtype, device):
+        return PREFILL_TILE_ROWS
+    return 0
+
+
 def choose_tile_rows(group: int, head_dim: int, dtype, device) -> tuple[int, int]:
     """(decode tile rows, prefill tile rows): mixed sizes where exact, else 16 and 16."""
     decode = small_tile_rows(group)
@@ -132,19 +155,23 @@ def build_tiled_plan(
     decode_tile_rows: int = TILE_ROWS,
     prefill_tile_rows: int = TILE_ROWS,
     scratch_tokens: int = 32768,
+    share_rows: int = 0,
 ) -> TiledPlan:
     """``num_rows``: tokens in the (padded) flattened batch; ``group``: query heads per
     KV head; tile rows for one-token chunks and for longer ones (see :func:`choose_tile_rows`);
-    ``scratch_tokens``: key positions gathered at once (rounds of whole pairs)."""
+    ``scratch_tokens``: key positions gathered at once (rounds of whole pairs);
+    ``share_rows``: decode tiles reading the same key block are stacked into products of
+    at most this many rows (:func:`choose_share_rows`; 0: none)."""
     rows_per_slab = min(chunks.block_size, KEY_BLOCK)
     pad_row = chunks.num_kv_heads * num_rows * group
     is_decode = chunks.lengths == 1
     classes = [(np.flatnonzero(is_decode), decode_tile_rows), (np.flatnonzero(~is_decode), prefill_tile_rows)]
     if decode_tile_rows == prefill_tile_rows:
         classes = [(np.arange(len(chunks.lengths)), prefill_tile_rows)]
-    pairs_per_round = max(1, scratch_tokens // KEY_BLOCK)
+    pairs_per_round = max(1, scratch_tokens * chunks.num_kv_heads // KEY_BLOCK)  # a pair: KEY_BLOCK positions of one head
     groups = [
-        _build_group(chunks, members, rows, num_rows, group, rows_per_slab, pad_row, device, pairs_per_round)
+        _build_group(chunks, members, rows, num_rows, group, rows_per_slab, pad_row, device, pairs_per_round,
+                     max(1, share_rows // rows))
         for members, rows in classes
         if len(members)
     ]
@@ -152,7 +179,7 @@ def build_tiled_plan(
 
 
 def _build_group(
-    chunks, members, rows_per_tile, num_rows, group, rows_per_slab, pad_row, device, pairs_per_round
+    chunks, members, rows_per_tile, num_rows, group, rows_per_slab, pad_row, device, pairs_per_round, max_sharers
 ) -> TileGroup:
     lengths, starts, offsets = chunks.lengths[members], chunks.starts[members], chunks.offsets[members]
     tiles_per_chunk = -(-lengths * group // rows_per_tile)
@@ -196,7 +223,10 @@ def _build_group(
         for j in range(int(pair_block[lo]), int(pair_block[hi - 1]) + 1):
             a, b = max(int(firsts[j]), lo), min(int(firsts[j] + counts[j]), hi)
             spans.append((a - lo, a - int(firsts[j]), b - int(firsts[j])))
-        rounds.append(PairRound(lo, hi, torch.from_numpy(masked).to(device) if len(masked) else None, mask, spans))
+        shared = _shared_keys(slabs[lo:hi], tile_rows[pair_tile[lo:hi]], max_sharers, device)
+        rounds.append(PairRound(
+            lo, hi, torch.from_numpy(masked).to(device) if len(masked) else None, mask, spans, shared,
+        ))
     return TileGroup(
         rows_per_tile=rows_per_tile,
         num_tiles=num_tiles,
@@ -206,6 +236,39 @@ def _build_group(
         pair_slabs=torch.from_numpy(slabs.reshape(-1)).to(device),
         rounds=rounds,
     )
+
+
+def _shared_keys(slabs: np.ndarray, query_rows: np.ndarray, max_sharers: int, device) -> list[SharedKeys] | None:
+    """A round's pairs (``slabs [n, slabs_per_pair]``, ``query_rows [n, rows]``) grouped by
+    the key block they read, at most ``max_sharers`` to a unit, units bucketed by size;
+    None where no two pairs share a block (or sharing is off)."""
+    if max_sharers <= 1 or len(slabs) < 2:
+        return None
+    rows_as_keys = np.ascontiguousarray(slabs).view(np.dtype((np.void, slabs.dtype.itemsize * slabs.shape[1])))
+    _, unit = np.unique(rows_as_keys.reshape(-1), return_inverse=True)  # same slabs, same unit
+    unit = unit.reshape(-1)
+    order = np.argsort(unit, kind="stable")
+    first_of_unit = np.searchsorted(unit[order], unit[order])
+    piece = np.empty_like(unit)
+    piece[order] = (np.arange(len(unit)) - first_of_unit) // max_sharers  # k-th max_sharers of its unit
+    _, unit = np.unique(unit * len(unit) + piece, return_inverse=True)  # units of at most max_sharers pairs
+    unit = unit.reshape(-1)
+    sizes = np.bincount(unit)
+    if sizes.max() == 1:
+        return None
+    order = np.argsort(unit, kind="stable")  # unit-major
+    pair_size = sizes[unit[order]]
+    buckets = []
+    for sharers in np.unique(sizes):
+        pairs = order[pair_size == sharers]  # [units * sharers], unit-major
+        reps = pairs[::sharers]
+        buckets.append(SharedKeys(
+            sharers=int(sharers),
+            pairs=torch.from_numpy(pairs).to(device),
+            query_rows=torch.from_numpy(query_rows[pairs].reshape(-1)).to(device),
+            slabs=torch.from_numpy(slabs[reps].reshape(-1)).to(device),
+        ))
+    return buckets
 
 
 def tiled_attention(q: torch.Tensor, pool, layer: int, plan: TiledPlan, scale: float) -> torch.Tensor:
@@ -239,9 +302,17 @@ def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int) -> torch.Ten
 
     def scores_of(work: PairRound) -> torch.Tensor:
         lo, hi = work.lo, work.hi
-        qp = q_rows.index_select(0, tiles.pair_query_rows[lo * rows : hi * rows]).view(hi - lo, rows, head_dim)
-        kp = keys.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
-        scores = torch.bmm(qp, kp.view(hi - lo, key_block, head_dim).transpose(1, 2))  # [P, rows, key_block]
+        if work.shared is None:
+            qp = q_rows.index_select(0, tiles.pair_query_rows[lo * rows : hi * rows]).view(hi - lo, rows, head_dim)
+            kp = keys.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
+            scores = torch.bmm(qp, kp.view(hi - lo, key_block, head_dim).transpose(1, 2))  # [P, rows, key_block]
+        else:  # each shared key block once, its pairs' rows stacked (same bits: choose_share_rows)
+            scores = q_rows.new_empty(hi - lo, rows, key_block)
+            for part in work.shared:
+                units = part.pairs.shape[0] // part.sharers
+                qp = q_rows.index_select(0, part.query_rows).view(units, part.sharers * rows, head_dim)
+                kp = keys.index_select(0, part.slabs).view(units, key_block, head_dim)
+                scores.index_copy_(0, part.pairs, torch.bmm(qp, kp.transpose(1, 2)).view(-1, rows, key_block))
         if work.masked is not None:  # only pairs that hold an invisible key
             hidden = scores.index_select(0, work.masked).masked_fill_(work.mask, float("-inf"))
             scores.index_copy_(0, work.masked, hidden)
@@ -262,8 +333,16 @@ def _attend(q_rows, keys, values, tiles: TileGroup, key_block: int) -> torch.Ten
         scores = kept if kept is not None else scores_of(work)
         scores.sub_(row_max.index_select(0, tiles.pair_tile[lo:hi]).unsqueeze(-1)).exp_()  # masked: exp(-inf) = 0
         sums = scores.sum(dim=-1)  # [P, rows], fixed length key_block
-        vp = values.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
-        partial = torch.bmm(scores, vp.view(hi - lo, key_block, head_dim))  # [P, rows, D]
+        if work.shared is None:
+            vp = values.index_select(0, tiles.pair_slabs[lo * slabs_per_pair : hi * slabs_per_pair])
+            partial = torch.bmm(scores, vp.view(hi - lo, key_block, head_dim))  # [P, rows, D]
+        else:
+            partial = q_rows.new_empty(hi - lo, rows, head_dim)
+            for part in work.shared:
+                units = part.pairs.shape[0] // part.sharers
+                pp = scores.index_select(0, part.pairs).view(units, part.sharers * rows, key_block)
+                vp = values.index_select(0, part.slabs).view(units, key_block, head_dim)
+                partial.index_copy_(0, part.pairs, torch.bmm(pp, vp).view(-1, rows, head_dim))
         for first, a, b in work.spans:  # key block 0, 1, 2, ...: one add per element each
             total[a:b].add_(partial[first : first + b - a])
             denom[a:b].add_(sums[first : first + b - a])

@@ -7,7 +7,7 @@ from worker.attention import DECODE_KEY_CHUNK, paged_attention
 from worker.kv import KVPool
 from worker.model import KVGeometry
 from worker.step import SeqChunk, build_step
-from worker.tiled_attention import choose_tile_rows, small_tile_rows, tile_rows_are_exact
+from worker.tiled_attention import choose_share_rows, choose_tile_rows, small_tile_rows, tile_rows_are_exact
 
 GEOMETRY = KVGeometry(num_layers=1, num_kv_heads=2, head_dim=8, num_heads=4)
 
@@ -28,31 +28,38 @@ def naive(q_all, k_all, v_all, scale):
     return (torch.softmax(scores, -1) @ v.double()).transpose(0, 1).float()
 
 
-def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_tokens=32768, num_blocks=64):
-    """chunk_specs: (start, n, table) per sequence. A sequence's q, k, v depend only on
-    its own spec (seeded by it), so the same sequence in two batches sees equal inputs.
-    Keys of positions before ``start`` are written into the pool first."""
+def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_tokens=32768, num_blocks=64,
+        share_rows=0, plans=None):
+    """chunk_specs: (start, n, table) or (start, n, table, q_seed) per sequence. A sequence's
+    q, k, v depend only on its own spec (seeded by it), so the same sequence in two batches
+    sees equal inputs; with a q_seed, q is drawn from it instead (k, v still from (start, n):
+    sequences of one (start, n) may then share blocks). Keys of positions before ``start``
+    are written into the pool first. ``plans``: a list the step's plan is appended to."""
     pool = KVPool(GEOMETRY, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
     data = []
-    for start, length, table in chunk_specs:
+    for start, length, table, *q_seed in chunk_specs:
         generator = torch.Generator().manual_seed(start * 1000 + length)
         q = torch.randn(4, length, 8, generator=generator)
         k = torch.randn(2, start + length, 8, generator=generator)
         v = torch.randn(2, start + length, 8, generator=generator)
+        if q_seed:
+            q = torch.randn(4, length, 8, generator=torch.Generator().manual_seed(q_seed[0]))
         data.append((q, k, v))
         for pos in range(start):
             block, offset = table[pos // block_size], pos % block_size
             pool.data[0, 0, block, :, offset] = k[:, pos]
             pool.data[0, 1, block, :, offset] = v[:, pos]
-    chunks = [SeqChunk([5] * n, s, t, True) for s, n, t in chunk_specs]
+    chunks = [SeqChunk([5] * n, s, t, True) for s, n, t, *_ in chunk_specs]
     step = build_step(
         chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows,
-        scratch_tokens=scratch_tokens,
+        scratch_tokens=scratch_tokens, share_rows=share_rows,
     )
+    if plans is not None:
+        plans.append(step.plan)
     rows = step.input_ids.shape[0]
     query, key, value = torch.zeros(1, 4, rows, 8), torch.zeros(1, 2, rows, 8), torch.zeros(1, 2, rows, 8)
     offset = 0
-    for (start, length, _), (q, k, v) in zip(chunk_specs, data):
+    for (start, length, *_), (q, k, v) in zip(chunk_specs, data):
         query[0, :, offset : offset + length] = q
         key[0, :, offset : offset + length] = k[:, start:]
         value[0, :, offset : offset + length] = v[:, start:]
@@ -192,3 +199,25 @@ def test_tiled_kernel_in_scratch_bounded_rounds_gives_the_same_bits(tile_rows):
         rounds, _ = run(specs, True, tile_rows=tile_rows, block_size=16, num_blocks=num_blocks, scratch_tokens=scratch)
         assert torch.equal(rounds, whole), scratch
     torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tiled_kernel_sharing_a_cached_prefix_gives_the_same_bits():
+    """Decodes over one cached prefix (the same blocks), stacked into one product per shared
+    key block: every query gets the bits it gets alone, unshared, in any round size."""
+    assert choose_share_rows(4, 8, torch.float32, torch.device("cpu")) == 128
+    shared = list(range(8))  # positions 0..127: two key blocks of 64
+    specs = [(140, 1, shared + [8 + i], 100 + i) for i in range(40)]  # 40 sharers: units of at most 32
+    specs += [(0, 9, [60]), (37, 1, [61, 62, 63])]  # a prefill and a decode of their own
+    plans = []
+    mixed, expected = run(specs, True, tile_rows=(4, 128), block_size=16, share_rows=128, plans=plans)
+    torch.testing.assert_close(mixed, expected, rtol=1e-4, atol=1e-5)
+    decode_rounds = plans[0].groups[0].rounds
+    assert decode_rounds[0].shared is not None and {p.sharers for p in decode_rounds[0].shared} >= {32, 8}
+    unshared, _ = run(specs, True, tile_rows=(4, 128), block_size=16, share_rows=0)
+    assert torch.equal(mixed, unshared)
+    for scratch in (64, 300):
+        rounds, _ = run(specs, True, tile_rows=(4, 128), block_size=16, share_rows=128, scratch_tokens=scratch)
+        assert torch.equal(rounds, mixed), scratch
+    for index in (0, 17, 39):
+        alone, _ = run([specs[index]], True, tile_rows=(4, 128), block_size=16, share_rows=128)
+        assert torch.equal(alone, mixed[index : index + 1]), index
