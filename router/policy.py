@@ -89,8 +89,9 @@ class PrefixAffinityPolicy:
        a hot prefix replicates in proportion to its load.
     5. **Fetch** (``fetch_enabled``, :mod:`router.fetch`). A candidate
        lacking more than ``fetch_min_tokens`` of the deepest holder's (the
-       owner's) prefix counts those tokens saved at ``1 - fetch_token_cost``,
-       so a light replica can beat queueing at a hot owner; when the first
+       owner's) prefix counts those tokens saved at ``1 - fetch_token_cost``
+       (a share ``fetch_affinity_share`` of them weighed like cached ones,
+       ``w``), so a light replica can beat queueing at a hot owner; when the first
        choice is not the owner, :meth:`decide` hints it to fetch (the
        receiver decides if that pays). Salted hashes keep owners in-tenant.
     6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
@@ -331,11 +332,12 @@ class PrefixAffinityPolicy:
         for replica_id in candidates:
             cached = cached_at[replica_id] = self._cached_tokens(
                 request, depths.get(replica_id, 0), within_tokens if replica_id == within_replica else 0)
-            weight = 1.0 + (config.affinity_weight - 1.0) * cached / max(num_prompt, 1)
+            credit = plan.credit(replica_id, cached) if plan is not None else 0.0
+            weighed = cached + config.fetch_affinity_share * credit
+            weight = 1.0 + (config.affinity_weight - 1.0) * weighed / max(num_prompt, 1)
             recent = loads.recent_work(replica_id, now)
             balance_work = self._reported.value(replica_id, now) if shared else recent
-            cost = (loads.load(replica_id) + num_prompt - weight * cached
-                    - (plan.credit(replica_id, cached) if plan is not None else 0.0)
+            cost = (loads.load(replica_id) + num_prompt - weight * weighed - (credit - weighed + cached)
                     + balance * _beyond(balance_work - mean_balance, dead))
             is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))

@@ -19,8 +19,15 @@ class PolicyConfig:
     ``fetch_token_cost`` = 0.1: Llama-3.1-8B keeps 128 KiB per token in
     bf16, so at 25 GB/s a token moves in ~5 µs against ~50 µs to prefill it
     on an H100; the worker still decides with its own measured figures.
-    With ``fetch_enabled`` False the policy ranks exactly as before fetch
-    existed.
+    ``fetch_affinity_share`` = 0: fetchable tokens lower a replica's cost
+    only by what they save now, so a prefix stays where it lives unless its
+    home is over the bound or far more queued, and a fetch mostly rescues
+    the hits of spilled requests; 1 weighs them like cached tokens (a
+    fetched prefix serves later turns too), which routes nearly by load and
+    fetches — better TTFT under FIFO decode queueing, but more copies, so
+    fewer hits where the fleet's cache is tight (BENCHMARKS.md, "KV fetch
+    (simulated)"). With ``fetch_enabled`` False the policy ranks exactly as
+    before fetch existed.
     """
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
@@ -49,6 +56,7 @@ class PolicyConfig:
     fetch_enabled: bool = True  # decide() may carry a FetchHint; scoring counts fetchable tokens as mostly saved
     fetch_min_tokens: int = 256  # hint only beyond this many tokens more than the first choice holds
     fetch_token_cost: float = 0.1  # a fetched token's cost in computed-token units (scoring and load)
+    fetch_affinity_share: float = 0.0  # share of the fetchable tokens weighed like cached ones (affinity_weight)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
@@ -73,9 +81,10 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
             raise ValueError(f"fetch_min_tokens must be a non-negative int, got {self.fetch_min_tokens!r}")
-        cost = self.fetch_token_cost
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 1:
-            raise ValueError(f"fetch_token_cost must be a number in [0, 1], got {cost!r}")
+        for name in ("fetch_token_cost", "fetch_affinity_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
         queue_cost = self.queue_decode_token_cost
         if queue_cost is not None and (isinstance(queue_cost, bool) or not isinstance(queue_cost, (int, float))
                                        or not math.isfinite(queue_cost) or queue_cost < 0):

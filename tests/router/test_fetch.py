@@ -229,3 +229,31 @@ def test_records_reject_bad_values():
     for bad in ({"fetch_min_tokens": -1}, {"fetch_token_cost": 1.5}, {"fetch_enabled": 1}):
         with pytest.raises(ValueError):
             PolicyConfig(**bad)
+
+
+def summary_of(replica_id, version, tokens_list, queued_tokens):
+    from cache import RadixCache
+    from cache.summary import CacheSummary
+    radix = RadixCache(10_000, BLOCK)
+    for tokens in tokens_list:
+        radix.insert(tokens)
+    return CacheSummary.from_radix(radix, BLOCK, replica_id=replica_id, version=version, timestamp_s=0.0,
+                                   num_queued_tokens=queued_tokens)
+
+
+@pytest.mark.parametrize("share, leaves", [(0.0, False), (1.0, True)])
+def test_fetch_affinity_share_weighs_fetchable_tokens_like_cached_ones(share, leaves):
+    """An owner with 500 tokens queued, within its bound: with the fetchable
+    tokens weighed as cached (share 1) an idle replica that can fetch them is
+    cheaper; at share 0 they count only at their fetch cost and the owner
+    keeps the request."""
+    clock = Clock()
+    policy = PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK, fetch_min_tokens=BLOCK, fetch_affinity_share=share),
+                                  clock=clock)
+    policy.set_replicas(["owner", "idle"])
+    prefix = SHARED + [8000 + i for i in range(32)]  # 64 tokens, 16 blocks
+    policy.on_summary(summary_of("owner", 1, [prefix], 500))
+    policy.on_summary(summary_of("idle", 1, [], 0))
+    decision = policy.decide(request(prefix + [1, 2, 3, 4]))
+    assert decision.ranked[0] == ("idle" if leaves else "owner")
+    assert decision.fetch == (FetchHint("owner", 64) if leaves else None)

@@ -1,0 +1,167 @@
+"""The simulator's KV fetch (router/sim_fetch.py) in both replica models."""
+
+import math
+
+import pytest
+
+from router.batching import BatchingReplica, StepProfile
+from router.cluster import CostModel, SimReplica
+from router.sim_fetch import LLAMA_8B_KV_BYTES_PER_TOKEN, FetchModel, SimFetch, plan_fetch
+from router.simulate import POLICY_NAMES, SimConfig, replay
+from router.workload import SimRequest, shared_prefix
+
+PREFILL_TOKENS_PER_S = 1000.0
+PREFIX = tuple(range(400))
+FAST = FetchModel(kv_bytes_per_token=1000, bandwidth_bytes_per_s=1e7, latency_s=0.001, export_fraction=0.1)
+FAST_TRANSFER_S = 0.001 + 400 * 1000 / 1e7  # 0.041 s against 0.4 s of recompute
+
+
+def make_replica(model, replica_id, budget_units=10_000):
+    if model == "fifo":
+        return SimReplica(replica_id, budget_units, CostModel(PREFILL_TOKENS_PER_S, 0.001))
+    profile = StepProfile(base_s=0.0, prefill_token_s=1 / PREFILL_TOKENS_PER_S, decode_seq_s=0.0,
+                          context_token_s=0.0, max_batch_tokens=4096, kv_capacity_tokens=100_000)
+    return BatchingReplica(replica_id, budget_units, profile)
+
+
+def request(arrival_s, units, num_output=1):
+    units = tuple(units)
+    return SimRequest(arrival_s, units, 1, len(units), num_output, (), units)
+
+
+def warm_owner(model, budget_units=10_000):
+    owner = make_replica(model, "owner", budget_units)
+    owner.submit(0, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)
+    owner.advance(math.inf)
+    assert owner.match_units(PREFIX) == len(PREFIX)
+    return owner
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_fetched_tokens_count_as_saved_prefill(model):
+    owner = warm_owner(model)
+    receiver = make_replica(model, "receiver")
+    busy_before = owner.busy_s
+    receiver.submit(1, request(10.0, PREFIX + tuple(range(9000, 9010))), 10.0, SimFetch(owner, 400, FAST))
+    receiver.advance(math.inf)
+    outcome = receiver.outcomes[1]
+    assert (outcome.cached_tokens, outcome.fetched_tokens) == (400, 400)
+    assert outcome.ttft_s == pytest.approx(FAST_TRANSFER_S + 10 / PREFILL_TOKENS_PER_S)  # transfer, then 10 tokens
+    counts = receiver.fetch_counts
+    assert (counts.num_fetched, counts.num_fetched_tokens, counts.num_evicted, counts.num_slower) == (1, 400, 0, 0)
+    assert owner.busy_s - busy_before == pytest.approx(0.1 * FAST_TRANSFER_S)
+    assert owner.fetch_counts.export_busy_s == pytest.approx(0.1 * FAST_TRANSFER_S)
+    assert receiver.match_units(PREFIX) == 400  # it holds the prefix now, for later requests
+    summary = receiver.summary(1, 20.0, 1, 4)
+    assert summary.num_prefill_tokens_total == 10  # only what it computed
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_an_owner_that_evicted_the_prefix_means_recompute(model):
+    owner = warm_owner(model, budget_units=420)
+    owner.submit(1, request(1.0, range(20_000, 20_420)), 1.0)  # a 420-token prompt pushes the prefix out
+    owner.advance(math.inf)
+    assert owner.match_units(PREFIX) == 0
+    receiver = make_replica(model, "receiver")
+    receiver.submit(2, request(10.0, PREFIX + tuple(range(9000, 9010))), 10.0, SimFetch(owner, 400, FAST))
+    receiver.advance(math.inf)
+    outcome = receiver.outcomes[2]
+    assert (outcome.cached_tokens, outcome.fetched_tokens) == (0, 0)
+    assert outcome.ttft_s == pytest.approx(410 / PREFILL_TOKENS_PER_S)
+    assert (receiver.fetch_counts.num_evicted, receiver.fetch_counts.num_fetched) == (1, 0)
+    assert owner.fetch_counts.export_busy_s == 0.0
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_transfer_slower_than_recompute_means_recompute(model):
+    owner = warm_owner(model)
+    slow = FetchModel(kv_bytes_per_token=1000, bandwidth_bytes_per_s=1e6)  # 0.401 s > 0.4 s of prefill
+    receiver = make_replica(model, "receiver")
+    receiver.submit(1, request(10.0, PREFIX + tuple(range(9000, 9010))), 10.0, SimFetch(owner, 400, slow))
+    receiver.advance(math.inf)
+    assert receiver.outcomes[1].fetched_tokens == 0
+    assert receiver.outcomes[1].ttft_s == pytest.approx(410 / PREFILL_TOKENS_PER_S)
+    assert (receiver.fetch_counts.num_slower, receiver.fetch_counts.num_fetched) == (1, 0)
+    assert owner.fetch_counts.export_busy_s == 0.0
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_the_export_keeps_the_owner_busy(model):
+    owner = warm_owner(model)
+    receiver = make_replica(model, "receiver")
+    receiver.submit(1, request(10.0, PREFIX + (9000,)), 10.0, SimFetch(owner, 400, FAST))
+    receiver.advance(10.000001)  # the fetch is planned when it starts (admission), at 10 s
+    owner.submit(2, request(10.0, range(30_000, 30_010)), 10.0)  # a request of its own arrives meanwhile
+    owner.advance(math.inf)
+    export_s = 0.1 * FAST_TRANSFER_S
+    assert owner.outcomes[2].ttft_s == pytest.approx(export_s + 10 / PREFILL_TOKENS_PER_S)
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_partly_held_prefix_fetches_what_the_receiver_lacks(model):
+    owner = warm_owner(model)
+    receiver = make_replica(model, "receiver")
+    receiver.submit(1, request(0.0, PREFIX[:100] + (7777,)), 0.0)  # it holds the first 100 tokens
+    receiver.advance(math.inf)
+    receiver.submit(2, request(10.0, PREFIX + (8888,)), 10.0, SimFetch(owner, 400, FAST))
+    receiver.advance(math.inf)
+    outcome = receiver.outcomes[2]
+    assert (outcome.cached_tokens, outcome.fetched_tokens) == (400, 300)
+    assert outcome.ttft_s == pytest.approx(0.001 + 300 * 1000 / 1e7 + 1 / PREFILL_TOKENS_PER_S)
+
+
+def test_a_fetch_waits_while_other_sequences_run_in_batching():
+    owner = warm_owner("cb")
+    receiver = make_replica("cb", "receiver")
+    receiver.submit(1, request(10.0, PREFIX + (1,)), 10.0, SimFetch(owner, 400, FAST))
+    receiver.submit(2, request(10.0, range(40_000, 40_020)), 10.0)
+    receiver.advance(math.inf)
+    assert receiver.outcomes[2].ttft_s == pytest.approx(20 / PREFILL_TOKENS_PER_S)  # not held up by the fetch
+    assert receiver.outcomes[1].ttft_s >= FAST_TRANSFER_S
+    receiver.check_invariants()
+
+
+def test_plan_fetch_never_hints_past_the_request():
+    owner = warm_owner("fifo")
+    req = request(0.0, PREFIX[:40])
+    plan = plan_fetch(SimFetch(owner, 4096, FAST), req.units, 1, 0, req.cached_tokens,
+                      CostModel(PREFILL_TOKENS_PER_S, 0.001), 0.0)
+    assert plan.num_units == 40 and plan.num_tokens == 39  # the last prompt token is computed
+
+
+def test_the_default_fetch_model_is_llama_8b_over_25_gb_per_s():
+    model = FetchModel()
+    assert model.kv_bytes_per_token == LLAMA_8B_KV_BYTES_PER_TOKEN == 131072
+    assert model.transfer_s(4096) == pytest.approx(0.001 + 4096 * 131072 / 25e9)
+    for bad in ({"kv_bytes_per_token": 0}, {"bandwidth_bytes_per_s": 0.0}, {"export_fraction": -0.1},
+                {"latency_s": float("nan")}):
+        with pytest.raises(ValueError):
+            FetchModel(**bad)
+
+
+def hot_group_workload():
+    """Two groups, one far more popular: its home cannot take all of it."""
+    base = shared_prefix(num_groups=2, prompts_per_group=48, system_tokens=1024, question_tokens=64,
+                         output_tokens=16, rate_per_s=200.0, seed=1)
+    return base
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_ours_fetches_and_peers_never_do(model):
+    workload = hot_group_workload()
+    config = SimConfig(num_replicas=4, budget_tokens=20_000, replica_model=model, utilisation=0.9,
+                       cost=CostModel(20_000.0, 0.002))
+    from router.simulate import arrival_scale
+    from router.workload import scale_arrivals
+    scaled = scale_arrivals(workload, arrival_scale(workload, config))
+    ours = replay(scaled, config, "ours")
+    assert ours["num_fetch_hints"] > 0 and ours["num_fetches"] > 0
+    assert ours["fetched_tokens"] >= 1024 * ours["num_fetches"] * 0.5
+    assert ours["fetched_rate"] <= ours["hit_rate"]
+    nofetch = replay(scaled, config, "ours_nofetch")
+    assert nofetch["num_fetch_hints"] == 0 and nofetch["fetched_tokens"] == 0
+    for name in POLICY_NAMES:
+        if not name.startswith("ours"):
+            peer = replay(scaled, config, name)
+            assert peer["fetched_tokens"] == 0 and peer["num_fetches"] == 0, name
+            assert "num_fetch_hints" not in peer
