@@ -227,6 +227,7 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     decision_us = []
     streams = {r.replica_id: SummaryStream(f"{r.replica_id}@0") for r in replicas}
     summary_bytes, summary_cpu_s = 0, 0.0
+    summary_bytes_v1 = 0  # the same summaries in the long-keyed v1 wire, for comparison
 
     def run_to(until: float) -> list:
         completions = [c for r in replicas for c in r.advance(until)]
@@ -237,7 +238,7 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
 
     def catch_up(now: float) -> list:
         """Replicas and summaries up to ``now``; the completions on the way."""
-        nonlocal next_summary_s, version, summary_bytes, summary_cpu_s
+        nonlocal next_summary_s, version, summary_bytes, summary_cpu_s, summary_bytes_v1
         completions = []
         while next_summary_s <= now:
             completions += run_to(next_summary_s)
@@ -248,6 +249,7 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
                     if config.summary_mode == "stream":
                         summary = streams[replica.replica_id].encode(summary)
                     summary_bytes += len(json.dumps(summary.to_dict()))
+                    summary_bytes_v1 += len(json.dumps(summary.to_dict(compact=False)))
                     started = time.thread_time()
                     policy.on_summary(summary, next_summary_s)
                     summary_cpu_s += time.thread_time() - started
@@ -277,6 +279,7 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     if hears and version:
         span_s = version * config.summary_period_s
         figures["summary_bytes_per_replica_s"] = summary_bytes / (span_s * len(replicas))
+        figures["summary_bytes_v1_per_replica_s"] = summary_bytes_v1 / (span_s * len(replicas))
         figures["router_summary_cpu_ms_per_s"] = 1e3 * summary_cpu_s / (span_s * config.num_routers)
     return figures
 
