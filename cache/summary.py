@@ -137,7 +137,8 @@ class CacheSummary:
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
     ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field;
-    ``from_dict(to_dict(s)) == s`` in both formats.
+    ``from_dict(to_dict(s)) == s`` in both formats, but for v2's
+    ``timestamp_s``, rounded to the millisecond (routers never compare it).
     """
 
     replica_id: str
@@ -255,7 +256,7 @@ class CacheSummary:
         out = {"format": COMPACT_FORMAT, "replica_id": self.replica_id, "version": self.version}
         if self.epoch:
             out["epoch"] = self.epoch
-        out["t"] = float(self.timestamp_s)
+        out["t"] = round(float(self.timestamp_s), 3)  # informational only: the millisecond is enough
         out["bs"] = self.block_size
         if self.block_hashes:
             out["h"] = base64.b64encode(_pack(self.block_hashes).tobytes()).decode("ascii")

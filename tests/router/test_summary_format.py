@@ -132,3 +132,9 @@ def test_mean_output_tokens_round_trips_and_defaults_to_zero():
     assert CacheSummary.from_dict(wire).mean_output_tokens == 0.0
     with pytest.raises(ValueError, match="mean_output_tokens"):
         CacheSummary("r", 1, 0.0, 4, frozenset(), mean_output_tokens=-1.0)
+
+
+def test_compact_timestamp_is_kept_to_the_millisecond():
+    summary = CacheSummary("r", 1, 1234.56789012, 4, frozenset({5}))
+    assert CacheSummary.from_dict(summary.to_dict()).timestamp_s == 1234.568
+    assert CacheSummary.from_dict(summary.to_dict(compact=False)) == summary  # v1 keeps every digit
