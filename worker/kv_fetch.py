@@ -10,16 +10,16 @@ queued:
 
 1. Ignore the hint when fetch is off, the hint names this replica (Ray fell
    back to the owner itself) or this replica already holds the prefix.
-2. Estimate ``transfer_s = num_tokens * bytes_per_token / bandwidth`` and
-   ``recompute_s = missing_tokens * prefill_s_per_token``; fetch only if
-   ``recompute_s > min_speedup * transfer_s`` (``slower`` otherwise; the
-   default ``min_speedup`` 1: whenever the transfer is faster). ``bandwidth``: an EWMA over a
-   start-up object-store round trip (``probe_bytes``) and every completed
-   fetch's bytes ÷ wall time (round trip, owner's copy and checksum
-   included, so small fetches read slow: conservative). ``prefill_s_per_token``:
-   the engine's EWMA over its prefill steps
-   (``AsyncEngine.prefill_s_per_token``); before the first one, the hint is
-   trusted.
+2. Estimate ``transfer_s = overhead_s + num_tokens * bytes_per_token /
+   bandwidth`` (:class:`TransferModel`) and ``recompute_s = missing_tokens *
+   prefill_s_per_token``; fetch only if ``recompute_s > min_speedup *
+   transfer_s`` (``slower`` otherwise; the default ``min_speedup`` 1:
+   whenever the transfer is faster). ``bandwidth``: a start-up object-store
+   round trip (``probe_bytes``), until fetches of varied sizes fit a line;
+   ``overhead_s``: what completed fetches took beyond that (the call to the
+   owner, its copy and checksum, the import). ``prefill_s_per_token``: the
+   engine's EWMA over its prefill steps (``AsyncEngine.prefill_s_per_token``);
+   before the first one, the hint is trusted.
 3. Ask the owner for at most ``num_tokens`` of the prompt under the
    request's own salt (a tenant's export never reads another namespace) and
    wait at most ``timeout_s``. Every failure falls back to recomputing,
@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -62,7 +63,7 @@ logger = logging.getLogger("kvroute.worker")
 # answer within timeout_s (timeout), the call failed (owner_failed), the bundle was refused
 # (rejected: wrong tenant or tokens, checksum, weights) or there was no room to import it (no_room).
 FALLBACK_REASONS = ("slower", "evicted", "owner_gone", "timeout", "owner_failed", "rejected", "no_room")
-EWMA_WEIGHT = 0.3  # weight of the newest sample in the bandwidth and prefill-rate estimates
+EWMA_WEIGHT = 0.3  # weight of the newest sample in the prefill-rate estimate
 
 
 @dataclass(slots=True)
@@ -94,6 +95,56 @@ class PrefillRate:
         decoded = after["decode_tokens"] - before["decode_tokens"]
         if prefilled > 0 and prefilled >= decoded and elapsed_s > 0:
             self._ewma.observe(elapsed_s / (prefilled + decoded))
+
+
+class TransferModel:
+    """Seconds a fetch of ``n`` bytes takes: ``overhead_s + n / bandwidth``.
+
+    Starts from ``probe_bytes_per_s`` (None: unknown until a fetch completes)
+    with no overhead. Each completed fetch adds ``(bytes, seconds)`` to a
+    window of the last ``WINDOW``. Once the window holds sizes at least 2×
+    apart, a least-squares line through it gives both terms (if its slope is
+    positive; its intercept clamped at 0); until then the bandwidth stays
+    the probe's and the overhead is the mean residual ``seconds - bytes /
+    bandwidth`` (at least 0), or, with no probe, the samples' own
+    bytes ÷ seconds is the bandwidth. Across nodes the network shows up in
+    the residuals, then in the fitted slope.
+    """
+
+    WINDOW = 32
+
+    def __init__(self, probe_bytes_per_s: float | None = None) -> None:
+        self._probe = probe_bytes_per_s
+        self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        self._samples.append((num_bytes, seconds))
+
+    def terms(self) -> tuple[float, float] | None:
+        """``(overhead_s, bandwidth_bytes_per_s)``; None when nothing is known."""
+        samples = self._samples
+        if samples:
+            sizes = [b for b, _ in samples]
+            if max(sizes) >= 2 * min(sizes):
+                mean_b, mean_s = sum(sizes) / len(samples), sum(s for _, s in samples) / len(samples)
+                spread = sum((b - mean_b) ** 2 for b in sizes)
+                slope = sum((b - mean_b) * (s - mean_s) for b, s in samples) / spread
+                if slope > 0:
+                    return max(0.0, mean_s - slope * mean_b), 1.0 / slope
+        if self._probe is None:
+            if not samples:
+                return None
+            return 0.0, sum(b for b, _ in samples) / max(sum(s for _, s in samples), 1e-9)
+        residuals = [max(0.0, s - b / self._probe) for b, s in samples]
+        return (sum(residuals) / len(residuals) if residuals else 0.0), self._probe
+
+    def estimate_s(self, num_bytes: int) -> float | None:
+        terms = self.terms()
+        return None if terms is None else terms[0] + num_bytes / terms[1]
 
 
 class PeerTransport(Protocol):
@@ -156,25 +207,24 @@ class PrefixFetcher:
         self._config = config
         self._transport = transport
         self._clock = clock
-        self.bandwidth = Ewma()
-        if bandwidth_bytes_per_s is not None:
-            self.bandwidth.observe(bandwidth_bytes_per_s)
+        self.transfer = TransferModel(bandwidth_bytes_per_s)
         self.counters = FetchCounters()
         self._in_flight: dict[tuple, _SharedFetch] = {}
 
     def stats(self) -> dict:
         """The counters, with the estimates behind the decisions."""
+        overhead_s, bandwidth = self.transfer.terms() or (None, None)
         return {**self.counters.to_stats(), "fetch_enabled": self._config.enabled,
-                "fetch_bandwidth_bytes_per_s": self.bandwidth.value,
+                "fetch_bandwidth_bytes_per_s": bandwidth, "fetch_overhead_s": overhead_s,
                 "prefill_s_per_token": self._engine.prefill_s_per_token}
 
     # ----------------------------------------------------------------- receiver
     def should_fetch(self, num_tokens: int, num_missing: int) -> bool:
         """Step 2: is moving ``num_tokens`` positions ``min_speedup`` times faster than computing ``num_missing``?"""
-        s_per_token, bandwidth = self._engine.prefill_s_per_token, self.bandwidth.value
-        if s_per_token is None or bandwidth is None:
+        s_per_token = self._engine.prefill_s_per_token
+        transfer_s = self.transfer.estimate_s(num_tokens * self._engine.engine.bytes_per_token)
+        if s_per_token is None or transfer_s is None:
             return True  # nothing measured yet: trust the router's hint
-        transfer_s = num_tokens * self._engine.engine.bytes_per_token / bandwidth
         return num_missing * s_per_token > self._config.min_speedup * transfer_s
 
     async def prepare(self, token_ids: Sequence[int], salt: str | None, hint) -> int:
@@ -242,7 +292,7 @@ class PrefixFetcher:
         counters.num_fetched_tokens += num_new
         counters.num_fetched_bytes += bundle.num_bytes
         counters.fetch_s += elapsed_s
-        self.bandwidth.observe(bundle.num_bytes / elapsed_s)
+        self.transfer.observe(bundle.num_bytes, elapsed_s)
         return num_new
 
     def _fall_back(self, reason: str, owner: str | None = None, error: object = None) -> int:

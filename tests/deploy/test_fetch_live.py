@@ -110,7 +110,8 @@ def test_a_replica_that_never_saw_the_prefix_fetches_it_and_matches_the_referenc
     assert stats[receiver]["fetch_bandwidth_bytes_per_s"] > 0
     print(f"FIGURES fetch live: {PREFIX_TOKENS} tokens, {stats[receiver]['fetch_bytes']} bytes in"
           f" {stats[receiver]['fetch_seconds'] * 1e3:.1f} ms (call + export + transfer + import);"
-          f" bandwidth estimate now {stats[receiver]['fetch_bandwidth_bytes_per_s'] / 1e6:.1f} MB/s")
+          f" estimate now {stats[receiver]['fetch_overhead_s'] * 1e3:.1f} ms +"
+          f" bytes / {stats[receiver]['fetch_bandwidth_bytes_per_s'] / 1e6:.1f} MB/s")
     metrics = httpx.get(app.url + "/metrics", timeout=10, trust_env=False).text
     assert f'kvroute_fetched_tokens_total{{replica="{receiver}"}} {float(PREFIX_TOKENS)}' in metrics
     assert f'kvroute_fetch_exports_total{{replica="{owner}"}} 1.0' in metrics

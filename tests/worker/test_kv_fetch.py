@@ -13,7 +13,7 @@ from router.fetch import FetchHint
 from worker import SamplingParams, reference
 from worker.audit import audit
 from worker.config import FetchConfig
-from worker.kv_fetch import FALLBACK_REASONS, PrefillRate, PrefixFetcher
+from worker.kv_fetch import FALLBACK_REASONS, PrefillRate, PrefixFetcher, TransferModel
 from worker.messages import ExportReply, ExportRequest
 
 OWNER, RECEIVER = "owner-replica", "receiver-replica"
@@ -112,6 +112,20 @@ def test_prefill_rate_counts_prefill_heavy_steps_only():
     assert rate.s_per_token == pytest.approx(0.005 + 0.3 * (0.02 - 0.005))
 
 
+def test_the_transfer_model_learns_overhead_then_fits_a_line():
+    model = TransferModel(probe_bytes_per_s=1e9)
+    assert model.terms() == (0.0, 1e9) and model.estimate_s(10**9) == pytest.approx(1.0)
+    model.observe(10**6, 0.051)  # a small fetch: mostly the call's overhead
+    assert model.terms() == pytest.approx((0.05, 1e9))
+    model.observe(4 * 10**6, 0.054)  # sizes 4x apart: the line through both
+    overhead_s, bandwidth = model.terms()
+    assert overhead_s == pytest.approx(0.05) and bandwidth == pytest.approx(1e9)
+    assert TransferModel().terms() is None
+    unprobed = TransferModel()
+    unprobed.observe(10**6, 0.01)
+    assert unprobed.terms() == pytest.approx((0.0, 1e8))
+
+
 def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
     owner_engine, receiver_engine = pair
     prompt = tokens(96)
@@ -129,8 +143,7 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
         assert not slow.should_fetch(64, 64)
         assert await slow.prepare(prompt, None, hint) == 0
         assert fallbacks(slow) == {"slower": 1} and transport.requests == []
-        fast = fetchers(owner_engine, receiver_engine)[1]
-        fast.bandwidth.value = breakeven * 2
+        fast = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport, bandwidth_bytes_per_s=breakeven * 2)
         assert fast.should_fetch(64, 64) and not fast.should_fetch(64, 16)  # only 16 missing: recompute
         careful = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=4.0), transport,
                                 bandwidth_bytes_per_s=breakeven * 2)
@@ -141,7 +154,7 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
         stats = fast.stats()
         assert stats["fetch_count"] == 1 and stats["fetch_tokens"] == 64
         assert stats["fetch_bytes"] == 64 * receiver_engine.engine.bytes_per_token and stats["fetch_seconds"] > 0
-        assert fast.bandwidth.value != breakeven * 2  # the fetch refined the estimate
+        assert fast.transfer.num_samples == 1 and stats["fetch_overhead_s"] >= 0  # the fetch refined the estimate
         assert await fast.prepare(prompt, None, hint) == 0  # held now: the hint is ignored
         assert fast.stats()["fetch_count"] == 1 and fallbacks(fast) == {}
 
