@@ -66,6 +66,9 @@ def choose_gemm(dtype: torch.dtype, device_type: str) -> str:
     return "packed" if torch.allclose(packed, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5) else "plain"
 
 
+ROW_BUCKET = 16  # PackedLinear pads its rows to a multiple of this (bounded oneDNN primitive caches)
+
+
 class PackedLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W`` pre-packed once for oneDNN. Input ``[..., in]``."""
 
@@ -77,7 +80,20 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        """Rows padded with zeros to a multiple of :data:`ROW_BUCKET`: oneDNN
+        (ideep's LRU and its primitive cache, 1,024 entries each) keeps one
+        primitive of ~0.1-0.6 MiB per distinct row count it has seen, so a
+        serving engine's varying step sizes (1..max_batch_tokens rows) grew a
+        Worker by ~400 MiB of native memory, plus the holes that evicting them
+        leaves (issue 12's soak). Padded, a layer sees at most
+        ``max_batch_tokens / ROW_BUCKET`` shapes, all cached."""
+        num_rows = x.numel() // self.in_features
+        padded = -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+        if padded == num_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = torch.cat([x.reshape(num_rows, self.in_features), x.new_zeros(padded - num_rows, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out[:num_rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
