@@ -10,10 +10,19 @@ is not the one that trips.
 
 The limit is ``max_in_flight_per_worker`` × the number of live Worker
 replicas (refreshed from the stats board every few seconds; 1 until the first
-read). A request counts once whatever it fans out to (``n`` choices, batch
-prompts): the engines' bounded queues (429) still bound those. Each ingress
-replica counts its own requests: with R ingress replicas the cluster admits
-up to R × the limit.
+read), counted in *worker requests*: what a request puts on the Workers.
+The guard admits every request at weight 1 before its body is read (so a
+refusal costs no parsing); once the route knows the fan-out (``n`` choices ×
+prompts, or a batch's prompts) it raises the weight with :func:`charge`,
+which refuses the request (429, the same body) if the extra does not fit. A
+request heavier than the whole limit is charged the limit: it runs when it
+is alone, rather than never.
+
+Each ingress replica counts its own requests: with R ingress replicas the
+cluster admits up to R × the limit (Serve's proxy spreads requests evenly
+over them, so each sees ~1/R of the load and of the admitted work). Either
+set ``max_in_flight_per_worker`` to the per-Worker bound divided by R, or
+read it as a per-ingress-replica bound (docs: deploy/README.md).
 """
 
 from __future__ import annotations
@@ -22,14 +31,28 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
-from deploy.errors import error_body
+from deploy.errors import APIError, error_body
 
 GENERATION_PATHS = frozenset({"/generate", "/generate_batch", "/v1/completions", "/v1/chat/completions"})
 
 
+class Ticket:
+    """One admitted request's weight (worker requests it holds), kept in the
+    ASGI scope under :data:`SCOPE_KEY` so the route can :func:`charge` it."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: int = 1) -> None:
+        self.weight = weight
+
+
+SCOPE_KEY = "kvroute.admission"
+
+
 class Admission:
-    """In-flight counting. Invariant: ``0 <= num_in_flight``; a request
-    :meth:`try_admit` admitted is :meth:`release` d exactly once."""
+    """In-flight counting in worker requests. Invariant: ``0 <= num_in_flight``
+    = the sum of the weights of the tickets admitted and not yet released; a
+    ticket :meth:`try_admit` returned is :meth:`release` d exactly once."""
 
     def __init__(self, max_in_flight_per_worker: int, num_workers: int = 1) -> None:
         if max_in_flight_per_worker < 0:
@@ -50,16 +73,35 @@ class Admission:
     def set_num_workers(self, num_workers: int) -> None:
         self.num_workers = max(1, num_workers)
 
-    def try_admit(self) -> bool:
+    def try_admit(self) -> Ticket | None:
+        """A ticket of weight 1, or None (refused) when the limit is reached."""
         if self.is_enabled and self.num_in_flight >= self.limit:
             self.num_refused += 1
-            return False
+            return None
         self.num_in_flight += 1
+        return Ticket()
+
+    def try_charge(self, ticket: Ticket, weight: int) -> bool:
+        """Raise ``ticket`` to ``weight`` (at most the limit); False (refused,
+        the ticket unchanged) when the extra does not fit. Never lowers it."""
+        if weight < 1:
+            raise ValueError(f"weight must be >= 1, got {weight}")
+        if self.is_enabled:
+            weight = min(weight, self.limit)
+        extra = weight - ticket.weight
+        if extra <= 0:
+            return True
+        if self.is_enabled and self.num_in_flight + extra > self.limit:
+            self.num_refused += 1
+            return False
+        self.num_in_flight += extra
+        ticket.weight = weight
         return True
 
-    def release(self) -> None:
-        assert self.num_in_flight > 0, "release without admit"
-        self.num_in_flight -= 1
+    def release(self, ticket: Ticket) -> None:
+        assert 0 < ticket.weight <= self.num_in_flight, "release without admit"
+        self.num_in_flight -= ticket.weight
+        ticket.weight = 0  # a second release trips the assert
 
 
 class AdmissionGuard:
@@ -75,9 +117,9 @@ class AdmissionGuard:
         self.count_workers = count_workers
         self.refresh_period_s = refresh_period_s
         self.on_refused = on_refused
-        body = error_body(429, f"server busy: more than {{limit}} requests in flight; retry after {retry_after_s} s",
-                          code="overloaded")
-        self._body_template = json.dumps(body)
+        self.retry_after_s = retry_after_s
+        self._message = f"server busy: {{limit}} worker requests in flight, the limit; retry after {retry_after_s} s"
+        self._body_template = json.dumps(error_body(429, self._message, code="overloaded"))
         self._headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after_s).encode())]
         self._next_refresh_s = 0.0
         self._refreshing: asyncio.Task | None = None
@@ -88,7 +130,8 @@ class AdmissionGuard:
         self._maybe_refresh()
         if scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
-        if not self.admission.try_admit():
+        ticket = self.admission.try_admit()
+        if ticket is None:
             if self.on_refused:
                 self.on_refused()
             body = self._body_template.replace("{limit}", str(self.admission.limit)).encode()
@@ -96,10 +139,17 @@ class AdmissionGuard:
                         "headers": self._headers + [(b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
+        scope[SCOPE_KEY] = (self, ticket)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.admission.release()
+            self.admission.release(ticket)
+
+    def refusal(self) -> APIError:
+        if self.on_refused:
+            self.on_refused()
+        return APIError(429, self._message.format(limit=self.admission.limit), code="overloaded",
+                        retry_after_s=self.retry_after_s)
 
     def _maybe_refresh(self) -> None:
         if self.count_workers is None or (self._refreshing and not self._refreshing.done()):
@@ -116,3 +166,15 @@ class AdmissionGuard:
                 pass
 
         self._refreshing = loop.create_task(refresh())
+
+
+def charge(scope, weight: int) -> None:
+    """Raise the admitted request's weight to ``weight`` worker requests (its
+    fan-out); :class:`APIError` 429 + ``Retry-After`` when that does not fit.
+    A request that no guard admitted (admission off, another path) is free."""
+    guard_and_ticket = scope.get(SCOPE_KEY)
+    if guard_and_ticket is None:
+        return
+    guard, ticket = guard_and_ticket
+    if not guard.admission.try_charge(ticket, weight):
+        raise guard.refusal()

@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from deploy.admission import Admission, AdmissionGuard
+from deploy.admission import Admission, AdmissionGuard, charge
 from deploy.auth import KeyRing, Tenant, compose_salt, header_bytes, install_keyed_docs
 from deploy.dispatch import Dispatcher
 from deploy.errors import APIError, error_body, install_error_handlers
@@ -157,7 +157,7 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         return _generate_output(await dispatcher.run(request), body.logprobs)
 
     @app.post("/generate_batch")
-    async def generate_batch(body: GenerateBatchRequest, x_cache_salt: str | None = Header(default=None),
+    async def generate_batch(request: Request, body: GenerateBatchRequest, x_cache_salt: str | None = Header(default=None),
                              tenant: Tenant = Depends(authorize)) -> dict:
         salt = compose_salt(tenant.namespace, body.cache_salt or x_cache_salt)
         if len(body.prompts) > config.limits.max_batch_prompts:
@@ -170,13 +170,15 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
                 items.append(builder.request(token_ids, params, salt))
             except APIError as error:
                 items.append(error)
+        charge(request.scope, max(1, sum(not isinstance(item, APIError) for item in items)))  # its fan-out
         outputs = await dispatcher.run_batch(items)
         return {"outputs": [o.body() if isinstance(o, APIError) else _generate_output(o, body.logprobs) for o in outputs]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, x_cache_salt: str | None = Header(default=None),
+    async def completions(request: Request, body: CompletionRequest, x_cache_salt: str | None = Header(default=None),
                           tenant: Tenant = Depends(authorize)):
         pairs = openai.completion_requests(body, x_cache_salt, tenant.namespace)
+        charge(request.scope, len(pairs))  # prompts × n choices
         with_logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -186,9 +188,10 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         return openai.completion_body(states, pairs, int(time.time()), f"cmpl-{uuid.uuid4().hex}", with_logprobs)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, x_cache_salt: str | None = Header(default=None),
+    async def chat_completions(request: Request, body: ChatCompletionRequest, x_cache_salt: str | None = Header(default=None),
                                tenant: Tenant = Depends(authorize)):
         pairs = openai.chat_requests(body, x_cache_salt, tenant.namespace)
+        charge(request.scope, len(pairs))  # n choices
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             deltas = await _primed(openai.deltas(pairs))

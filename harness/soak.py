@@ -35,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
-from harness import faults
+from harness import faults, memprobe
 from harness.retry_client import client_session, send
 
 API_KEYS = ("sk-soak-1", "sk-soak-2")
@@ -218,9 +218,11 @@ async def capacity_rps(url: str, headers: dict, seconds: float = 10.0, concurren
 
 
 async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.0, max_in_flight: int = 256,
-               keys=API_KEYS, num_workers: int = 2, seed: int = 0) -> dict:
+               keys=API_KEYS, num_workers: int = 2, seed: int = 0, probe_actors: list | None = None) -> dict:
     """Send the mix for ``duration_s`` at ``rate_rps`` (open loop, at most
-    ``max_in_flight`` at once), sample memory, then wait for clean audits."""
+    ``max_in_flight`` at once), sample memory, then wait for clean audits.
+    ``probe_actors``: Worker actors to measure from inside at each sample
+    (``harness/memprobe.py``; the caller has connected and started tracing)."""
     rng = random.Random(seed)
     prefixes = [_tokens(rng, 128) for _ in range(16)]
     kinds, weights = zip(*KINDS)
@@ -236,6 +238,8 @@ async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.
         while not stop_sampling.is_set():
             samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mib": _process_rss_mib(app),
                             "kv": await asyncio.to_thread(_kv_figures, app.url, keys[0])})
+            if probe_actors:
+                samples[-1]["inside"] = await asyncio.to_thread(memprobe.call_all, probe_actors, memprobe.inside_report)
             try:
                 await asyncio.wait_for(stop_sampling.wait(), sample_s)
             except asyncio.TimeoutError:
@@ -269,7 +273,11 @@ async def soak(app, *, duration_s: float, rate_rps: float, sample_s: float = 30.
     end_wall_s = time.time()
     audits = await asyncio.to_thread(faults.wait_for_clean_audits, app.url, num_workers, after_s=end_wall_s,
                                      headers={"Authorization": f"Bearer {keys[0]}"}, timeout_s=60)
-    return _figures(by_kind, labels, problems, samples, audits, time.monotonic() - start, rate_rps)
+    figures = _figures(by_kind, labels, problems, samples, audits, time.monotonic() - start, rate_rps)
+    if probe_actors:
+        figures["inside_workers"] = [{"t_s": s["t_s"], "workers": s["inside"]} for s in samples if "inside" in s]
+        figures["malloc_trim_at_end"] = await asyncio.to_thread(memprobe.call_all, probe_actors, memprobe.inside_trim)
+    return figures
 
 
 def _figures(by_kind, labels, problems, samples, audits, wall_s, rate_rps) -> dict:
@@ -303,20 +311,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=30.0)
     parser.add_argument("--nice", type=int, default=10, help="the generator's niceness once the cluster is up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe", action="store_true",
+                        help="measure the Workers from inside (malloc, gc, tracemalloc diffs; harness/memprobe.py)")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an env var for the Worker replicas (runtime_env), e.g. MALLOC_ARENA_MAX=2")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from harness.serving import start_app
 
     from harness.serving import config_engine_args
 
-    app = start_app(num_cpus=2, args_overrides={**SOAK_APP_ARGS, "engine": config_engine_args(**SOAK_ENGINE)})
+    overrides = {}
+    if args.worker_env:
+        env_vars = dict(item.split("=", 1) for item in args.worker_env)
+        overrides["deployment_overrides"] = {"Worker": {"ray_actor_options": {
+            "num_cpus": 1, "runtime_env": {"env_vars": env_vars}}}}
+    app = start_app(num_cpus=2, args_overrides={**SOAK_APP_ARGS, "engine": config_engine_args(**SOAK_ENGINE)},
+                    **overrides)
     try:
         os.nice(args.nice)
         headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
         capacity = None if args.rate else asyncio.run(capacity_rps(app.url, headers, seed=args.seed))
         rate = args.rate or max(1.0, args.load_fraction * capacity)
+        actors = None
+        if args.probe:
+            memprobe.connect(app)
+            actors = memprobe.worker_actors()
+            memprobe.call_all(actors, memprobe.inside_start)
         figures = asyncio.run(soak(app, duration_s=args.duration_s, rate_rps=rate, sample_s=args.sample_s,
-                                   seed=args.seed))
+                                   seed=args.seed, probe_actors=actors))
         figures["capacity_rps"] = None if capacity is None else round(capacity, 1)
     finally:
         app.__exit__(None, None, None)

@@ -261,9 +261,9 @@ class SlowClient(EngineClient):
         super().__init__(engine)
         self.release = asyncio.Event()
 
-    async def generate(self, request):
+    async def _run(self, request):  # /generate, the OpenAI routes and every batch item
         await self.release.wait()
-        return await super().generate(request)
+        return await super()._run(request)
 
     async def stats(self):
         return {"w1": None, "w2": None}  # two live workers
@@ -294,6 +294,72 @@ def test_admission_refuses_beyond_its_limit_at_once_with_openai_json_and_retry_a
         assert assert_openai_error(response, 429)["code"] == "overloaded"
         assert response.headers["retry-after"] == "2"
     assert health.status_code == 200
+
+
+def test_admission_weighs_a_request_by_what_it_fans_out_to(engine):
+    """The limit counts worker requests: ``n`` choices × prompts, a batch's
+    prompts. (Before: each HTTP request counted 1, so n=4 took 4 engine slots
+    for one admission slot.) A request heavier than the whole limit runs alone."""
+    client = SlowClient(engine)
+    config = AppConfig(engine=ENGINE, max_in_flight_per_worker=3, retry_after_s=2, limits=Limits(max_n=8))
+    builder = RequestBuilder(config.limits, ModelBounds(259, 1024), 16)
+    app = build_http_app(config, client, load_tokenizer("tiny-llama"), builder)
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    one = {"prompt_token_ids": [72, 105], "max_new_tokens": 1}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            async def answer_now(path, body):  # admitted requests wait for the release: None
+                task = asyncio.ensure_future(http.post(path, json=body))
+                done, _ = await asyncio.wait([task], timeout=3.0)
+                return task.result() if done else None
+
+            await http.get("/health")  # starts the background read of the worker count (2: limit 6)
+            await asyncio.sleep(0.05)
+            held = [asyncio.ensure_future(http.post("/v1/chat/completions", json={**chat, "n": 4}))]  # 4 of 6
+            await asyncio.sleep(0.3)
+            over = [await answer_now("/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1,
+                                                         "n": 3}),  # 4 + 3 > 6
+                    await answer_now("/generate_batch", {"prompts": [[72], [105], [33]], "max_new_tokens": 1})]
+            held += [asyncio.ensure_future(http.post("/generate_batch", json={"prompts": [[72], [105]],
+                                                                                 "max_new_tokens": 1}))]  # 6 of 6
+            await asyncio.sleep(0.3)
+            over.append(await answer_now("/generate", one))  # 6 + 1 > 6
+            client.release.set()
+            answered = [await h for h in held]
+            alone = await http.post("/v1/chat/completions", json={**chat, "n": 8})  # heavier than 6: runs alone
+            return answered, over, alone
+
+    answered, over, alone = asyncio.run(scenario())
+    assert [r.status_code for r in answered] == [200, 200], [r.text for r in answered]
+    assert len(answered[0].json()["choices"]) == 4 and len(answered[1].json()["outputs"]) == 2
+    assert None not in over, "admitted beyond the limit (held until the release)"
+    for response in over:
+        assert assert_openai_error(response, 429)["code"] == "overloaded"
+        assert response.headers["retry-after"] == "2"
+    assert alone.status_code == 200 and len(alone.json()["choices"]) == 8
+
+
+def test_admission_counts_weights_exactly():
+    from deploy.admission import Admission
+
+    admission = Admission(max_in_flight_per_worker=3, num_workers=2)  # limit 6
+    first, second = admission.try_admit(), admission.try_admit()
+    assert admission.try_charge(first, 4) and admission.num_in_flight == 5
+    assert not admission.try_charge(second, 3) and second.weight == 1 and admission.num_in_flight == 5
+    assert admission.try_charge(second, 2) and admission.num_in_flight == 6
+    assert admission.try_admit() is None and admission.num_refused == 2
+    assert admission.try_charge(first, 2) and first.weight == 4  # never lowered
+    admission.release(first)
+    admission.release(second)
+    assert admission.num_in_flight == 0
+    alone = admission.try_admit()
+    assert admission.try_charge(alone, 100) and alone.weight == 6  # charged the limit, runs alone
+    with pytest.raises(AssertionError):
+        admission.release(alone) or admission.release(alone)
+    with pytest.raises(ValueError):
+        admission.try_charge(admission.try_admit(), 0)
 
 
 # ------------------------------------------------------------ edge fuzzing
