@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 
 import httpx
+import yaml
 
 from harness import faults, resources
 from harness.loadstats import percentile
@@ -267,6 +270,7 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
     probe, probe_s = await closed_loop(app.url, bodies(4 * concurrency, 1), concurrency, headers=headers)
     capacity_rps = sum(o.ok for o in probe) / probe_s
     served_cpu_s = (resources.cpu_s(app.ray_pids()) - cluster_cpu_s) / max(1, sum(o.ok for o in probe))
+    generator_served_cpu_s = (resources.own_cpu_s() - own_cpu_s) / max(1, sum(o.ok for o in probe))
     baseline = [o.latency_s for o in probe if o.ok]
     pids_before = faults.replica_pids(app.url, headers)
     memory = [resources.memory_figures(app, headers)]
@@ -275,12 +279,14 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
                      "baseline_latency_p99_s": percentile(baseline, 99),
                      "probe_errors": dict(Counter(o.final.kind for o in probe if not o.ok)),
                      "cluster_cpu_s_per_served_request": round(served_cpu_s, 4),
+                     "generator_cpu_ms_per_served_request": round(1000 * generator_served_cpu_s, 2),
                      "generator_cpu_share_at_capacity": round((resources.own_cpu_s() - own_cpu_s) / probe_s / 2, 3),
                      "generator_niceness": os.getpriority(os.PRIO_PROCESS, 0), "rounds": []}
     for round_index in range(rounds):
         offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
         start = time.monotonic()
         cluster_cpu_s, own_cpu_s = resources.cpu_s(app.ray_pids()), resources.own_cpu_s()
+        role_cpu_s = resources.cpu_s_by_role(app.ray_pids())
         done = asyncio.Event()
         depths = asyncio.ensure_future(_max_engine_depths(app.url, headers, done))
         try:
@@ -290,6 +296,8 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
             done.set()
         wall_s = time.monotonic() - start
         round_cluster_cpu_s, round_own_cpu_s = resources.cpu_s(app.ray_pids()) - cluster_cpu_s, resources.own_cpu_s() - own_cpu_s
+        role_cores = {role: round((cpu - role_cpu_s.get(role, 0.0)) / wall_s, 2)
+                      for role, cpu in resources.cpu_s_by_role(app.ray_pids()).items()}
         admitted = [o.latency_s for o in outcomes if o.ok]
         rejected = [o for o in outcomes if not o.ok]
         # What a refusal cost the cluster: its CPU in the round beyond what the
@@ -311,6 +319,11 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
             "cluster_cpu_cores": round(round_cluster_cpu_s / wall_s, 2),
             "generator_cpu_cores": round(round_own_cpu_s / wall_s, 2),
             "refusal_cpu_ms": round(1000 * refusal_cpu_s, 2),
+            "cpu_cores_by_role": {**role_cores, "generator": round(round_own_cpu_s / wall_s, 2)},
+            # the generator's own CPU per refusal, beyond what its served requests cost at capacity
+            "generator_refusal_cpu_ms": round(1000 * (round_own_cpu_s - len(admitted) * generator_served_cpu_s)
+                                              / max(1, len(rejected)), 2),
+            "offered_rps_achieved": round(len(outcomes) / wall_s, 1),
             **await depths,
         })
     figures["memory"] = memory
@@ -335,6 +348,20 @@ OVERLOAD_APP = dict(
                                       "backpressure_config": {"retry_after_s": 1}}},
 )
 
+def _config_without_access_log(config_path: str) -> str:
+    """A copy of ``config_path`` with Serve's access log off (proxy and app)."""
+    from harness.serving import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / config_path).read_text())
+    config["logging_config"] = {"enable_access_log": False}
+    for app in config["applications"]:
+        app["logging_config"] = {"enable_access_log": False}
+    handle, path = tempfile.mkstemp(prefix="kvroute-noaccess-", suffix=".yaml")
+    with os.fdopen(handle, "w") as file:
+        yaml.safe_dump(config, file)
+    return path
+
+
 def _app(args, **overrides):
     from harness.serving import ServeApp
 
@@ -344,12 +371,18 @@ def _app(args, **overrides):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenario", choices=["replica-failure", "overload"])
-    parser.add_argument("--factor", type=float, default=8.0, help="overload: offered load / capacity")
+    parser.add_argument("--factor", type=float, action="append", default=None,
+                        help="overload: offered load / capacity (repeat: one scenario per factor, same cluster)")
     parser.add_argument("--duration-s", type=float, default=6.0, help="overload: seconds per round")
     parser.add_argument("--stream", action="store_true", help="overload: streamed requests")
     parser.add_argument("--rounds", type=int, default=2, help="overload: rounds (memory is sampled after each)")
-    parser.add_argument("--nice", type=int, default=10,
+    parser.add_argument("--nice", type=int, default=19,
                         help="overload: the load generator's niceness once the cluster is up (it shares the cores)")
+    parser.add_argument("--no-access-log", action="store_true",
+                        help="overload: Serve's access log off (logging_config.enable_access_log: false)")
+    parser.add_argument("--proxy-limit", type=int, default=None, metavar="N",
+                        help="overload: the Ingress takes N requests at once and Serve's proxy queues 1 more: the "
+                             "proxy refuses the rest itself (plain-text 503 + Retry-After), before any Ray call")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--requests", type=int, default=300)
@@ -367,11 +400,18 @@ def main(argv: list[str] | None = None) -> int:
             figures = asyncio.run(replica_failure(app, num_requests=args.requests, rate_rps=args.rate,
                                                   kill_at_s=args.kill_at_s, seed=args.seed))
     elif args.scenario == "overload":
-        with _app(args, num_cpus=2, **OVERLOAD_APP) as app:
+        overrides = copy.deepcopy(OVERLOAD_APP)
+        if args.proxy_limit is not None:
+            overrides["deployment_overrides"]["Ingress"].update(max_ongoing_requests=args.proxy_limit,
+                                                                 max_queued_requests=1)
+        if args.no_access_log:
+            args.config = _config_without_access_log(args.config)
+        with _app(args, num_cpus=2, **overrides) as app:
             app.deploy()
             os.nice(args.nice)  # this process only: the cluster started above keeps its priority
-            figures = asyncio.run(overload(app, factor=args.factor, duration_s=args.duration_s, stream=args.stream,
-                                           rounds=args.rounds, seed=args.seed))
+            figures = {f"{factor:g}x": asyncio.run(overload(app, factor=factor, duration_s=args.duration_s,
+                                                             stream=args.stream, rounds=args.rounds, seed=args.seed))
+                       for factor in args.factor or [8.0]}
     text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)
     print(text)
     if args.json:

@@ -22,6 +22,27 @@ def cpu_s(pids) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+ROLES = (("ProxyActor", "proxy"), (":Ingress", "ingress"), (":Worker", "workers"))
+
+
+def role_of(pid: int) -> str:
+    """``proxy``, ``ingress``, ``workers`` (Serve replicas by their process
+    title) or ``ray`` (GCS, raylet, controller, dashboard, ...)."""
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "ray"
+    return next((role for marker, role in ROLES if marker in cmdline), "ray")
+
+
+def cpu_s_by_role(pids) -> dict[str, float]:
+    """CPU seconds so far per :func:`role_of` role."""
+    out = {role: 0.0 for _, role in ROLES} | {"ray": 0.0}
+    for pid in pids:
+        out[role_of(pid)] += cpu_s([pid])
+    return out
+
+
 def own_cpu_s() -> float:
     """CPU seconds (user + system) this process has used so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
