@@ -332,12 +332,12 @@ class PrefixAffinityPolicy:
         for replica_id in candidates:
             cached = cached_at[replica_id] = self._cached_tokens(
                 request, depths.get(replica_id, 0), within_tokens if replica_id == within_replica else 0)
-            credit = plan.credit(replica_id, cached) if plan is not None else 0.0
-            weighed = cached + config.fetch_affinity_share * credit
+            credit = plan.credit(replica_id, cached) if plan is not None else 0.0  # saved by a fetch
+            weighed = cached + config.fetch_affinity_share * credit  # saved tokens that weigh w each
             weight = 1.0 + (config.affinity_weight - 1.0) * weighed / max(num_prompt, 1)
             recent = loads.recent_work(replica_id, now)
             balance_work = self._reported.value(replica_id, now) if shared else recent
-            cost = (loads.load(replica_id) + num_prompt - weight * weighed - (credit - weighed + cached)
+            cost = (loads.load(replica_id) + num_prompt - weight * weighed - (cached + credit - weighed)
                     + balance * _beyond(balance_work - mean_balance, dead))
             is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
