@@ -165,3 +165,27 @@ def test_ours_fetches_and_peers_never_do(model):
             peer = replay(scaled, config, name)
             assert peer["fetched_tokens"] == 0 and peer["num_fetches"] == 0, name
             assert "num_fetch_hints" not in peer
+
+
+def test_cli_fetch_flags_reach_the_replicas(tmp_path):
+    """--fetch-bandwidth-gbps 0.001: every transfer is slower than recomputing, so every hint recomputes
+    (or finds its owner evicted)."""
+    import json
+
+    from router.simulate import main
+    args = ["--workload", "multi-turn", "--replicas", "4", "--budget-tokens", "4000", "--no-progress",
+            "--policies", "ours,ours_nofetch", "--workload-args", '{"num_conversations": 24, "rate_per_s": 40.0}']
+    for gbps, tag in ((25.0, "fast"), (0.001, "slow")):
+        out = tmp_path / f"{tag}.json"
+        assert main(args + ["--json", str(out), "--fetch-bandwidth-gbps", str(gbps), "--kv-bytes-per-token",
+                            "131072", "--fetch-export-fraction", "0.2"]) == 0
+        result = json.loads(out.read_text())
+        assert result["setup"]["fetch"] == {"kv_bytes_per_token": 131072, "bandwidth_bytes_per_s": gbps * 1e9,
+                                            "latency_s": 0.001, "export_fraction": 0.2}
+        ours, nofetch = result["policies"]["ours"], result["policies"]["ours_nofetch"]
+        assert ours["num_fetch_hints"] > 0 and nofetch["num_fetch_hints"] == 0
+        if tag == "fast":
+            assert ours["num_fetches"] > 0
+        else:
+            assert ours["num_fetches"] == 0 and ours["fetched_tokens"] == 0 and ours["num_fetch_slower"] > 0
+            assert ours["num_fetch_slower"] + ours["num_fetch_evicted"] == ours["num_fetch_hints"]
