@@ -240,8 +240,9 @@ class PrefixAffinityPolicy:
         ``request``: a :class:`RoutingRequest` or any object with its
         attributes. ``candidate_ids``: replicas the caller can reach now
         (default: all known). ``request_id``: when given, the first choice is
-        reserved at once (its work counted, less what the hint saves; its
-        blocks learned), so the next decision sees it even if
+        reserved at once (its work counted, less what the hint saves — as
+        if the worker fetches; its reports correct that if it recomputes —
+        and its blocks learned), so the next decision sees it even if
         :meth:`on_routed` comes later. Never raises.
         """
         ranked, fetch = self._decide_any(request, candidate_ids)
