@@ -16,15 +16,15 @@ def _counter(result: dict, key: str) -> str:
     return _fmt(result.get("replica_counters", {}).get(key))
 
 
-def _mb_per_s(value) -> str:
-    return "-" if value is None else f"{value / 1e6:.0f}"
+def _mb_per_s(value, unit: float = 1e6) -> str:
+    return "-" if value is None else f"{value / unit:.0f}"
 
 
-def _estimates(counters: dict) -> str:
-    """Each replica's own bandwidth estimate after the run (of the last run when pooled)."""
-    estimates = counters.get("estimated_bandwidth_bytes_per_s") or {}
+def _estimates(counters: dict, key: str = "estimated_bandwidth_bytes_per_s", unit: float = 1e6) -> str:
+    """Each replica's own transfer-model figure after the run (of the last run when pooled)."""
+    estimates = counters.get(key) or {}
     values = estimates[-1] if isinstance(estimates, list) else sorted(estimates.values())
-    return " ".join(_mb_per_s(v) for v in values) or "-"
+    return " ".join(_mb_per_s(v, unit) for v in values) or "-"
 
 
 def print_table(report: dict) -> None:
@@ -53,7 +53,8 @@ def print_table(report: dict) -> None:
         ("fetched tok", lambda r: _counter(r, "fetched_tokens")),
         ("fetches/fallbacks", lambda r: f"{_counter(r, 'num_fetches')}/{_counter(r, 'num_fallbacks')}"),
         ("fetch MB/s (runs)", lambda r: _mb_per_s(r.get("replica_counters", {}).get("fetch_bandwidth_bytes_per_s"))),
-        ("probe MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),
+        ("est. MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),
+        ("est. overhead ms", lambda r: _estimates(r.get("replica_counters", {}), "estimated_overhead_s", 1e-3)),
         ("errors", lambda r: str(r["errors"] or "-")),
     ]
     names = list(results)

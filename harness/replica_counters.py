@@ -13,10 +13,10 @@ fetch) read as absent, never as zero: ``missing`` names them.
 from __future__ import annotations
 
 COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "fetch_tokens", "fetch_bytes",
-            "fetch_seconds", "fetch_exports", "fetch_exported_bytes")
+            "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes")
 FALLBACK_PREFIX = "fetch_fallback_"
 # Point-in-time estimates (not counters): taken from the snapshot after the run.
-GAUGES = ("fetch_bandwidth_bytes_per_s", "prefill_s_per_token", "fetch_enabled")
+GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled")
 
 
 def _is_number(value) -> bool:
@@ -47,9 +47,11 @@ def run_counters(before: dict, after: dict) -> dict:
     not just fetched (``tokens_saved - fetched_tokens``; a fetched prefix is
     then reused like any cached one). ``fetch_bandwidth_bytes_per_s``: the
     run's fetched bytes ÷ the fetches' wall time (round trip, owner's copy
-    and import included); ``estimated_bandwidth_bytes_per_s``: each
-    replica's own estimate after the run (start-up probe, refined by
-    fetches). ``None`` where the replicas report no such figure.
+    and import included); ``estimated_bandwidth_bytes_per_s`` /
+    ``estimated_overhead_s``: each replica's own transfer model after the
+    run (start-up probe, refined by fetches). ``num_joined``: hinted
+    requests that waited on a fetch already under way for the same prefix.
+    ``None`` where the replicas report no such figure.
     """
     deltas = replica_deltas(before, after)
     start, end = set(before.get("replicas", {})), set(after.get("replicas", {}))
@@ -68,6 +70,7 @@ def run_counters(before: dict, after: dict) -> dict:
         "fetched_tokens": fetched,
         "reused_local_tokens": None if saved is None else saved - (fetched or 0),
         "num_fetches": totals["fetch_count"],
+        "num_joined": totals["fetch_joined"],
         "num_exports": totals["fetch_exports"],
         "fetched_bytes": fetch_bytes,
         "fetch_seconds": fetch_s,
@@ -76,6 +79,8 @@ def run_counters(before: dict, after: dict) -> dict:
         "fallbacks": {reason: n for reason, n in fallbacks.items() if n},
         "estimated_bandwidth_bytes_per_s": {r: row["fetch_bandwidth_bytes_per_s"] for r, row in deltas.items()
                                             if _is_number(row.get("fetch_bandwidth_bytes_per_s"))},
+        "estimated_overhead_s": {r: row["fetch_overhead_s"] for r, row in deltas.items()
+                                 if _is_number(row.get("fetch_overhead_s"))},
         "fetch_enabled": sorted({row["fetch_enabled"] for row in deltas.values() if "fetch_enabled" in row}),
         "per_replica": deltas,
         "missing": sorted(key for key, value in totals.items() if value is None),
@@ -92,7 +97,7 @@ def pool_counters(runs: list[dict]) -> dict:
         values = [run[key] for run in runs if run.get(key) is not None]
         return sum(values) if values else None
 
-    keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_fetches", "num_exports",
+    keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_fetches", "num_joined", "num_exports",
             "fetched_bytes", "fetch_seconds", "num_fallbacks")
     pooled = {key: total(key) for key in keys}
     fallbacks: dict[str, int] = {}
@@ -104,5 +109,6 @@ def pool_counters(runs: list[dict]) -> dict:
     pooled["fallbacks"] = fallbacks
     pooled["estimated_bandwidth_bytes_per_s"] = [sorted(run.get("estimated_bandwidth_bytes_per_s", {}).values())
                                                  for run in runs]
+    pooled["estimated_overhead_s"] = [sorted(run.get("estimated_overhead_s", {}).values()) for run in runs]
     pooled["fetch_enabled"] = sorted({flag for run in runs for flag in run.get("fetch_enabled", [])})
     return pooled

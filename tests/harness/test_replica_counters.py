@@ -23,7 +23,8 @@ BEFORE = snapshot(
 AFTER = snapshot(
     a={"prefill_tokens": 1100, "tokens_saved": 3000, "hits": 4, "misses": 3, "fetch_count": 2, "fetch_tokens": 2048,
        "fetch_bytes": 2048 * 1024, "fetch_seconds": 0.5, "fetch_exports": 0, "fetch_fallback_slower": 0,
-       "fetch_fallback_timeout": 1, "fetch_bandwidth_bytes_per_s": 5e8, "fetch_enabled": True},
+       "fetch_fallback_timeout": 1, "fetch_bandwidth_bytes_per_s": 5e8, "fetch_overhead_s": 0.04,
+       "fetch_enabled": True},
     b={"prefill_tokens": 2050, "tokens_saved": 1010, "hits": 2, "misses": 3, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 2, "fetch_fallback_slower": 3,
        "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 2e9, "fetch_enabled": True},
@@ -46,8 +47,8 @@ def test_the_run_splits_prompt_tokens_into_computed_fetched_and_reused_and_names
     assert (run["num_fetches"], run["num_exports"], run["num_fallbacks"]) == (2, 2, 4)
     assert run["fallbacks"] == {"slower": 3, "timeout": 1}
     assert run["fetch_bandwidth_bytes_per_s"] == pytest.approx(2048 * 1024 / 0.5)
-    assert run["estimated_bandwidth_bytes_per_s"] == {"a": 5e8, "b": 2e9}
-    assert run["fetch_enabled"] == [True] and run["missing"] == ["fetch_exported_bytes"]
+    assert run["estimated_bandwidth_bytes_per_s"] == {"a": 5e8, "b": 2e9} and run["estimated_overhead_s"] == {"a": 0.04}
+    assert run["fetch_enabled"] == [True] and run["missing"] == ["fetch_exported_bytes", "fetch_joined"]
     assert run["replicas_not_in_both"] == ["gone", "new"]
 
 
@@ -71,4 +72,5 @@ def test_pooled_runs_sum_their_counts_and_pool_the_bandwidth_over_bytes_and_seco
     assert pooled["fallbacks"] == {"slower": 6, "timeout": 2}
     assert pooled["fetch_bandwidth_bytes_per_s"] == pytest.approx(2 * 2048 * 1024 / 1.0)
     assert pooled["estimated_bandwidth_bytes_per_s"] == [[5e8, 2e9], [5e8, 2e9], []]
+    assert pooled["estimated_overhead_s"] == [[0.04], [0.04], []] and pooled["num_joined"] is None
     assert pool_counters([bare])["fetched_tokens"] is None
