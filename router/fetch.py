@@ -63,6 +63,9 @@ class RoutingDecision:
             raise ValueError(f"a fetch hint needs a first choice other than its owner, got {self!r}")
 
 
+CREDIT_SCOPES = ("never", "over_bound", "always")
+
+
 class FetchPlan:
     """What a fetch could bring each candidate of one decision: the owner
     (:func:`fetchable_tokens`) and, per candidate, what it already holds.
@@ -70,15 +73,39 @@ class FetchPlan:
     ``depths``: the candidates' known depths (blocks); ``depth_of``: the
     index's depth of any replica, for a holder the candidates list missed
     (one past ``max_affinity_candidates`` that joined as a ring node), so a
-    replica is never credited or hinted for tokens it holds already."""
+    replica is never credited or hinted for tokens it holds already.
+
+    ``credit_scope`` (``PolicyConfig.fetch_credit_scope``): when fetchable
+    tokens lower a non-owner's cost. ``"never"``: the score is the no-fetch
+    score, the hint rides on whatever it chose; ``"over_bound"``: only while
+    the owner is over the load bound (``is_over(owner, fetchable tokens)``:
+    the request cannot stay there anyway, so the credit only picks which
+    lighter replica takes it); ``"always"``: against any owner, however
+    lightly loaded (a request leaves a home that could have taken it and
+    makes a second copy)."""
 
     def __init__(self, depths: Mapping[str, int], depth_of: Callable[[str], int], block_size: int,
                  num_prompt_tokens: int, load_of: Callable[[str], float], min_tokens: int,
-                 fetch_token_cost: float) -> None:
+                 fetch_token_cost: float, credit_scope: str = "always",
+                 is_over: Callable[[str, int], bool] | None = None) -> None:
+        if credit_scope not in CREDIT_SCOPES or (credit_scope == "over_bound" and is_over is None):
+            raise ValueError(f"credit_scope must be one of {CREDIT_SCOPES} (over_bound needs is_over), "
+                             f"got {credit_scope!r}")
         self.fetchable = fetchable_tokens(depths, block_size, num_prompt_tokens, load_of)
         self._depths, self._depth_of = depths, depth_of
         self._block_size, self._num_prompt_tokens = block_size, num_prompt_tokens
         self._min_tokens, self._fetch_token_cost = min_tokens, fetch_token_cost
+        self._credit_scope, self._is_over = credit_scope, is_over
+        self._credit_open: bool | None = None  # decided once per plan, on the first credit asked
+
+    @property
+    def credit_open(self) -> bool:
+        """Whether fetchable tokens lower non-owners' costs in this decision."""
+        if self._credit_open is None:
+            scope, fetchable = self._credit_scope, self.fetchable
+            self._credit_open = fetchable is not None and (
+                scope == "always" or (scope == "over_bound" and self._is_over(*fetchable)))
+        return self._credit_open
 
     def held(self, replica_id: str, cached: int) -> int:
         """Tokens of the prompt ``replica_id`` holds (``cached``: what the score counts)."""
@@ -88,11 +115,20 @@ class FetchPlan:
         return max(cached, min(depth_tokens, self._num_prompt_tokens - 1))
 
     def credit(self, replica_id: str, cached: int) -> float:
+        if not self.credit_open:
+            return 0.0
         return fetch_credit(self.fetchable, replica_id, self.held(replica_id, cached), self._min_tokens,
                             self._fetch_token_cost)
 
     def hint(self, first_id: str, cached: int) -> FetchHint | None:
         return hint_for(first_id, self.held(first_id, cached), self.fetchable, self._min_tokens)
+
+    def booked_tokens(self, hint: FetchHint | None) -> int:
+        """Tokens the reservation counts as fetched (at ``fetch_token_cost``):
+        the hint's where the credit was open (fetch chose the replica), else 0
+        (the no-fetch decision, booked as without fetch: the router's state
+        moves with fetch only through what the replicas report)."""
+        return hint.num_tokens if hint is not None and self.credit_open else 0
 
 
 def fetchable_tokens(depths: Mapping[str, int], block_size: int, num_prompt_tokens: int,

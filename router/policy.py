@@ -87,13 +87,16 @@ class PrefixAffinityPolicy:
        eligible, the ring walk from ``k`` continues to the first eligible
        node — the spill target, which then warms and joins the holders, so
        a hot prefix replicates in proportion to its load.
-    5. **Fetch** (``fetch_enabled``, :mod:`router.fetch`). A candidate
-       lacking more than ``fetch_min_tokens`` of the deepest holder's (the
-       owner's) prefix counts those tokens saved at ``1 - fetch_token_cost``
-       (a share ``fetch_affinity_share`` of them weighed like cached ones,
-       ``w``), so a light replica can beat queueing at a hot owner; when the first
-       choice is not the owner, :meth:`decide` hints it to fetch (the
-       receiver decides if that pays). Salted hashes keep owners in-tenant.
+    5. **Fetch** (``fetch_enabled``, :mod:`router.fetch`). A first choice
+       that is not the deepest holder (the owner) and lacks more than
+       ``fetch_min_tokens`` of its prefix is hinted to fetch (the receiver
+       decides if that pays). By default (``fetch_credit_scope`` "never")
+       steps 1–4 are unchanged: the hint rides on the no-fetch decision (an
+       owner over the bound or far more queued), booked as without fetch.
+       "over_bound" (while the owner is over the bound) or "always": a
+       candidate lacking those tokens counts them saved at ``1 -
+       fetch_token_cost`` (a share ``fetch_affinity_share`` weighed like
+       cached ones, ``w``), booked at that cost. Owners are in-tenant (salt).
     6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
        falls back to the next when the first is full. Given a
        ``request_id``, the first choice is *reserved* at once (its work
@@ -240,38 +243,32 @@ class PrefixAffinityPolicy:
         ``request``: a :class:`RoutingRequest` or any object with its
         attributes. ``candidate_ids``: replicas the caller can reach now
         (default: all known). ``request_id``: when given, the first choice is
-        reserved at once (its work counted, less what the hint saves — as
-        if the worker fetches; its reports correct that if it recomputes —
-        and its blocks learned), so the next decision sees it even if
-        :meth:`on_routed` comes later. Never raises.
+        reserved at once (its work counted — less what the hint saves where
+        the fetch credit chose it, step 5 — and its blocks learned), so the
+        next decision sees it even if :meth:`on_routed` comes later. Never raises.
         """
-        ranked, fetch = self._decide_any(request, candidate_ids)
+        ranked, fetch, num_booked = self._decide_any(request, candidate_ids)
         if request_id is not None and ranked:
-            self._count(request, ranked[0], request_id, reserve=True,
-                        num_fetched_tokens=fetch.num_tokens if fetch is not None else 0)
+            self._count(request, ranked[0], request_id, reserve=True, num_fetched_tokens=num_booked)
         return RoutingDecision(tuple(ranked), fetch)
 
     def _decide_any(self, request: object,
-                    candidate_ids: Collection[str] | None) -> tuple[list[str], FetchHint | None]:
-        if candidate_ids is None:
-            live: Collection[str] = self._ring.nodes
-        elif isinstance(candidate_ids, (set, frozenset, dict)):
-            live = candidate_ids
-        else:
-            live = set(candidate_ids)
+                    candidate_ids: Collection[str] | None) -> tuple[list[str], FetchHint | None, int]:
+        live: Collection[str] = self._ring.nodes if candidate_ids is None else (
+            candidate_ids if isinstance(candidate_ids, (set, frozenset, dict)) else set(candidate_ids))
         if not live:
             logger.warning("no candidate replicas to route to")
-            return [], None
+            return [], None, 0
         try:
             routing = RoutingRequest.from_object(request)
         except ValueError as error:
             logger.warning("request without usable routing attributes (%s); least loaded fallback", error)
-            return self._least_loaded(live), None
-        ranked, fetch = self._rank(routing, live)
+            return self._least_loaded(live), None, 0
+        ranked, fetch, num_booked = self._rank(routing, live)
         if not ranked:
             logger.warning("no candidate among %d replicas is on the ring; least loaded fallback", len(live))
-            return self._least_loaded(live), None
-        return ranked, fetch
+            return self._least_loaded(live), None, 0
+        return ranked, fetch, num_booked
 
     def on_routed(self, request: object, replica_id: str, request_id: str) -> None:
         """The request went to ``replica_id``: learn its blocks there, count its
@@ -312,7 +309,7 @@ class PrefixAffinityPolicy:
         self._loads.on_completed(request_id)
 
     # ----------------------------------------------------------------- private
-    def _rank(self, request: RoutingRequest, live: Collection[str]) -> tuple[list[str], FetchHint | None]:
+    def _rank(self, request: RoutingRequest, live: Collection[str]) -> tuple[list[str], FetchHint | None, int]:
         config, loads, ring = self.config, self._loads, self._ring
         found = gather(request, live, self._index, ring, loads, self._partial, config.block_size,
                        config.max_affinity_candidates, config.num_ring_candidates)
@@ -326,9 +323,11 @@ class PrefixAffinityPolicy:
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
         mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
         dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
+        def is_over(replica_id: str, cached: int) -> bool:  # step 4
+            return loads.recent_work(replica_id, now) > self._bound(request, mean_recent, cached, chance_sd, replica_id)
         plan = FetchPlan(depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
-                         num_prompt, loads.load, config.fetch_min_tokens, config.fetch_token_cost) \
-            if config.fetch_enabled else None
+                         num_prompt, loads.load, config.fetch_min_tokens, config.fetch_token_cost,
+                         config.fetch_credit_scope, is_over) if config.fetch_enabled else None
         scored, cached_at = [], {}
         for replica_id in candidates:
             cached = cached_at[replica_id] = self._cached_tokens(
@@ -340,11 +339,10 @@ class PrefixAffinityPolicy:
             balance_work = self._reported.value(replica_id, now) if shared else recent
             cost = (loads.load(replica_id) + num_prompt - weight * weighed - (cached + credit - weighed)
                     + balance * _beyond(balance_work - mean_balance, dead))
-            is_over = recent > self._bound(request, mean_recent, cached, chance_sd, replica_id)
             rank = ring_rank.get(replica_id, len(ring_rank))
             tiebreak = found.tiebreak(replica_id)
             tie = recent if config.tie_by_recent_work else 0.0
-            scored.append((is_over, cost, tie, rank, tiebreak, replica_id))
+            scored.append((is_over(replica_id, cached), cost, tie, rank, tiebreak, replica_id))
         scored.sort()
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring
@@ -355,9 +353,8 @@ class PrefixAffinityPolicy:
                     break
             ranked.extend(entry[-1] for entry in scored)  # then the rest, by cost
         ranked = ranked[: config.num_ranked]
-        if plan is None or not ranked:
-            return ranked, None
-        return ranked, plan.hint(ranked[0], cached_at.get(ranked[0], 0))
+        hint = plan.hint(ranked[0], cached_at.get(ranked[0], 0)) if plan is not None and ranked else None
+        return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0
 
     def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float,
                replica_id: str | None = None) -> float:

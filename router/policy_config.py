@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.fetch import CREDIT_SCOPES
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
@@ -16,18 +18,35 @@ class PolicyConfig:
     export copy, a bundle through the object store and its checksum): a few
     milliseconds, about what prefilling 256 tokens costs on a GPU
     (~20k tokens/s), so a smaller difference is recomputed.
-    ``fetch_token_cost`` = 0.1: Llama-3.1-8B keeps 128 KiB per token in
-    bf16, so at 25 GB/s a token moves in ~5 µs against ~50 µs to prefill it
-    on an H100; the worker still decides with its own measured figures.
-    ``fetch_affinity_share`` = 0: fetchable tokens lower a replica's cost
-    only by what they save now, so a prefix stays where it lives unless its
-    home is over the bound or far more queued, and a fetch mostly rescues
-    the hits of spilled requests; 1 weighs them like cached tokens (a
-    fetched prefix serves later turns too), which routes nearly by load and
-    fetches — better TTFT under FIFO decode queueing, but more copies, so
-    fewer hits where the fleet's cache is tight (BENCHMARKS.md, "KV fetch
-    (simulated)"). With ``fetch_enabled`` False the policy ranks exactly as
-    before fetch existed.
+    ``fetch_credit_scope`` = "never": fetch changes no score and no
+    booking; a request goes where it would without fetch, and when that is
+    not the owner (an owner over the bound, or far more queued) it carries
+    the hint, so fetch only turns the no-fetch rule's spills into hits.
+    Measured (BENCHMARKS.md, "KV fetch (simulated)"): never worse than
+    fetch off on any row (Mooncake 1.25M/6.25M x FIFO/batching,
+    shared-prefix, multi-turn) and multi-turn FIFO hit 0.853 -> 0.890, TTFT
+    p99 1.789 -> 1.630 s, batching hit 0.885 -> 0.895, p99 0.036 -> 0.026 s.
+    "always" (the first rule) credited fetchable tokens against any owner:
+    in 7 of multi-turn batching's 10 hints (30 of 30 FIFO) the owner was
+    within its bound, the request left a home that could take it and made
+    a second copy: imbalance 1.087 -> 1.110. "over_bound" (credit only
+    while the owner is over the bound) chose as "never" on multi-turn.
+    ``fetch_token_cost`` = 0.1, used by the credit and its booking (not by
+    "never"): Llama-3.1-8B keeps 128 KiB per token in bf16, so at 25 GB/s
+    a token moves in ~5 µs against ~50 µs to prefill it on an H100; the
+    worker still decides with its own measured figures. Booking hinted
+    requests at that cost under "never" moved Mooncake 1.25M FIFO hit by
+    -0.0096 at a 1.0 s summary period and +0.0019 at 0.9 s: the Mooncake
+    replay is chaotic (~20 hinted decisions reorder all later ones), so the
+    default books no-fetch decisions exactly as without fetch.
+    ``fetch_affinity_share`` = 0 (with a credit scope other than "never"):
+    fetchable tokens lower a replica's cost only by what they save now;
+    1 weighs them like cached tokens (a fetched prefix serves later turns
+    too), which routes nearly by load and fetches — better TTFT under FIFO
+    decode queueing, but more copies, so fewer hits where the fleet's
+    cache is tight. With ``fetch_enabled`` False the policy ranks exactly
+    as before fetch existed; with "never" it ranks and books the same given
+    the same reports, and only adds hints.
     """
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
@@ -53,10 +72,11 @@ class PolicyConfig:
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
     # Fetch (issue 13): a lighter replica may fetch a prefix from its holder instead of recomputing it.
-    fetch_enabled: bool = True  # decide() may carry a FetchHint; scoring counts fetchable tokens as mostly saved
+    fetch_enabled: bool = True  # decide() may carry a FetchHint (scoring: fetch_credit_scope)
     fetch_min_tokens: int = 256  # hint only beyond this many tokens more than the first choice holds
-    fetch_token_cost: float = 0.1  # a fetched token's cost in computed-token units (scoring and load)
+    fetch_token_cost: float = 0.1  # a fetched token's cost in computed-token units (credit and its booking)
     fetch_affinity_share: float = 0.0  # share of the fetchable tokens weighed like cached ones (affinity_weight)
+    fetch_credit_scope: str = "never"  # when fetchable tokens lower a non-owner's cost: never | over_bound | always
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
@@ -85,6 +105,8 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if self.fetch_credit_scope not in CREDIT_SCOPES:
+            raise ValueError(f"fetch_credit_scope must be one of {CREDIT_SCOPES}, got {self.fetch_credit_scope!r}")
         queue_cost = self.queue_decode_token_cost
         if queue_cost is not None and (isinstance(queue_cost, bool) or not isinstance(queue_cost, (int, float))
                                        or not math.isfinite(queue_cost) or queue_cost < 0):

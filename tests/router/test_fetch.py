@@ -6,7 +6,7 @@ import pytest
 
 from cache import block_hashes
 from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
-from router.fetch import FetchHint, RoutingDecision, fetch_credit, fetchable_tokens, hint_for
+from router.fetch import FetchHint, FetchPlan, RoutingDecision, fetch_credit, fetchable_tokens, hint_for
 
 BLOCK = 4
 REPLICAS = [f"replica-{i}" for i in range(4)]
@@ -139,10 +139,15 @@ def test_a_hint_only_ever_names_a_holder_of_the_same_tenant_blocks():
     assert policy.decide(fresh).fetch is None  # tenant a's copy of the very same tokens does not count
 
 
-@pytest.mark.parametrize("fetch_token_cost", [0.1, 0.5, 1.0])
-def test_a_hinted_reservation_counts_the_fetched_tokens_at_the_fetch_cost(fetch_token_cost):
+@pytest.mark.parametrize("scope, fetch_token_cost", [("always", 0.1), ("always", 0.5), ("always", 1.0),
+                                                     ("never", 0.1)])
+def test_a_hinted_reservation_counts_the_fetched_tokens_at_the_fetch_cost_where_the_credit_chose(
+        scope, fetch_token_cost):
+    """Where the fetch credit was open ("always") the booking counts the
+    fetched tokens at their cost; under "never" the decision is the no-fetch
+    one and so is its booking ("over_bound": test_fetch_plan_opens_...)."""
     clock = Clock()
-    policy = make_policy(clock, fetch_token_cost=fetch_token_cost)
+    policy = make_policy(clock, fetch_token_cost=fetch_token_cost, fetch_credit_scope=scope)
     for i in range(200):
         clock.now += 0.01
         req = hot_request(i)
@@ -156,7 +161,7 @@ def test_a_hinted_reservation_counts_the_fetched_tokens_at_the_fetch_cost(fetch_
         pytest.fail("no hint in 200 requests of a hot group")
     target, fetched = decision.ranked[0], decision.fetch.num_tokens
     cached = cached_before[target]
-    counted = cached + (1 - fetch_token_cost) * (fetched - cached)
+    counted = cached + (1 - fetch_token_cost) * (fetched - cached) if scope != "never" else cached
     queue_decode = policy.config.queue_token_cost * req.num_output_tokens  # below the prior: max_tokens
     assert policy.loads.load(target) - load_before[target] == pytest.approx(len(SHARED) + 6 - counted + queue_decode)
 
@@ -226,7 +231,8 @@ def test_records_reject_bad_values():
     with pytest.raises(ValueError):
         RoutingDecision((), FetchHint("a", 4))
     assert RoutingDecision(["a"]).ranked == ("a",)
-    for bad in ({"fetch_min_tokens": -1}, {"fetch_token_cost": 1.5}, {"fetch_enabled": 1}):
+    for bad in ({"fetch_min_tokens": -1}, {"fetch_token_cost": 1.5}, {"fetch_enabled": 1},
+                {"fetch_credit_scope": "sometimes"}, {"fetch_credit_scope": None}):
         with pytest.raises(ValueError):
             PolicyConfig(**bad)
 
@@ -241,15 +247,17 @@ def summary_of(replica_id, version, tokens_list, queued_tokens):
                                    num_queued_tokens=queued_tokens)
 
 
-@pytest.mark.parametrize("share, leaves", [(0.0, False), (1.0, True)])
-def test_fetch_affinity_share_weighs_fetchable_tokens_like_cached_ones(share, leaves):
+@pytest.mark.parametrize("scope, share, leaves", [("always", 0.0, False), ("always", 1.0, True),
+                                                  ("over_bound", 1.0, False), ("never", 1.0, False)])
+def test_fetch_affinity_share_weighs_fetchable_tokens_like_cached_ones(scope, share, leaves):
     """An owner with 500 tokens queued, within its bound: with the fetchable
-    tokens weighed as cached (share 1) an idle replica that can fetch them is
-    cheaper; at share 0 they count only at their fetch cost and the owner
-    keeps the request."""
+    tokens weighed as cached (share 1, credit against any owner) an idle
+    replica that can fetch them is cheaper; at share 0 they count only at
+    their fetch cost and the owner keeps the request. An owner within its
+    bound opens no credit under "over_bound", nor does any under "never"."""
     clock = Clock()
-    policy = PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK, fetch_min_tokens=BLOCK, fetch_affinity_share=share),
-                                  clock=clock)
+    policy = PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK, fetch_min_tokens=BLOCK, fetch_affinity_share=share,
+                                               fetch_credit_scope=scope), clock=clock)
     policy.set_replicas(["owner", "idle"])
     prefix = SHARED + [8000 + i for i in range(32)]  # 64 tokens, 16 blocks
     policy.on_summary(summary_of("owner", 1, [prefix], 500))
@@ -257,3 +265,65 @@ def test_fetch_affinity_share_weighs_fetchable_tokens_like_cached_ones(share, le
     decision = policy.decide(request(prefix + [1, 2, 3, 4]))
     assert decision.ranked[0] == ("idle" if leaves else "owner")
     assert decision.fetch == (FetchHint("owner", 64) if leaves else None)
+
+
+def route_mixed(policy, clock, seed):
+    """Hot groups and cold prompts with completions, the same for every
+    policy given the same seed; yields each (request, decision)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10**6) for _ in range(4 * rng.randint(2, 10))] for _ in range(5)]
+    for i in range(500):
+        clock.now += rng.uniform(0.0, 0.04)
+        tokens = (rng.choice(prefixes) if rng.random() < 0.8 else []) + [rng.randrange(10**6) for _ in range(9)]
+        req = request(tokens)
+        decision = policy.decide(req, request_id=str(i))
+        policy.on_routed(req, decision.ranked[0], str(i))
+        if rng.random() < 0.5:
+            policy.on_completed(str(rng.randrange(i + 1)))
+        yield req, decision
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_under_scope_never_fetch_only_adds_hints_to_the_no_fetch_decisions(seed):
+    """The default rule: with the same inputs, the policy with fetch on
+    ranks and books exactly as with fetch off; a hint goes exactly where the
+    first choice is not the owner and lacks more than fetch_min_tokens of
+    it (the no-fetch rule spilled or queued the request away from its home)."""
+    clocks = Clock(), Clock()
+    with_fetch, without = make_policy(clocks[0]), make_policy(clocks[1], fetch_enabled=False)
+    assert with_fetch.config.fetch_credit_scope == "never" == PolicyConfig().fetch_credit_scope
+    num_hints = 0
+    for (req, decision), (_, plain) in zip(route_mixed(with_fetch, clocks[0], seed),
+                                           route_mixed(without, clocks[1], seed)):
+        assert decision.ranked == plain.ranked and plain.fetch is None
+        for replica_id in REPLICAS:
+            assert with_fetch.loads.load(replica_id) == without.loads.load(replica_id)
+        if decision.fetch is not None:
+            num_hints += 1
+            assert decision.fetch.owner != decision.ranked[0]
+            assert with_fetch.index.depth(decision.fetch.owner, req.block_hashes) * BLOCK >= decision.fetch.num_tokens
+    assert num_hints > 0, "the workload never spilled a holder's prefix"
+
+
+@pytest.mark.parametrize("scope, owner_over, credited", [
+    ("never", False, False), ("never", True, False), ("over_bound", False, False), ("over_bound", True, True),
+    ("always", False, True), ("always", True, True)])
+def test_fetch_plan_opens_the_credit_by_scope(scope, owner_over, credited):
+    """The credit (and the discounted booking) only where the scope allows:
+    under over_bound, only while the owner is over its bound."""
+    asked = []
+
+    def is_over(replica_id, num_tokens):
+        asked.append((replica_id, num_tokens))
+        return owner_over
+
+    plan = FetchPlan({"owner": 4, "light": 0}, lambda r: 0, BLOCK, 40, lambda r: 0.0, 0, 0.1, scope, is_over)
+    assert plan.credit("light", 0) == (pytest.approx(0.9 * 16) if credited else 0.0)
+    assert plan.credit("owner", 16) == 0.0  # the owner fetches nothing
+    hint = plan.hint("light", 0)
+    assert hint == FetchHint("owner", 16)  # hinted whatever the scope
+    assert plan.booked_tokens(hint) == (16 if credited else 0)
+    assert plan.booked_tokens(None) == 0
+    assert asked == ([("owner", 16)] if scope == "over_bound" else [])  # asked once per decision
+    with pytest.raises(ValueError):
+        FetchPlan({}, lambda r: 0, BLOCK, 40, lambda r: 0.0, 0, 0.1, "over_bound", None)
