@@ -148,3 +148,12 @@ def test_a_generated_workload_without_sessions_sends_each_request_as_its_own_ses
     assert workload.sessions == ()
     figures = replay(workload, closed_config(concurrency=2, replicas=2), "pow2")
     assert figures["ttft_p50_s"] > 0
+
+
+def test_prompt_imbalance_counts_prompt_tokens_per_replica_as_the_load_test_does():
+    workload = from_sessions(build_workload("shared-prefix", "cpu", {"num_groups": 2, "prompts_per_group": 6}, None, 0),
+                             64, "shared-prefix")
+    figures = replay(workload, closed_config(concurrency=4, replicas=2), "round_robin")
+    assert figures["prompt_imbalance"] == pytest.approx(1.0)  # 12 equal prompts, alternately: 6 and 6
+    one = replay(workload, closed_config(concurrency=4, replicas=1), "ours")
+    assert one["prompt_imbalance"] == 1.0
