@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from worker.config import FetchConfig
+from worker.kv_bundle import KVBundle
 from worker.messages import ExportReply, ExportRequest
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
-    from worker.kv_bundle import KVBundle
 
 logger = logging.getLogger("kvroute.worker")
 
@@ -278,11 +278,14 @@ class PrefixFetcher:
         return await self._import(reply.bundle, prefix, salt, start)
 
     async def _import(self, bundle: KVBundle, prefix: tuple[int, ...], salt: str | None, start: float) -> int:
-        if bundle.salt != salt or bundle.token_ids != prefix[: len(bundle.token_ids)]:
+        if not isinstance(bundle, KVBundle) or bundle.salt != salt or bundle.token_ids != prefix[: bundle.num_tokens]:
             return self._fall_back("rejected", None, "the bundle is for other tokens or another tenant")
         try:
             num_new = await asyncio.to_thread(self._engine.import_prefix, bundle)
         except ValueError as error:  # checksum, model, weights fingerprint, geometry
+            return self._fall_back("rejected", None, error)
+        except Exception as error:  # noqa: BLE001 - a failed import released what it reserved; recompute
+            logger.exception("%s: importing a fetched bundle failed", self._replica_id)
             return self._fall_back("rejected", None, error)
         if num_new == 0:
             return self._fall_back("no_room")

@@ -222,6 +222,11 @@ def test_every_owner_failure_falls_back_to_recompute_by_reason(pair, tokens):
             "owner_failed": Fails(),
             "rejected": Answers(ExportReply(OWNER, forged)),
         }
+        longer = dataclasses.replace(good, token_ids=good.token_ids + (5,))  # more than was asked for
+        for bad in (longer, "not a bundle"):
+            receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), Answers(ExportReply(OWNER, bad)))
+            assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
+            assert fallbacks(receiver) == {"rejected": 1}
         for reason, transport in cases.items():
             receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
             assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
