@@ -189,3 +189,7 @@ def test_cli_fetch_flags_reach_the_replicas(tmp_path):
         else:
             assert ours["num_fetches"] == 0 and ours["fetched_tokens"] == 0 and ours["num_fetch_slower"] > 0
             assert ours["num_fetch_slower"] + ours["num_fetch_evicted"] == ours["num_fetch_hints"]
+            # the default fetch_credit_scope "never" changes no score and no booking: with every hint
+            # recomputed, the replicas see exactly the no-fetch run, and so do the figures
+            for key in ("hit_rate", "load_imbalance", "ttft_p50_s", "ttft_p99_s"):
+                assert ours[key] == nofetch[key], key
