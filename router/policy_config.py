@@ -22,15 +22,18 @@ class PolicyConfig:
     booking; a request goes where it would without fetch, and when that is
     not the owner (an owner over the bound, or far more queued) it carries
     the hint, so fetch only turns the no-fetch rule's spills into hits.
-    Measured (BENCHMARKS.md, "KV fetch (simulated)"): never worse than
-    fetch off on any row (Mooncake 1.25M/6.25M x FIFO/batching,
-    shared-prefix, multi-turn) and multi-turn FIFO hit 0.853 -> 0.890, TTFT
+    Measured (BENCHMARKS.md, "KV fetch (simulated)"): against fetch off,
+    hit rate as high or higher on every row (Mooncake 1.25M/6.25M x
+    FIFO/batching, shared-prefix, multi-turn), imbalance at most +0.003 and
+    TTFT p99 at most +0.001 s (within the summary-period noise), and
+    multi-turn FIFO hit 0.853 -> 0.890, TTFT
     p99 1.789 -> 1.630 s, batching hit 0.885 -> 0.895, p99 0.036 -> 0.026 s.
     "always" (the first rule) credited fetchable tokens against any owner:
     in 7 of multi-turn batching's 10 hints (30 of 30 FIFO) the owner was
     within its bound, the request left a home that could take it and made
-    a second copy: imbalance 1.087 -> 1.110. "over_bound" (credit only
-    while the owner is over the bound) chose as "never" on multi-turn.
+    a second copy: imbalance 1.087 -> 1.110. "over_bound" (credit, and
+    the cheaper booking, only while the owner is over the bound) opened on
+    3 of batching's 8 hints and took its imbalance to 1.168.
     ``fetch_token_cost`` = 0.1, used by the credit and its booking (not by
     "never"): Llama-3.1-8B keeps 128 KiB per token in bf16, so at 25 GB/s
     a token moves in ~5 µs against ~50 µs to prefill it on an H100; the
