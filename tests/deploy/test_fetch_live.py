@@ -2,7 +2,7 @@
 deterministic Worker replicas behind our router, on an app of this module's
 own. Run under the shared lock (tests/deploy/README.md).
 
-Forcing the hint: with ``affinity_weight`` 1 and ``fetch_token_cost`` 0 the
+Forcing the hint: with ``fetch_credit_scope`` "always", ``affinity_weight`` 1 and ``fetch_token_cost`` 0 the
 router counts a prefix the candidate could fetch exactly like one it holds,
 so the choice between owner and non-owner falls to the balance term, which
 sends each request to the replica with less recent work. The tests run in
@@ -34,7 +34,8 @@ KEY_A, KEY_B = "sk-fetch-a", "sk-fetch-b"
 AUTH_A, AUTH_B = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
 PREFIX_TOKENS = 512  # 8 routing blocks of 64
 NEW_TOKENS = 8
-FORCE_HINTS = {"affinity_weight": 1.0, "fetch_token_cost": 0.0, "fetch_min_tokens": 0}
+FORCE_HINTS = {"affinity_weight": 1.0, "fetch_token_cost": 0.0, "fetch_min_tokens": 0,
+               "fetch_credit_scope": "always"}  # the credit against any owner (the default, "never", moves nothing)
 
 
 def tokens(seed: int, n: int) -> list[int]:
