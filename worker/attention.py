@@ -21,9 +21,10 @@ memory is set by config, not by batch × context.
   several decodes share (a cached prefix) is gathered once and attended by
   all of them together (their query heads as rows of one query). A round
   attends a run of chunks (one fused attention call returning each row's
-  log-sum-exp) and merges the results into the sequences' running outputs
-  (online softmax). Only a sequence's last chunk is masked, so at most a
-  chunk's worth of positions per sequence is read in vain.
+  log-sum-exp); the rounds' results are merged into the sequences' outputs
+  once per layer (online softmax; in batches where they would exceed the
+  scratch bound). Only a sequence's last chunk is masked, and it reads only
+  the blocks the longest last chunk of its round needs.
 - A prefill chunk attends to its own new keys straight from the step's
   ``key``/``value`` (causal, no copy) and to its cached prefix gathered from
   the pool in rounds (nothing masked), merged the same way.

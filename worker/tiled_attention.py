@@ -14,8 +14,15 @@ scores become ``-inf`` before the exponent, so they contribute exact zeros.
 A row's max over all its pairs is exact (max does not round); its
 exponentials, fixed-length row sums and products are element-wise; the
 pairs' results are added into the row in key-block order, one add per
-element per block. Nothing depends on how many pairs, tiles or sequences
-share the step.
+element per block (tiles are numbered longest first, so a key block's
+pairs add into one contiguous slice of the tiles' sums). Nothing depends on
+how many pairs, tiles or sequences share the step.
+
+Shared prefixes. Decode tiles that read the same key block (a cached
+prefix several sequences hold) are stacked into one product per block of
+up to 128 rows, the block gathered once, where :func:`choose_share_rows`
+confirms at start-up that every such row count gives a row its own tile's
+bits; elsewhere each pair gathers its own keys.
 
 Tile shapes. DESIGN.md's recipe uses 16-row tiles and 32-key blocks; here
 key blocks are 64 positions (fewer pairs, same argument), and where
