@@ -47,6 +47,9 @@ _REPLICA_METRICS = {
     "fetch_tokens": ("kvroute_fetched_tokens", "Token positions newly cached from fetched bundles", True),
     "fetch_bytes": ("kvroute_fetched_bytes", "KV bytes of the fetched bundles", True),
     "fetch_seconds": ("kvroute_fetch_seconds", "Wall time of the completed fetches (request to imported)", True),
+    "fetch_hints": ("kvroute_fetch_hints", "Requests that arrived with a fetch hint from the router", True),
+    "fetch_hints_ignored": ("kvroute_fetch_hints_ignored",
+                            "Fetch hints ignored (fetch off, the hint named this replica, the prefix was held)", True),
     "fetch_joined": ("kvroute_fetch_joined", "Fetch-hinted requests that waited for a fetch of the same prefix in flight", True),
     "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
 }

@@ -164,6 +164,8 @@ class FetchCounters:
     num_fetched_tokens: int = 0  # positions newly cached from fetched bundles
     num_fetched_bytes: int = 0  # KV bytes of the fetched bundles
     fetch_s: float = 0.0  # wall time of the completed fetches (request to imported)
+    num_hints: int = 0  # requests that arrived with a fetch hint
+    num_hints_ignored: int = 0  # of those: fetch off, the hint named this replica, or the prefix was held already
     num_joined: int = 0  # hinted requests that waited for a fetch of the same prefix already in flight
     num_exports: int = 0  # bundles this replica served to others
     num_exported_bytes: int = 0
@@ -175,6 +177,8 @@ class FetchCounters:
             "fetch_tokens": self.num_fetched_tokens,
             "fetch_bytes": self.num_fetched_bytes,
             "fetch_seconds": round(self.fetch_s, 6),
+            "fetch_hints": self.num_hints,
+            "fetch_hints_ignored": self.num_hints_ignored,
             "fetch_joined": self.num_joined,
             "fetch_exports": self.num_exports,
             "fetch_exported_bytes": self.num_exported_bytes,
@@ -193,8 +197,9 @@ class _SharedFetch:
 class PrefixFetcher:
     """One replica's side of fetching: :meth:`prepare` (receiver), :meth:`export` (owner).
 
-    Invariant: every hinted request whose hint was not ignored (step 1) was
-    judged not worth fetching (``fallbacks["slower"]``), joined a fetch in
+    Invariant: every hinted request counts in ``num_hints``; one whose hint
+    was ignored (step 1) in ``num_hints_ignored``; every other was judged
+    not worth fetching (``fallbacks["slower"]``), joined a fetch in
     flight (``num_joined``) or ran one, which ended in an import
     (``num_fetches``) or in exactly one other fallback.
     ``_in_flight`` holds exactly the fetches not yet finished, by (salt, prefix).
@@ -231,14 +236,17 @@ class PrefixFetcher:
         """Fetch what ``hint`` (a ``router.fetch.FetchHint`` or None) names of
         ``token_ids`` into the local cache when that pays; the positions newly
         cached (0: recompute). Raises nothing but ``CancelledError``."""
-        if hint is None or not self._config.enabled or hint.owner == self._replica_id:
+        if hint is None:
             return 0
+        self.counters.num_hints += 1
         num_tokens = min(int(hint.num_tokens), len(token_ids))
-        if num_tokens <= 0:
+        if not self._config.enabled or hint.owner == self._replica_id or num_tokens <= 0:
+            self.counters.num_hints_ignored += 1
             return 0
         prefix = tuple(token_ids[:num_tokens])
         num_cached = await asyncio.to_thread(self._engine.cached_prefix_tokens, prefix, salt)
         if num_cached >= num_tokens:
+            self.counters.num_hints_ignored += 1
             return 0
         key = (salt, prefix)
         shared = self._in_flight.get(key)

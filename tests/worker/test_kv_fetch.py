@@ -157,6 +157,7 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
         assert fast.transfer.num_samples == 1 and stats["fetch_overhead_s"] >= 0  # the fetch refined the estimate
         assert await fast.prepare(prompt, None, hint) == 0  # held now: the hint is ignored
         assert fast.stats()["fetch_count"] == 1 and fallbacks(fast) == {}
+        assert fast.stats()["fetch_hints"] == 2 and fast.stats()["fetch_hints_ignored"] == 1
 
     asyncio.run(main())
     assert_clean(owner_engine, receiver_engine)
@@ -243,6 +244,7 @@ def test_every_owner_failure_falls_back_to_recompute_by_reason(pair, tokens):
         off = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(enabled=False), Fails())
         for fetcher in (ignored, off):
             assert await fetcher.prepare(tokens(70), None, FetchHint(OWNER, 64)) == 0 and fallbacks(fetcher) == {}
+            assert fetcher.stats()["fetch_hints"] == fetcher.stats()["fetch_hints_ignored"] == 1
         assert (await off.export(dataclasses.replace(_request(prompt), target_replica=RECEIVER))).bundle is None
 
     asyncio.run(main())
