@@ -51,6 +51,7 @@ def print_table(report: dict) -> None:
         ("computed prompt tok", lambda r: _counter(r, "computed_prompt_tokens")),
         ("reused local tok", lambda r: _counter(r, "reused_local_tokens")),
         ("fetched tok", lambda r: _counter(r, "fetched_tokens")),
+        ("hints/ignored", lambda r: f"{_counter(r, 'num_hints')}/{_counter(r, 'num_hints_ignored')}"),
         ("fetches/fallbacks", lambda r: f"{_counter(r, 'num_fetches')}/{_counter(r, 'num_fallbacks')}"),
         ("fetch MB/s (runs)", lambda r: _mb_per_s(r.get("replica_counters", {}).get("fetch_bandwidth_bytes_per_s"))),
         ("est. MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),

@@ -13,7 +13,7 @@ fetch) read as absent, never as zero: ``missing`` names them.
 from __future__ import annotations
 
 COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "fetch_tokens", "fetch_bytes",
-            "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes")
+            "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes", "fetch_hints", "fetch_hints_ignored")
 FALLBACK_PREFIX = "fetch_fallback_"
 # Point-in-time estimates (not counters): taken from the snapshot after the run.
 GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled")
@@ -50,7 +50,9 @@ def run_counters(before: dict, after: dict) -> dict:
     and import included); ``estimated_bandwidth_bytes_per_s`` /
     ``estimated_overhead_s``: each replica's own transfer model after the
     run (start-up probe, refined by fetches). ``num_joined``: hinted
-    requests that waited on a fetch already under way for the same prefix.
+    requests that waited on a fetch already under way for the same prefix;
+    ``num_hints`` / ``num_hints_ignored``: fetch hints the replicas received
+    and ignored (fetch off, the hint named themselves, prefix held already).
     ``None`` where the replicas report no such figure.
     """
     deltas = replica_deltas(before, after)
@@ -71,6 +73,8 @@ def run_counters(before: dict, after: dict) -> dict:
         "reused_local_tokens": None if saved is None else saved - (fetched or 0),
         "num_fetches": totals["fetch_count"],
         "num_joined": totals["fetch_joined"],
+        "num_hints": totals["fetch_hints"],
+        "num_hints_ignored": totals["fetch_hints_ignored"],
         "num_exports": totals["fetch_exports"],
         "fetched_bytes": fetch_bytes,
         "fetch_seconds": fetch_s,
@@ -97,7 +101,8 @@ def pool_counters(runs: list[dict]) -> dict:
         values = [run[key] for run in runs if run.get(key) is not None]
         return sum(values) if values else None
 
-    keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_fetches", "num_joined", "num_exports",
+    keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_hints", "num_hints_ignored",
+            "num_fetches", "num_joined", "num_exports",
             "fetched_bytes", "fetch_seconds", "num_fallbacks")
     pooled = {key: total(key) for key in keys}
     fallbacks: dict[str, int] = {}

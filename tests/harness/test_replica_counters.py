@@ -14,7 +14,7 @@ def snapshot(**replicas) -> dict:
 BEFORE = snapshot(
     a={"prefill_tokens": 100, "tokens_saved": 0, "hits": 0, "misses": 2, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 0, "fetch_fallback_slower": 0,
-       "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 1e9, "fetch_enabled": True},
+       "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 1e9, "fetch_enabled": True, "fetch_hints": 1},
     b={"prefill_tokens": 50, "tokens_saved": 10, "hits": 1, "misses": 1, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 0, "fetch_fallback_slower": 0,
        "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 2e9, "fetch_enabled": True},
@@ -24,7 +24,7 @@ AFTER = snapshot(
     a={"prefill_tokens": 1100, "tokens_saved": 3000, "hits": 4, "misses": 3, "fetch_count": 2, "fetch_tokens": 2048,
        "fetch_bytes": 2048 * 1024, "fetch_seconds": 0.5, "fetch_exports": 0, "fetch_fallback_slower": 0,
        "fetch_fallback_timeout": 1, "fetch_bandwidth_bytes_per_s": 5e8, "fetch_overhead_s": 0.04,
-       "fetch_enabled": True},
+       "fetch_enabled": True, "fetch_hints": 4},
     b={"prefill_tokens": 2050, "tokens_saved": 1010, "hits": 2, "misses": 3, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 2, "fetch_fallback_slower": 3,
        "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 2e9, "fetch_enabled": True},
@@ -48,7 +48,8 @@ def test_the_run_splits_prompt_tokens_into_computed_fetched_and_reused_and_names
     assert run["fallbacks"] == {"slower": 3, "timeout": 1}
     assert run["fetch_bandwidth_bytes_per_s"] == pytest.approx(2048 * 1024 / 0.5)
     assert run["estimated_bandwidth_bytes_per_s"] == {"a": 5e8, "b": 2e9} and run["estimated_overhead_s"] == {"a": 0.04}
-    assert run["fetch_enabled"] == [True] and run["missing"] == ["fetch_exported_bytes", "fetch_joined"]
+    assert run["fetch_enabled"] == [True] and run["missing"] == ["fetch_exported_bytes", "fetch_hints_ignored", "fetch_joined"]
+    assert run["num_hints"] == 3 and run["num_hints_ignored"] is None
     assert run["replicas_not_in_both"] == ["gone", "new"]
 
 
