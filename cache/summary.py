@@ -276,20 +276,14 @@ class CacheSummary:
         missing = [k for k in ("replica_id", "version", "t", "bs") if k not in data]
         if missing:
             raise ValueError(f"cache summary misses {', '.join(missing)}")
-        timestamp_s = data["t"]
-        if not isinstance(timestamp_s, (int, float)) or isinstance(timestamp_s, bool):
-            raise ValueError(f"timestamp_s must be a number, got {timestamp_s!r}")
-        mean_output_tokens = data.get("mo", 0.0)
-        if isinstance(mean_output_tokens, bool) or not isinstance(mean_output_tokens, (int, float)):
-            raise ValueError(f"mean_output_tokens must be a number, got {mean_output_tokens!r}")
         return cls(
             replica_id=data["replica_id"],
             version=data["version"],
-            timestamp_s=float(timestamp_s),
+            timestamp_s=_number(data["t"], "timestamp_s"),
             block_size=data["bs"],
             block_hashes=frozenset(_unpack_any(data.get("h", ""), "block_hashes")),
             **{name: data.get(_COMPACT_KEYS[name], 0) for name in _COUNT_FIELDS},
-            mean_output_tokens=float(mean_output_tokens),
+            mean_output_tokens=_number(data.get("mo", 0.0), "mean_output_tokens"),
             epoch=data.get("epoch", ""),
             base_version=data.get("bv", 0),
             removed_hashes=frozenset(_unpack_any(data.get("rm", ""), "removed_hashes")),
@@ -311,25 +305,25 @@ class CacheSummary:
             raise ValueError(f"cache summary misses {', '.join(missing)}")
         hashes = _unpack(data, "block_hashes", "num_blocks")
         removed = _unpack(data, "removed_hashes", "num_removed") if "removed_hashes" in data else ()
-        timestamp_s = data["timestamp_s"]
-        if not isinstance(timestamp_s, (int, float)) or isinstance(timestamp_s, bool):
-            raise ValueError(f"timestamp_s must be a number, got {timestamp_s!r}")
-        counts = {name: data.get(name, 0) for name in _COUNT_FIELDS}
-        mean_output_tokens = data.get("mean_output_tokens", 0.0)
-        if isinstance(mean_output_tokens, bool) or not isinstance(mean_output_tokens, (int, float)):
-            raise ValueError(f"mean_output_tokens must be a number, got {mean_output_tokens!r}")
         return cls(
             replica_id=data["replica_id"],
             version=data["version"],
-            timestamp_s=float(timestamp_s),
+            timestamp_s=_number(data["timestamp_s"], "timestamp_s"),
             block_size=data["block_size"],
             block_hashes=frozenset(hashes),
-            **counts,
-            mean_output_tokens=float(mean_output_tokens),
+            **{name: data.get(name, 0) for name in _COUNT_FIELDS},
+            mean_output_tokens=_number(data.get("mean_output_tokens", 0.0), "mean_output_tokens"),
             epoch=data.get("epoch", ""),
             base_version=data.get("base_version", 0),
             removed_hashes=frozenset(removed),
         )
+
+
+def _number(value: object, name: str) -> float:
+    """``value`` as a float; ``ValueError`` unless it is an int or float (never a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 def _pack(hashes: frozenset[int]) -> array:
