@@ -102,7 +102,7 @@ def build_default_plan(
         for lo in range(0, start, max(bs, scratch_tokens)):
             positions = np.arange(lo, min(start, lo + max(bs, scratch_tokens)))
             blocks = chunks.tables[index, positions // bs]
-            rows = (blocks[None, :] * num_kv_heads + heads) * bs + positions[None, :] % bs  # [kv_heads, n]
+            rows = chunks.pool_rows(blocks[None, :], heads, positions[None, :] % bs)  # [kv_heads, n]
             past_rounds.append(torch.from_numpy(rows.reshape(-1)).to(device))
         prefills.append(PrefillWork(int(chunks.offsets[index]), int(chunks.lengths[index]), past_rounds))
     merge_pairs = max(len(decode), scratch_tokens // key_chunk)

@@ -39,4 +39,9 @@ class ChunkArrays:
     def slab_ids(self, blocks: np.ndarray, heads: np.ndarray, positions: np.ndarray, rows_per_slab: int) -> np.ndarray:
         """Index of the slab holding (block, head, position) in a ``rows_per_slab``-row slab view of the pool."""
         offset = positions % self.block_size
-        return ((blocks * self.num_kv_heads + heads) * self.block_size + offset) // rows_per_slab
+        return self.pool_rows(blocks, heads, offset) // rows_per_slab
+
+    def pool_rows(self, blocks: np.ndarray, heads: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Row of ``KVPool.rows`` holding (block, head, offset within the block), broadcast.
+        The pool is head-major across blocks (worker/kv.py): ``scratch_block + 1`` blocks per head."""
+        return (heads * (self.scratch_block + 1) + blocks) * self.block_size + offsets

@@ -2,10 +2,13 @@
 
 Chosen by worker/step.py for default-mode steps on a CUDA device when the
 ``flashinfer`` package imports; elsewhere the torch kernel of
-worker/attention.py runs (its GPU fallback). The pool's layout is
-FlashInfer's "HND" paged layout as it is: each layer's keys are
-``[num_blocks + 1, kv_heads, block_size, head_dim]`` pages, values the
-same, so nothing is copied. One ``BatchPrefillWithPagedKVCacheWrapper``
+worker/attention.py runs (its GPU fallback). The pool is read in
+FlashInfer's "HND" paged layout as a strided view: each layer's keys are
+``[num_blocks + 1, kv_heads, block_size, head_dim]`` pages
+(``KVPool.block_view``: the pool itself is head-major across blocks, so the
+page stride is ``block_size * head_dim`` and the head stride that of one
+head's whole pool; FlashInfer takes a paged cache's strides from the
+tensor), values the same, so nothing is copied. One ``BatchPrefillWithPagedKVCacheWrapper``
 plan per step serves every layer; decodes are chunks of one query, and a
 chunk's queries are causal aligned to the end of its context (query ``i``
 of ``n`` sees keys ``< end - n + i + 1``), which is this engine's
@@ -56,7 +59,7 @@ class FlashInferPlan:
         if abs(scale - self.scale) > 1e-9 * self.scale:
             raise ValueError(f"FlashInfer plan made for scale {self.scale}, the model asks {scale}")
         queries = q[:, : self.num_tokens].transpose(0, 1).contiguous()  # [T, heads, D]
-        out = self.wrapper.run(queries, (pool.data[layer, 0], pool.data[layer, 1]))
+        out = self.wrapper.run(queries, (pool.block_view(layer, 0), pool.block_view(layer, 1)))
         if out.shape[0] == q.shape[1]:
             return out
         padded = q.new_zeros(q.shape[1], q.shape[0], q.shape[2])

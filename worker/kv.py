@@ -1,15 +1,18 @@
 """The KV pool: every layer's keys and values, indexed by block id.
 
-One tensor ``data[num_layers, 2, num_blocks + 1, kv_heads, block_size,
+One tensor ``data[num_layers, 2, kv_heads, num_blocks + 1, block_size,
 head_dim]`` (index 0 of the second axis holds keys, 1 values). Block ids come
 from ``cache.BlockAllocator``; the extra last block is scratch, never handed
 out: padding tokens write there and masked key positions read from it.
 
-Inside a block, each KV head's rows are contiguous (head-major), so
-attention gathers whole ``[rows, head_dim]`` *slabs* (one index per slab,
-not per position). Row ``((block_id * kv_heads + head) * block_size +
-offset)`` of :meth:`rows` holds position ``block_id * block_size + offset``
-of that head.
+Head-major across blocks: for each layer, kind and KV head the blocks lie
+one after another, so positions of blocks ``b .. b + n - 1`` (consecutive
+ids) of every head are one strided ``[kv_heads, n * block_size, head_dim]``
+view (:meth:`run_view`) that attention reads in place, without a copy.
+Row ``((head * (num_blocks + 1) + block_id) * block_size + offset)`` of
+:meth:`rows` holds position ``block_id * block_size + offset`` of that head;
+whole ``[rows, head_dim]`` *slabs* (:meth:`slabs`) are gathered where blocks
+are scattered.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block_id = num_blocks
-        # [layers, k/v, num_blocks + 1, kv_heads, block_size, head_dim]
+        # [layers, k/v, kv_heads, num_blocks + 1, block_size, head_dim]
         self.data = torch.zeros(
-            geometry.num_layers, 2, num_blocks + 1, geometry.num_kv_heads, block_size, geometry.head_dim,
+            geometry.num_layers, 2, geometry.num_kv_heads, num_blocks + 1, block_size, geometry.head_dim,
             dtype=dtype, device=device,
         )
         self.num_bytes = self.data.numel() * self.data.element_size()
@@ -64,13 +67,28 @@ class KVPool:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @staticmethod
+    def row_index(block_ids, heads, offsets, num_pool_blocks: int, block_size: int):
+        """Row of :meth:`rows` holding (block, head, offset) (numpy or torch integers, broadcast);
+        ``num_pool_blocks`` = ``num_blocks + 1`` (the scratch block included)."""
+        return (heads * num_pool_blocks + block_ids) * block_size + offsets
+
     def rows(self, layer: int, kind: int) -> torch.Tensor:
-        """``[(num_blocks + 1) * kv_heads * block_size, head_dim]`` view; ``kind`` 0 = keys, 1 = values."""
+        """``[kv_heads * (num_blocks + 1) * block_size, head_dim]`` view; ``kind`` 0 = keys, 1 = values."""
         return self.data[layer, kind].view(-1, self.geometry.head_dim)
 
     def slabs(self, layer: int, kind: int, rows_per_slab: int) -> torch.Tensor:
         """``[num_slabs, rows_per_slab, head_dim]`` view; ``rows_per_slab`` divides ``block_size``."""
         return self.data[layer, kind].view(-1, rows_per_slab, self.geometry.head_dim)
+
+    def positions(self, layer: int, kind: int) -> torch.Tensor:
+        """``[kv_heads, (num_blocks + 1) * block_size, head_dim]`` view: position ``p`` of block
+        ``b`` is column ``b * block_size + p``; a run of consecutive block ids is a slice."""
+        return self.data[layer, kind].view(self.geometry.num_kv_heads, -1, self.geometry.head_dim)
+
+    def block_view(self, layer: int, kind: int) -> torch.Tensor:
+        """``[num_blocks + 1, kv_heads, block_size, head_dim]`` view (strided, not a copy)."""
+        return self.data[layer, kind].transpose(0, 1)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V rows of block ``src`` into ``dst`` for each pair, in order."""
@@ -78,8 +96,8 @@ class KVPool:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.data.device)
         dst = torch.tensor([d for _, d in pairs], device=self.data.device)
-        self.data[:, :, dst] = self.data[:, :, src]
+        self.data[:, :, :, dst] = self.data[:, :, :, src]
 
     def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one block's ``(keys, values)``, each ``[kv_heads, block_size, head_dim]`` (tests)."""
-        return self.data[layer, 0, block_id].clone(), self.data[layer, 1, block_id].clone()
+        return self.data[layer, 0, :, block_id].clone(), self.data[layer, 1, :, block_id].clone()

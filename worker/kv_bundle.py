@@ -180,9 +180,9 @@ def gather_rows(pool: KVPool, block_table: Sequence[int], num_tokens: int) -> to
     if len(block_table) * pool.block_size < num_tokens:
         raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} positions")
     blocks, offsets = _slots(block_table, 0, num_tokens, pool.block_size, pool.data.device)
-    # pool.data: [layers, 2, blocks, kv_heads, block_size, head_dim]; indexed → [num_tokens, layers, 2, kv_heads, hd]
-    picked = pool.data[:, :, blocks, :, offsets, :]
-    return picked.permute(1, 2, 0, 3, 4).to("cpu").contiguous()
+    # pool.data: [layers, 2, kv_heads, blocks, block_size, head_dim]; indexed → [layers, 2, kv_heads, num_tokens, hd]
+    picked = pool.data[:, :, :, blocks, offsets, :]
+    return picked.transpose(2, 3).to("cpu").contiguous()
 
 
 def scatter_rows(pool: KVPool, block_table: Sequence[int], start_pos: int, rows: torch.Tensor) -> None:
@@ -196,5 +196,5 @@ def scatter_rows(pool: KVPool, block_table: Sequence[int], start_pos: int, rows:
     if num_rows == 0:
         return
     blocks, offsets = _slots(block_table, start_pos, end_pos, pool.block_size, pool.data.device)
-    values = rows.to(pool.data.device, pool.data.dtype).permute(2, 0, 1, 3, 4)  # [num_rows, layers, 2, kv_heads, hd]
-    pool.data[:, :, blocks, :, offsets, :] = values
+    values = rows.to(pool.data.device, pool.data.dtype).transpose(2, 3)  # [layers, 2, kv_heads, num_rows, hd]
+    pool.data[:, :, :, blocks, offsets, :] = values

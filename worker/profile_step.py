@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     blocks_per_seq = -(-positions // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(args.batch + 1)]
     shared_blocks = min(args.shared_tokens, args.context) // block_size if args.groups else 0
-    for i in range(args.groups, args.batch):  # group members read their group leader's prefix blocks
+    for i in range(args.groups, args.batch if args.groups else 0):  # group members read their group leader's prefix blocks
         tables[i][:shared_blocks] = tables[i % args.groups][:shared_blocks]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 259, (args.context,), generator=generator).tolist()

@@ -92,8 +92,8 @@ def build_step(
     token_blocks = np.full(num_rows, pool.scratch_block_id, dtype=np.int64)
     token_blocks[:num_tokens] = arrays.blocks(token_chunk, positions)
     heads = np.arange(num_kv_heads)[:, None]
-    write_rows = (token_blocks[None] * num_kv_heads + heads) * pool.block_size + position_ids[None] % pool.block_size
-    write_rows[:, num_tokens:] = pool.scratch_block_id * num_kv_heads * pool.block_size  # padding: scratch
+    write_rows = arrays.pool_rows(token_blocks[None], heads, position_ids[None] % pool.block_size)
+    write_rows[:, num_tokens:] = arrays.pool_rows(pool.scratch_block_id, heads, 0)  # padding: scratch
     wants = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=len(chunks))
     logits_rows = (offsets + lengths - 1)[wants]
 

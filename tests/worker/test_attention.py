@@ -47,8 +47,8 @@ def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_to
         data.append((q, k, v))
         for pos in range(start):
             block, offset = table[pos // block_size], pos % block_size
-            pool.data[0, 0, block, :, offset] = k[:, pos]
-            pool.data[0, 1, block, :, offset] = v[:, pos]
+            pool.data[0, 0, :, block, offset] = k[:, pos]
+            pool.data[0, 1, :, block, offset] = v[:, pos]
     chunks = [SeqChunk([5] * n, s, t, True) for s, n, t, *_ in chunk_specs]
     step = build_step(
         chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows,
@@ -174,8 +174,8 @@ def test_decodes_sharing_prefix_blocks_read_them_once_and_attend_correctly():
         k = torch.cat([kp, torch.randn(2, context - prefix, 8, generator=generator)], dim=1)
         v = torch.cat([vp, torch.randn(2, context - prefix, 8, generator=generator)], dim=1)
         for pos in range(context):
-            pool.data[0, 0, table[pos // block_size], :, pos % block_size] = k[:, pos]
-            pool.data[0, 1, table[pos // block_size], :, pos % block_size] = v[:, pos]
+            pool.data[0, 0, :, table[pos // block_size], pos % block_size] = k[:, pos]
+            pool.data[0, 1, :, table[pos // block_size], pos % block_size] = v[:, pos]
         specs.append((context, table, torch.randn(4, 1, 8, generator=generator), k, v))
     chunks = [SeqChunk([5], context - 1, table, True) for context, table, *_ in specs]
     step = build_step(chunks, pool, deterministic=False, pad_token_id=0, num_heads=4)

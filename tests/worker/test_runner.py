@@ -37,17 +37,17 @@ def test_deterministic_logits_and_kv_are_bit_identical_at_every_split(runners):
     runner = runners[True]
     full_pool = runner.new_pool(16, 16)
     full = runner.forward([SeqChunk(PROMPT, 0, TABLE, True)], full_pool)
-    used = full_pool.data[:, :, : len(TABLE)]
+    used = full_pool.data[:, :, :, : len(TABLE)]
     for split in list(range(1, 40)) + list(range(40, 150, 9)):
         pool = runner.new_pool(16, 16)
         runner.forward([SeqChunk(PROMPT[:split], 0, TABLE, False)], pool)
         logits = runner.forward([SeqChunk(PROMPT[split:], split, TABLE, True)], pool)
         assert torch.equal(logits, full), split
-        kv = pool.data[:, :, : len(TABLE)]
+        kv = pool.data[:, :, :, : len(TABLE)]
         # every position written (0..149) is bit-identical
         for block in range(len(TABLE)):
             upto = min(16, 150 - block * 16)
-            assert torch.equal(kv[:, :, block, :, :upto], used[:, :, block, :, :upto]), (split, block)
+            assert torch.equal(kv[:, :, :, block, :upto], used[:, :, :, block, :upto]), (split, block)
 
 
 def test_deterministic_rows_ignore_their_neighbours(runners):

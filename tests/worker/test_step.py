@@ -23,8 +23,8 @@ def test_flattened_ids_positions_write_rows_and_logit_rows(pool):
     assert step.logits_rows.tolist() == [2, 5]
     assert step.num_tokens == 6 and isinstance(step.plan, DefaultPlan)
 
-    def row(block, head, offset):
-        return (block * 2 + head) * 4 + offset
+    def row(block, head, offset):  # head-major across the pool's 11 blocks (10 + scratch)
+        return (head * 11 + block) * 4 + offset
 
     expected = [row(1, h, 1) for h in (0,)] + [row(1, 0, 2), row(1, 0, 3), row(6, 0, 2), row(2, 0, 0), row(2, 0, 1)]
     assert step.write_rows.tolist()[:6] == expected
@@ -35,8 +35,8 @@ def test_deterministic_steps_pad_to_whole_tiles_into_the_scratch_block(pool):
     step = build_step([SeqChunk([1, 2, 3], 0, [0], True)], pool, deterministic=True, pad_token_id=9, num_heads=4)
     assert step.input_ids.tolist() == [1, 2, 3] + [9] * 13
     assert step.position_ids.tolist()[3:] == [0] * 13
-    scratch_row = pool.scratch_block_id * 2 * 4
-    assert step.write_rows.view(2, 16)[:, 3:].eq(scratch_row).all()
+    scratch_rows = torch.tensor([(head * 11 + pool.scratch_block_id) * 4 for head in (0, 1)])
+    assert step.write_rows.view(2, 16)[:, 3:].eq(scratch_rows[:, None]).all()
     assert isinstance(step.plan, TiledPlan) and step.num_tokens == 3
 
 
