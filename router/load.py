@@ -108,6 +108,10 @@ class LoadTracker:
     def load(self, replica_id: str) -> float:
         return self._local.get(replica_id, 0.0) + self._foreign.get(replica_id, 0.0)
 
+    def foreign(self, replica_id: str) -> float:
+        """The part of ``load`` other routers put there, as of the last report."""
+        return self._foreign.get(replica_id, 0.0)
+
     def recent_work(self, replica_id: str, now: float) -> float:
         if self._base_s is None:
             return 0.0

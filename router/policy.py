@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Iterable
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
 from router.candidates import gather, within_block
+from router.cold_home import cold_home
 from router.fetch import FetchHint, FetchPlan, RoutingDecision
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
@@ -18,6 +19,7 @@ from router.prefix_index import PrefixIndex
 from router.request import RoutingRequest
 from router.reported_work import ReportedWork
 from router.ring import HashRing
+from router.router_share import RouterShare
 from router.summary_intake import SummaryIntake
 
 logger = logging.getLogger(__name__)
@@ -137,8 +139,10 @@ class PrefixAffinityPolicy:
                          if grain else None)
         self._intake = SummaryIntake()
         self._outputs = OutputEstimate(self.config.prior_output_tokens)
-        self._reported = ReportedWork(self.config.load_window_s, self.config.decode_token_cost)
+        self._reported = ReportedWork(self.config.load_window_s, self.config.decode_token_cost,
+                                      self.config.queue_token_cost)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
+        self._share = RouterShare(self.config.load_window_s)
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -177,6 +181,7 @@ class PrefixAffinityPolicy:
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
+        self._share.remove(replica_id)
 
     # ------------------------------------------------------------------ reports
     def on_summary(self, summary: CacheSummary) -> bool:
@@ -203,6 +208,7 @@ class PrefixAffinityPolicy:
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                               summary.num_output_tokens_total, self._clock(), reported_work)
         self._loads.on_report(replica_id, reported_work)
+        self._share.on_report(replica_id, summary.epoch, summary.num_output_tokens_total, self._clock())
         return True
 
     def _reported_work(self, summary: CacheSummary) -> float:
@@ -300,13 +306,15 @@ class PrefixAffinityPolicy:
         queued = self._work_tokens(routing, cached, replica_id, self.config.queue_token_cost)
         self._typical_work += (work - self._typical_work) / 64  # moving average
         add(request_id, replica_id, queued, now, work)
+        self._reported.on_routed(replica_id, queued)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:
             parent = hashes[-1] if hashes else salt_seed(routing.salt)
             self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
 
     def on_completed(self, request_id: str) -> None:
-        self._loads.on_completed(request_id)
+        if self._loads.on_completed(request_id):
+            self._share.on_completed(self._clock())
 
     # ----------------------------------------------------------------- private
     def _rank(self, request: RoutingRequest, live: Collection[str]) -> tuple[list[str], FetchHint | None, int]:
@@ -319,7 +327,14 @@ class PrefixAffinityPolicy:
         mean_recent = loads.recent_total(now) / max(len(ring), 1)
         chance_sd = loads.chance_sd(now)
         num_prompt = request.num_prompt_tokens
-        balance = config.balance_weight
+        routers = self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate else 1.0
+        balance = config.balance_weight * (routers if config.balance_fleet_scale else 1.0)
+        peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
+        drain_rate = self._reported.peak_rate(now) if config.drain_foreign_load else 0.0
+        def load(replica_id: str) -> float:  # queued work: own in flight + the others' as reported, drained since
+            reported = self._reported
+            drained = min(loads.foreign(replica_id), drain_rate * reported.age(replica_id, now))
+            return loads.load(replica_id) - drained + peers * reported.pending(replica_id)
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
         mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
         dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
@@ -337,7 +352,7 @@ class PrefixAffinityPolicy:
             weight = 1.0 + (config.affinity_weight - 1.0) * weighed / max(num_prompt, 1)
             recent = loads.recent_work(replica_id, now)
             balance_work = self._reported.value(replica_id, now) if shared else recent
-            cost = (loads.load(replica_id) + num_prompt - weight * weighed - (cached + credit - weighed)
+            cost = (load(replica_id) + num_prompt - weight * weighed - (cached + credit - weighed)
                     + balance * _beyond(balance_work - mean_balance, dead))
             rank = ring_rank.get(replica_id, len(ring_rank))
             tiebreak = found.tiebreak(replica_id)
@@ -352,9 +367,38 @@ class PrefixAffinityPolicy:
                     ranked.append(replica_id)
                     break
             ranked.extend(entry[-1] for entry in scored)  # then the rest, by cost
+        if config.cold_home != "cost" and ranked:
+            ranked = self._home_first(request, found, live, cached_at, ranked, now)
         ranked = ranked[: config.num_ranked]
         hint = plan.hint(ranked[0], cached_at.get(ranked[0], 0)) if plan is not None and ranked else None
         return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0
+
+    def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
+                    ranked: list[str], now: float) -> list[str]:
+        """``ranked`` with the cold home first (:mod:`router.cold_home`) when
+        the request is cold: the home holds as much of it as any candidate."""
+        reported = self._reported
+        def shared_load(replica_id: str) -> float:
+            return reported.value(replica_id, now) + reported.pending(replica_id)
+        bounded = self.config.cold_home == "bounded"
+        mean = sum(map(shared_load, self._ring.nodes)) / max(len(self._ring), 1) if bounded else 0.0
+        home = cold_home(self.config.cold_home, self._ring, found.key, live, shared_load, mean,
+                         self.config.cold_home_load_factor, self._work_tokens(request, 0))
+        if home is None or home == ranked[0]:
+            return ranked
+        cached = cached_at.get(home)
+        if cached is None:
+            within = found.within_tokens if home == found.within_replica else 0
+            cached = cached_at[home] = self._cached_tokens(
+                request, self._index.depth(home, request.block_hashes), within)
+        if cached < max(cached_at.values()):
+            return ranked  # warm somewhere else: the cost rule decides
+        return [home] + [r for r in ranked if r != home]
+
+    def _routers_seen(self, now: float) -> float:
+        """How many routers share the traffic (:class:`RouterShare`, >= 1):
+        this router's balance deviations are ~1/that of the real ones."""
+        return self._share.routers(now, self._outputs.expected(None))
 
     def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float,
                replica_id: str | None = None) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.cold_home import COLD_HOME_MODES
 from router.fetch import CREDIT_SCOPES
 
 
@@ -74,6 +75,11 @@ class PolicyConfig:
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
+    balance_fleet_scale: bool = True  # scale balance_weight by how many routers share the traffic (RouterShare)
+    load_peer_estimate: bool = True  # add (routers - 1) x this router's work since a replica's report to its load
+    drain_foreign_load: bool = False  # other routers' reported work drains at the fastest rate seen since the report
+    cold_home: str = "cost"  # where a cold request goes: cost | ring | bounded | least_of_two (router.cold_home)
+    cold_home_load_factor: float = 1.25  # "bounded": a cold home's shared load <= this x the mean (+ one request)
     # Fetch (issue 13): a lighter replica may fetch a prefix from its holder instead of recomputing it.
     fetch_enabled: bool = True  # decide() may carry a FetchHint (scoring: fetch_credit_scope)
     fetch_min_tokens: int = 256  # hint only beyond this many tokens more than the first choice holds
@@ -88,7 +94,7 @@ class PolicyConfig:
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
-                          ("learned_grace_s", 0.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0)):
+                          ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < low:
@@ -99,7 +105,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
-        for name in ("tie_by_recent_work", "fetch_enabled"):
+        for name in ("tie_by_recent_work", "fetch_enabled", "balance_fleet_scale",
+                     "load_peer_estimate", "drain_foreign_load"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
@@ -108,6 +115,8 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if self.cold_home not in COLD_HOME_MODES:
+            raise ValueError(f"cold_home must be one of {COLD_HOME_MODES}, got {self.cold_home!r}")
         if self.fetch_credit_scope not in CREDIT_SCOPES:
             raise ValueError(f"fetch_credit_scope must be one of {CREDIT_SCOPES}, got {self.fetch_credit_scope!r}")
         queue_cost = self.queue_decode_token_cost

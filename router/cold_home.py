@@ -1,0 +1,59 @@
+"""Where a cold prefix goes: a rule every router computes alike.
+
+A request is *cold* when no replica holds more of it than the shared part
+(nothing, or a system prompt every candidate holds): placing it decides
+where a new prefix's cache will live. A router that places it by its own
+view (its own recent work, its own queue) disagrees with another router
+that has seen other requests, and the two home the same new prefix on two
+replicas. :func:`cold_home` uses only what every router holds alike: the
+hash ring (a pure function of the replica set) and the replicas' summaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from router.ring import HashRing
+
+COLD_HOME_MODES = ("cost", "ring", "bounded", "least_of_two")
+
+
+def cold_home(mode: str, ring: HashRing, key: int, live: Collection[str],
+              shared_load: Callable[[str], float], mean_load: float, load_factor: float,
+              request_work: float) -> str | None:
+    """The replica a cold request with ring key ``key`` goes to, or None
+    (``mode`` "cost": the cost rule decides, as before this rule existed).
+
+    ``shared_load``: a replica's load as every router sees it (from its
+    summaries only), ``mean_load`` its mean over the fleet.
+
+    - "ring": the first live node clockwise from ``key``.
+    - "bounded": consistent hashing with bounded loads (Mirrokni et al.):
+      the first live node from ``key`` whose shared load is at most
+      ``load_factor`` × the mean plus one request (``request_work``), so a
+      replica the summaries show over its share takes no new prefix.
+    - "least_of_two": of the first two live nodes, the one with the lower
+      shared load (the earlier on a tie): two choices, the same for every
+      router that holds the same summaries.
+
+    Routers holding the same summaries return the same replica; O(nodes
+    walked) ring steps (the walk stops at the first eligible node)."""
+    if mode == "cost":
+        return None
+    walk = (replica_id for replica_id in ring.walk(key) if replica_id in live)
+    if mode == "ring":
+        return next(walk, None)
+    if mode == "least_of_two":
+        first = next(walk, None)
+        second = next(walk, None)
+        if first is None or second is None:
+            return first
+        return second if shared_load(second) < shared_load(first) else first
+    bound = load_factor * mean_load + request_work
+    fallback = None
+    for replica_id in walk:
+        if shared_load(replica_id) <= bound:
+            return replica_id
+        if fallback is None:
+            fallback = replica_id
+    return fallback
