@@ -1,0 +1,89 @@
+"""Serve's direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``,
+``harness/direct_ingress.py``), live: the Ingress replica serves HTTP on its
+own port, no Serve proxy in the way, so kvroute's admission answers the
+excess itself — OpenAI-style JSON 429 ``overloaded`` with ``Retry-After`` —
+before any Ray call; admitted requests are served as through the proxy,
+which still answers on ``http_options.port``.
+
+Fails without the option: a plain app has no server on the direct port.
+The harness's env is the one deploy/config.yaml documents (commented out)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import yaml
+
+from harness.direct_ingress import INGRESS_ENV, DirectIngressApp
+from harness.serving import REPO_ROOT
+from tests.reliability.conftest import API_KEY, AUTH
+
+
+def test_the_documented_option_is_the_harness_env():
+    lines = (REPO_ROOT / "deploy/config.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# runtime_env:")
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.strip().startswith("#   "):
+            break
+        block.append(line)
+    indent = len(block[0]) - len(block[0].lstrip())
+    documented = yaml.safe_load("\n".join(line[indent:].replace("# ", "", 1) for line in block))
+    assert documented == {"runtime_env": {"env_vars": INGRESS_ENV}}
+
+
+@pytest.fixture(scope="module")
+def app(exclusive):
+    # 1 worker request in flight per Worker: 2 admitted at once, the rest refused
+    app = DirectIngressApp(num_cpus=2, args_overrides={"max_in_flight_per_worker": 1, "api_keys": [API_KEY],
+                                                        "stats_period_s": 0.5})
+    with app:
+        app.deploy()
+        yield app
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url, json=body, headers=AUTH, timeout=60, trust_env=False)
+
+
+@pytest.mark.ray
+def test_direct_port_serves_and_the_proxy_still_does(app):
+    assert app.direct_port is not None and app.url != app.proxy_url
+    body = {"prompt_token_ids": [40, 41, 42, 43], "max_new_tokens": 4, "ignore_eos": True}
+    for url in (app.url, app.proxy_url):
+        response = _post(f"{url}/generate", body)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["token_ids"]) == 4
+    completion = _post(f"{app.url}/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    # kvroute's auth, not Serve's: a bad key is the OpenAI-style 401
+    bad = httpx.post(f"{app.url}/generate", json=body, headers={"Authorization": "Bearer nope"}, timeout=30,
+                     trust_env=False)
+    assert bad.status_code == 401 and "error" in bad.json()
+
+
+@pytest.mark.ray
+def test_direct_port_refuses_the_excess_with_kvroutes_json_and_retry_after(app):
+    body = {"prompt_token_ids": [50, 51, 52], "max_new_tokens": 48, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{app.url}/generate", json=body, headers=AUTH)
+                                          for _ in range(12)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    print("FIGURES direct_ingress burst:", statuses)
+    assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}, statuses
+    for response in responses:
+        if response.status_code != 429:
+            continue
+        assert response.headers["retry-after"] == "1"
+        assert response.headers["content-type"] == "application/json"
+        error = json.loads(response.content)["error"]
+        assert error["code"] == "overloaded" and error["type"] == "rate_limit_error", error
+    # the admission's counter is back at zero: a lone request is admitted again
+    assert _post(f"{app.url}/generate", body).status_code == 200
