@@ -134,11 +134,14 @@ def test_default_kernel_reads_blocks_in_place_at_mixed_lengths_and_boundaries(sc
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_default_plan_never_gathers_more_than_its_scratch_budget():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_default_plan_never_gathers_more_than_its_scratch_budget(in_place):
     """Scratch bound: every round gathers at most ``scratch_tokens`` positions (one key chunk
-    at least), whatever the batch and its contexts; decodes read no key chunk past their end."""
+    at least), whatever the batch and its contexts; decodes read no key chunk past their end.
+    In place (consecutive tables), nothing is gathered: every position is read from the pool."""
     from worker.attention import build_default_plan
     from worker.chunk_arrays import ChunkArrays
+    from worker.default_plan import MIN_IN_PLACE_TOKENS, NEVER_IN_PLACE
     import numpy as np
 
     block_size, scratch = 16, 512
@@ -149,7 +152,16 @@ def test_default_plan_never_gathers_more_than_its_scratch_budget():
         num_table = -(-context // block_size) + 7
         tables = np.arange(num_seqs * num_table).reshape(num_seqs, num_table)
         arrays = ChunkArrays(np.cumsum(lengths) - lengths, lengths, starts, tables, block_size, 10**6, 2)
-        plan = build_default_plan(arrays, torch.device("cpu"), scratch)
+        plan = build_default_plan(arrays, torch.device("cpu"), scratch,
+                                  MIN_IN_PLACE_TOKENS if in_place else NEVER_IN_PLACE)
+        read = (num_seqs - 1) * context + (context - 1)
+        assert plan.stats["in_place"] + plan.stats["gathered"] == read
+        if in_place:
+            assert plan.stats["gathered"] == 0 and not plan.decode_rounds
+            assert all(not work.past_rounds for work in plan.prefills)
+            # evenly spaced runs of one length: one call for every decode
+            assert len(plan.in_place) == (num_seqs > 1) and plan.in_place[0].units == num_seqs - 1 if num_seqs > 1 else True
+            continue
         chunk_counts = [work.seqs.shape[0] for work in plan.decode_rounds]
         assert max(chunk_counts, default=0) * plan.key_chunk <= scratch
         assert sum(work.seqs.numel() for work in plan.decode_rounds) == (num_seqs - 1) * -(-context // DECODE_KEY_CHUNK)
@@ -160,7 +172,7 @@ def test_default_plan_never_gathers_more_than_its_scratch_budget():
 
 def test_decodes_sharing_prefix_blocks_read_them_once_and_attend_correctly():
     """Three decodes over one cached 256-position prefix (the same blocks in their tables) and
-    tails of their own: each shared full chunk is gathered once, for all three."""
+    tails of their own: the shared run is read in place once, for all three."""
     block_size, prefix = 16, 256
     pool = KVPool(GEOMETRY, num_blocks=64, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
     generator = torch.Generator().manual_seed(11)
@@ -179,8 +191,8 @@ def test_decodes_sharing_prefix_blocks_read_them_once_and_attend_correctly():
         specs.append((context, table, torch.randn(4, 1, 8, generator=generator), k, v))
     chunks = [SeqChunk([5], context - 1, table, True) for context, table, *_ in specs]
     step = build_step(chunks, pool, deterministic=False, pad_token_id=0, num_heads=4)
-    shared = [work for work in step.plan.decode_rounds if work.seqs.shape[1] == 3]
-    assert [work.seqs.shape[0] for work in shared] == [prefix // DECODE_KEY_CHUNK]
+    shared = [call for call in step.plan.in_place if call.sharers == 3]
+    assert [(call.units, call.length, call.start) for call in shared] == [(1, prefix, 0)]
     query = torch.cat([q for *_, q, _, _ in specs], dim=1)[None]
     key = torch.stack([k[:, -1] for *_, k, _ in specs], dim=1)[None]
     value = torch.stack([v[:, -1] for *_, v in specs], dim=1)[None]
@@ -221,3 +233,70 @@ def test_tiled_kernel_sharing_a_cached_prefix_gives_the_same_bits():
     for index in (0, 17, 39):
         alone, _ = run([specs[index]], True, tile_rows=(4, 128), block_size=16, share_rows=128)
         assert torch.equal(alone, mixed[index : index + 1]), index
+
+
+def _scattered(specs, block_size, num_blocks, seed):
+    """(start, n, table) specs with every table drawn at random from one pool of ``num_blocks``."""
+    import random
+
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    out = []
+    for start, length in specs:
+        need = -(-(start + length) // block_size)
+        out.append((start, length, ids[:need]))
+        ids = ids[need:]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "fragmented", "mixed", "shared", "evenly_spaced"])
+@pytest.mark.parametrize("scratch_tokens", [128, 32768])
+def test_in_place_runs_match_the_gather_path(layout, scratch_tokens, monkeypatch):
+    """The in-place plan (runs of consecutive blocks read from the pool, shared runs once, evenly
+    spaced runs in one call) against the gather-only plan and dense attention, within float32
+    rounding: consecutive, fragmented and mixed tables, decodes sharing a prefix, prefills."""
+    from worker.default_plan import NEVER_IN_PLACE
+
+    block_size = 16
+    if layout == "consecutive":
+        specs, num_blocks = _tables(EDGES, block_size)
+        specs = [(s, n, sorted(t)) for s, n, t in specs]
+    elif layout == "fragmented":
+        num_blocks = _tables(EDGES, block_size)[1] + 20
+        specs = _scattered(EDGES, block_size, num_blocks, seed=3)
+    elif layout == "mixed":  # runs of 3 consecutive blocks, then a jump
+        specs, next_block = [], 0
+        for start, length in EDGES:
+            need = -(-(start + length) // block_size)
+            table = [next_block + i + 5 * (i // 3) for i in range(need)]
+            next_block = table[-1] + 7
+            specs.append((start, length, table))
+        num_blocks = next_block
+    elif layout == "evenly_spaced":  # equal contexts, one after another: a batched strided call
+        specs = [(99, 1, list(range(i * 8, i * 8 + 7))) for i in range(6)] + [(40, 20, list(range(60, 64)))]
+        specs = [spec + (200 + i,) for i, spec in enumerate(specs)]
+        num_blocks = 64
+    else:  # decodes over one cached prefix (the same blocks; equal contexts: equal keys), own tails
+        prefix = list(range(10))
+        specs = [(170, 1, prefix + [20 + 2 * i, 21 + 2 * i], 100 + i) for i in range(6)]
+        specs += [(0, 9, [60]), (37, 1, [61, 62, 63])]
+        num_blocks = 64
+    plans = []
+    with monkeypatch.context() as patch:
+        patch.setattr("worker.default_plan.MIN_IN_PLACE_TOKENS", NEVER_IN_PLACE)
+        gathered, expected = run(specs, False, block_size=block_size, scratch_tokens=scratch_tokens,
+                                 num_blocks=num_blocks, plans=plans)
+    assert plans[0].stats["in_place"] == 0 and not plans[0].in_place
+    plans = []
+    in_place, _ = run(specs, False, block_size=block_size, scratch_tokens=scratch_tokens, num_blocks=num_blocks,
+                      plans=plans)
+    torch.testing.assert_close(in_place, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-6)
+    plan = plans[0]
+    if layout in ("consecutive", "shared", "evenly_spaced"):
+        assert plan.stats["in_place"] > plan.stats["gathered"]
+    if layout == "evenly_spaced":
+        assert any(call.units == 6 and call.step == 8 * block_size for call in plan.in_place)
+    if layout == "shared":
+        assert any(call.sharers == 6 and call.length == 160 for call in plan.in_place)
+        assert plan.stats["gathered"] <= 6 * 11 + 10  # only the own tails (and the small sequences)
