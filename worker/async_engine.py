@@ -59,8 +59,19 @@ class AsyncEngine:
 
     Invariants (:meth:`check_invariants`): the engine's own, and every request
     the engine holds has a live sink (a waiter), so nothing runs unobserved.
-    Lock order: ``_lock`` (engine state) may be held while taking
-    ``_sinks_lock``, never the reverse.
+
+    Locks: ``_lock`` (the engine: scheduler, requests) and ``_cache_lock``
+    (the KV cache: radix tree, allocator, the rows of cached blocks). Whoever
+    changes engine state holds both (:meth:`_exclusive`); the engine thread
+    holds both through a step except during the model forward, when it
+    holds ``_lock`` only (``Engine.forward_window``): the forward reads the
+    tree and allocator nowhere and writes only rows of blocks its sequences
+    hold alone, so exports, imports and cache lookups
+    (:meth:`export_prefix`, :meth:`import_prefix`,
+    :meth:`cached_prefix_tokens`) take ``_cache_lock`` alone and run while
+    the forward does, instead of waiting for the step to end; the engine
+    thread waits for them at most one bounded copy after its forward.
+    Order: ``_lock``, then ``_cache_lock``, then ``_sinks_lock``; never the reverse.
     """
 
     def __init__(
@@ -74,6 +85,8 @@ class AsyncEngine:
         self.config = self.engine.config
         self._clock = clock
         self._lock = threading.RLock()
+        self._cache_lock = threading.RLock()
+        self.engine.forward_window = self._forward_window
         self._sinks_lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
         self._inbox: deque[tuple] = deque()
@@ -217,7 +230,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             deliveries: list[tuple[_Sink, object]] = []
-            with self._lock:
+            with self._exclusive():
                 self._drain_inbox(deliveries)
                 if self._closed:
                     self._fail_all(RuntimeError("the engine shut down"), deliveries)
@@ -238,6 +251,21 @@ class AsyncEngine:
                 previous, self._snapshot = self._snapshot, self.engine.stats
                 self._prefill_rate.observe_step(previous, self._snapshot, self._clock() - started_s)
             self._deliver(deliveries)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Both locks: nothing else reads or changes the engine or its cache."""
+        with self._lock, self._cache_lock:
+            yield
+
+    @contextlib.contextmanager
+    def _forward_window(self) -> Iterator[None]:
+        """The engine thread, in a step: lets cache readers and importers in during the forward."""
+        self._cache_lock.release()
+        try:
+            yield
+        finally:
+            self._cache_lock.acquire()
 
     def _drain_inbox(self, deliveries: list) -> None:
         while self._inbox:
@@ -310,15 +338,24 @@ class AsyncEngine:
     @contextlib.contextmanager
     def locked(self) -> Iterator[Engine]:
         """Exclusive access to the engine between steps (blocks up to one step)."""
-        with self._lock:
+        with self._exclusive():
             yield self.engine
 
-    def export_prefix(self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None):
-        """:meth:`Engine.export_prefix`: the rows copied between steps (one
-        bounded copy under the engine lock), the checksum computed after."""
-        with self._lock:
+    def export_prefix(self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None,
+                      timing: dict | None = None):
+        """:meth:`Engine.export_prefix`: the rows copied under the cache lock
+        (between steps or during a forward; one bounded copy), the checksum
+        computed after. ``timing`` (optional) gets the seconds spent waiting
+        for the cache (``wait_s``), copying (``copy_s``) and checksumming (``bundle_s``)."""
+        start = time.perf_counter()
+        with self._cache_lock:
+            locked = time.perf_counter()
             copied = self.engine.copy_prefix_rows(token_ids, salt, max_tokens=max_tokens)
-        return None if copied is None else self.engine.bundle_rows(*copied, salt)
+        copied_at = time.perf_counter()
+        bundle = None if copied is None else self.engine.bundle_rows(*copied, salt)
+        if timing is not None:
+            timing.update(wait_s=locked - start, copy_s=copied_at - locked, bundle_s=time.perf_counter() - copied_at)
+        return bundle
 
     @property
     def prefill_s_per_token(self) -> float | None:
@@ -326,20 +363,29 @@ class AsyncEngine:
         return self._prefill_rate.s_per_token
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], salt: str | None = None) -> int:
-        """Leading positions of ``token_ids`` cached under ``salt`` (a pure read, between steps)."""
-        with self._lock:
+        """Leading positions of ``token_ids`` cached under ``salt`` (a pure read, under the cache lock)."""
+        with self._cache_lock:
             return self.engine.cache.match(token_ids, salt, touch=False).num_tokens
 
-    def import_prefix(self, bundle) -> int:
-        """:meth:`Engine.import_prefix`: checked (checksum included) outside the
-        engine lock, then reserved, written and cached between steps."""
+    def import_prefix(self, bundle, *, timing: dict | None = None) -> int:
+        """:meth:`Engine.import_prefix`: checked (checksum included) outside any
+        lock, then reserved, written and cached under the cache lock (between
+        steps or during a forward: the blocks it takes are free or evicted
+        ones no running sequence holds). ``timing`` (optional) gets
+        ``check_s``, ``wait_s`` (for the cache lock) and ``copy_s``."""
+        start = time.perf_counter()
         self.engine.check_bundle(bundle)
-        with self._lock:
-            return self.engine.import_checked(bundle)
+        checked = time.perf_counter()
+        with self._cache_lock:
+            locked = time.perf_counter()
+            num_new = self.engine.import_checked(bundle)
+        if timing is not None:
+            timing.update(check_s=checked - start, wait_s=locked - checked, copy_s=time.perf_counter() - locked)
+        return num_new
 
     def cache_block_hashes(self, block_size: int) -> set[int]:
         """Chained hashes of every full ``block_size`` block the cache holds, taken between steps."""
-        with self._lock:
+        with self._exclusive():
             return cached_block_hashes(self.engine.cache, block_size)
 
     def cache_summary(self, block_size: int, *, replica_id: str, version: int, timestamp_s: float) -> CacheSummary:
@@ -347,7 +393,7 @@ class AsyncEngine:
         steps. Blocks the caller for at most one engine step; cost O(cached tokens)."""
         with self._sinks_lock:
             num_live = len(self._sinks)
-        with self._lock:
+        with self._exclusive():
             scheduler = self.engine.scheduler
             return CacheSummary.from_radix(
                 self.engine.cache,
@@ -370,7 +416,7 @@ class AsyncEngine:
         return sum(lengths) / len(lengths) if lengths else 0.0
 
     def check_invariants(self) -> None:
-        with self._lock:
+        with self._exclusive():
             self.engine.check_invariants()
             with self._sinks_lock:
                 live = {s.request_id for s in self._sinks.values()}
@@ -388,7 +434,7 @@ class AsyncEngine:
         """Until the inbox is drained and no request is waiting or running."""
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._lock:
+            with self._exclusive():
                 if not self._inbox and not self.engine.has_work():
                     return
             if time.monotonic() > deadline:

@@ -9,6 +9,7 @@ worker/async_engine.py steps the same object from a background thread.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -79,6 +80,9 @@ class Engine:
         self.num_imported_tokens = 0  # positions newly cached from imported bundles since start
         self._live: dict[str, Seq] = {}
         self.last_step_ran = False  # did the last step() run a forward?
+        # Entered around each step's model forward, which touches no cache state but the rows of
+        # blocks its sequences hold alone (AsyncEngine lets cache readers and importers in there).
+        self.forward_window: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         logger.info(
             "engine: model=%s deterministic=%s pool=%d blocks x %d (%d bytes/token) budget=%d tokens",
             self.model_id, config.deterministic, num_blocks, config.block_size, self.bytes_per_token,
@@ -198,7 +202,8 @@ class Engine:
             )
             for c in scheduled.chunks
         ]
-        logits = self.runner.forward(chunks, self.pool)
+        with self.forward_window():
+            logits = self.runner.forward(chunks, self.pool)
         wanted = [c.seq for c in scheduled.chunks if c.needs_logits]
         tokens, logprobs = sample(logits, [s.params for s in wanted], [s.generator for s in wanted])
         sampled = self.scheduler.complete(scheduled, tokens, logprobs, self._clock())

@@ -13,6 +13,7 @@ blocks (worker/engine.py ``export_prefix`` / ``import_prefix``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,16 @@ class KVBundle:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def __reduce__(self):
+        """Pickled (a Ray return value) with its rows as one flat NumPy byte
+        array, which Ray's serializer moves out of band: no copy into the
+        pickle, read in place from the object store on arrival (torch's own
+        tensor pickling copies them through ``torch.save``). The unpickled
+        rows are then read-only (the store's memory): importers only read them."""
+        fields = tuple(getattr(self, name) for name in self.__slots__ if name != "rows")
+        raw = self.rows.contiguous().view(-1).view(torch.uint8).numpy()
+        return _bundle_from_wire, (fields, raw, dtype_name(self.rows.dtype), tuple(self.rows.shape))
 
     @property
     def num_bytes(self) -> int:
@@ -115,6 +126,17 @@ class KVBundle:
         )
         if self.checksum != expected:
             raise ValueError(f"bundle checksum {self.checksum:#x} does not match its contents ({expected:#x})")
+
+
+def _bundle_from_wire(fields: tuple, raw, dtype: str, shape: tuple[int, ...]) -> KVBundle:
+    """:meth:`KVBundle.__reduce__` undone: the rows a view of ``raw`` (no copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer from the object store
+        flat = torch.from_numpy(raw)
+    rows = flat.view(getattr(torch, dtype)).view(shape)
+    names = [name for name in KVBundle.__slots__ if name != "rows"]
+    values = dict(zip(names, fields, strict=True))
+    return KVBundle(**values, rows=rows)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

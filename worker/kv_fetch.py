@@ -26,8 +26,12 @@ queued:
    counted by reason (:data:`FALLBACK_REASONS`); ``prepare`` raises nothing
    but ``CancelledError``.
 4. Import the bundle (checked, checksum and weights fingerprint included,
-   outside the engine lock; written under it in one bounded copy). The
-   request then finds the prefix in the local cache like any hit.
+   outside any lock; written under the engine's cache lock in one bounded
+   copy, which a running forward does not hold: ``AsyncEngine``). The
+   request then finds the prefix in the local cache like any hit. The
+   owner's export likewise copies under the cache lock only, so neither side
+   waits for the other's step in flight to end (on a busy ~125M replica a
+   1,024-token step takes seconds).
 
 Requests hinted to the same prefix (salt and tokens) while its fetch is in
 flight join it instead of fetching it again (a hot prefix spilling a burst
@@ -164,11 +168,15 @@ class FetchCounters:
     num_fetched_tokens: int = 0  # positions newly cached from fetched bundles
     num_fetched_bytes: int = 0  # KV bytes of the fetched bundles
     fetch_s: float = 0.0  # wall time of the completed fetches (request to imported)
+    fetch_call_s: float = 0.0  # of that: the call to the owner (its export, serialization, object store)
+    fetch_import_s: float = 0.0  # of that: the import (check, waiting for the cache lock, the copy)
     num_hints: int = 0  # requests that arrived with a fetch hint
     num_hints_ignored: int = 0  # of those: fetch off, the hint named this replica, or the prefix was held already
     num_joined: int = 0  # hinted requests that waited for a fetch of the same prefix already in flight
     num_exports: int = 0  # bundles this replica served to others
     num_exported_bytes: int = 0
+    export_wait_s: float = 0.0  # exports waiting for this replica's cache lock
+    export_copy_s: float = 0.0  # exports copying rows out of the pool and checksumming them
     fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACK_REASONS, 0))
 
     def to_stats(self) -> dict:
@@ -177,11 +185,15 @@ class FetchCounters:
             "fetch_tokens": self.num_fetched_tokens,
             "fetch_bytes": self.num_fetched_bytes,
             "fetch_seconds": round(self.fetch_s, 6),
+            "fetch_call_seconds": round(self.fetch_call_s, 6),
+            "fetch_import_seconds": round(self.fetch_import_s, 6),
             "fetch_hints": self.num_hints,
             "fetch_hints_ignored": self.num_hints_ignored,
             "fetch_joined": self.num_joined,
             "fetch_exports": self.num_exports,
             "fetch_exported_bytes": self.num_exported_bytes,
+            "fetch_export_wait_seconds": round(self.export_wait_s, 6),
+            "fetch_export_copy_seconds": round(self.export_copy_s, 6),
             **{f"fetch_fallback_{reason}": count for reason, count in self.fallbacks.items()},
         }
 
@@ -283,9 +295,10 @@ class PrefixFetcher:
             return self._fall_back("owner_gone", owner)
         if reply.bundle is None:
             return self._fall_back("evicted", owner)
-        return await self._import(reply.bundle, prefix, salt, start)
+        return await self._import(reply.bundle, prefix, salt, start, self._clock())
 
-    async def _import(self, bundle: KVBundle, prefix: tuple[int, ...], salt: str | None, start: float) -> int:
+    async def _import(self, bundle: KVBundle, prefix: tuple[int, ...], salt: str | None, start: float,
+                      replied: float) -> int:
         if not isinstance(bundle, KVBundle) or bundle.salt != salt or bundle.token_ids != prefix[: bundle.num_tokens]:
             return self._fall_back("rejected", None, "the bundle is for other tokens or another tenant")
         try:
@@ -303,6 +316,8 @@ class PrefixFetcher:
         counters.num_fetched_tokens += num_new
         counters.num_fetched_bytes += bundle.num_bytes
         counters.fetch_s += elapsed_s
+        counters.fetch_call_s += replied - start
+        counters.fetch_import_s += self._clock() - replied
         self.transfer.observe(bundle.num_bytes, elapsed_s)
         return num_new
 
@@ -322,9 +337,12 @@ class PrefixFetcher:
             raise ValueError(f"expected an ExportRequest, got {type(request).__name__}")
         if request.target_replica != self._replica_id or not self._config.enabled:
             return ExportReply(self._replica_id, None)
+        timing: dict = {}
         bundle = await asyncio.to_thread(self._engine.export_prefix, request.token_ids, request.salt,
-                                         max_tokens=request.max_tokens)
+                                         max_tokens=request.max_tokens, timing=timing)
         if bundle is not None:
             self.counters.num_exports += 1
             self.counters.num_exported_bytes += bundle.num_bytes
+        self.counters.export_wait_s += timing.get("wait_s", 0.0)
+        self.counters.export_copy_s += timing.get("copy_s", 0.0) + timing.get("bundle_s", 0.0)
         return ExportReply(self._replica_id, bundle)

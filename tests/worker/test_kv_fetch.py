@@ -336,3 +336,83 @@ def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
     result = asyncio.run(main())
     assert result.cached_tokens == 64
     assert_clean(owner_engine, receiver_engine)
+
+
+class GatedForward:
+    """An engine's model forward that, once ``armed``, signals ``entered`` and
+    waits for ``release`` (a forward that takes as long as the test wants)."""
+
+    def __init__(self, engine) -> None:
+        import threading
+
+        self.armed, self.entered, self.release = threading.Event(), threading.Event(), threading.Event()
+        runner = engine.engine.runner
+        self._forward = runner.forward
+        runner.forward = self
+
+    def __call__(self, *args, **kwargs):
+        if self.armed.is_set():
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the forward"
+        return self._forward(*args, **kwargs)
+
+
+def test_exports_and_imports_run_while_the_engine_is_in_a_forward(pair, tokens):
+    """The owner's export and the receiver's import take the cache lock only,
+    so neither waits for the step in flight to end (both forwards are held
+    until they finished); the request stepping beside the import still
+    equals the reference, and the fetched prefix is then a hit."""
+    owner_engine, receiver_engine = pair
+    prefix, busy_prompt, prompt = tokens(64), tokens(40), None
+    prompt = prefix + tokens(11)
+
+    async def main():
+        await owner_engine.generate(prefix, GREEDY)
+        gates = GatedForward(owner_engine), GatedForward(receiver_engine)
+        busy = []
+        for gate, engine in zip(gates, pair):
+            gate.armed.set()
+            busy.append(asyncio.create_task(engine.generate(busy_prompt, GREEDY)))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+        bundle = await asyncio.wait_for(asyncio.to_thread(owner_engine.export_prefix, prefix), 10)
+        assert bundle is not None and bundle.num_tokens == 64
+        assert await asyncio.to_thread(receiver_engine.cached_prefix_tokens, prefix) == 0
+        timing = {}
+        assert await asyncio.wait_for(asyncio.to_thread(receiver_engine.import_prefix, bundle, timing=timing), 10) == 64
+        assert not any(gate.release.is_set() for gate in gates)  # both forwards were still running
+        assert set(timing) == {"check_s", "wait_s", "copy_s"}
+        for gate in gates:
+            gate.armed.clear()
+            gate.release.set()
+        busy_results = await asyncio.gather(*busy)
+        return busy_results, await receiver_engine.generate(prompt, GREEDY)
+
+    busy_results, result = asyncio.run(main())
+    for busy_result, engine in zip(busy_results, pair):
+        assert list(busy_result.token_ids) == reference.generate(engine.engine, busy_prompt, 6)
+    assert result.cached_tokens == 64
+    expected_tokens, expected_logprobs = reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
+    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+    assert_clean(owner_engine, receiver_engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_bundle_pickles_its_rows_out_of_band(dtype, make_engine, tokens):
+    """Ray pickles a return value with protocol 5 and moves the buffers it is
+    handed out of band (no copy into the pickle, read in place on arrival):
+    the rows travel that way, and the bundle on the far side checks."""
+    import pickle
+
+    import torch
+
+    engine = make_engine(dtype=dtype)
+    prompt = tokens(40)
+    engine.generate(prompt, 1)
+    bundle = engine.export_prefix(prompt)
+    buffers = []
+    data = pickle.dumps(bundle, protocol=5, buffer_callback=buffers.append)
+    assert len(data) < bundle.num_bytes // 4 and sum(b.raw().nbytes for b in buffers) == bundle.num_bytes
+    arrived = pickle.loads(data, buffers=buffers)
+    assert arrived.rows.dtype == getattr(torch, dtype) and torch.equal(arrived.rows, bundle.rows)
+    assert arrived.token_ids == bundle.token_ids and arrived.checksum == bundle.checksum
+    engine.check_bundle(arrived)
