@@ -209,6 +209,37 @@ def hot_prefix_prompts(rng: random.Random, num_groups: int, num_requests: int, p
     return [HotPrefixPrompt(g, prefixes[g], random_tokens(rng, suffix_tokens, tokens)) for g in groups]
 
 
+def rotating_hot_prefix_prompts(rng: random.Random, num_phases: int, requests_per_phase: int, hot_share: float,
+                                num_background_groups: int, prefix_tokens: int, suffix_tokens: int,
+                                tokens: tuple[int, int] = PRINTABLE_TOKENS) -> list[HotPrefixPrompt]:
+    """A hot prefix that moves: ``num_phases`` phases of ``requests_per_phase``
+    requests in arrival order; in phase ``p`` each request is, with
+    probability ``hot_share``, of that phase's own new group (group
+    ``num_background_groups + p``), else of one of ``num_background_groups``
+    groups drawn uniformly (the steady rest of the traffic). A phase's hot
+    group is cold when it starts, is homed on one replica and then takes most
+    of the traffic: with 2 replicas its home goes over the load bound and the
+    router spills it, so every phase gives fetch work (a stationary Zipf
+    spills a hot prefix once, then both replicas hold it). Deterministic in ``rng``."""
+    for name, value, minimum in (("num_phases", num_phases, 1), ("requests_per_phase", requests_per_phase, 1),
+                                 ("num_background_groups", num_background_groups, 0),
+                                 ("prefix_tokens", prefix_tokens, 1), ("suffix_tokens", suffix_tokens, 1)):
+        if type(value) is not int or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if not isinstance(hot_share, (int, float)) or not 0 <= hot_share <= 1:
+        raise ValueError(f"hot_share must be a number in [0, 1], got {hot_share!r}")
+    if num_background_groups == 0 and hot_share < 1:
+        raise ValueError("hot_share below 1 needs background groups")
+    prefixes = [random_tokens(rng, prefix_tokens, tokens) for _ in range(num_background_groups + num_phases)]
+    prompts = []
+    for phase in range(num_phases):
+        for _ in range(requests_per_phase):
+            hot = rng.random() < hot_share
+            group = num_background_groups + phase if hot else rng.randrange(num_background_groups)
+            prompts.append(HotPrefixPrompt(group, prefixes[group], random_tokens(rng, suffix_tokens, tokens)))
+    return prompts
+
+
 # ------------------------------------------------- the load test's sessions
 @dataclass(frozen=True, slots=True)
 class Turn:
@@ -246,6 +277,14 @@ def hot_prefix(rng: random.Random, num_groups: int, num_requests: int, prefix_to
     return [Session(p.prefix, (Turn(p.suffix, output_tokens),)) for p in prompts]
 
 
+def rotating_hot_prefix(rng: random.Random, num_phases: int, requests_per_phase: int, hot_share: float,
+                        num_background_groups: int, prefix_tokens: int, suffix_tokens: int,
+                        output_tokens: int) -> list[Session]:
+    prompts = rotating_hot_prefix_prompts(rng, num_phases, requests_per_phase, hot_share, num_background_groups,
+                                          prefix_tokens, suffix_tokens)
+    return [Session(p.prefix, (Turn(p.suffix, output_tokens),)) for p in prompts]
+
+
 def mooncake(rng: random.Random, trace_path: str, tokens_per_block: int, max_requests: int,
              max_prompt_tokens: int, max_output_tokens: int) -> list[Session]:
     """Trace rows → one-turn sessions; prompts truncated to ``max_prompt_tokens``."""
@@ -272,12 +311,19 @@ PRESETS = {
         "gpu": dict(num_groups=32, num_requests=2048, prefix_tokens=4096, suffix_tokens=128, zipf_exponent=1.1,
                     output_tokens=128),
     },
+    "rotating-hot-prefix": {
+        "cpu": dict(num_phases=8, requests_per_phase=8, hot_share=0.75, num_background_groups=2, prefix_tokens=1024,
+                    suffix_tokens=64, output_tokens=8),
+        "gpu": dict(num_phases=32, requests_per_phase=64, hot_share=0.75, num_background_groups=8,
+                    prefix_tokens=4096, suffix_tokens=128, output_tokens=128),
+    },
     "mooncake": {
         "cpu": dict(tokens_per_block=8, max_requests=200, max_prompt_tokens=1024, max_output_tokens=16),
         "gpu": dict(tokens_per_block=128, max_requests=2000, max_prompt_tokens=16384, max_output_tokens=256),
     },
 }
-WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prefix": hot_prefix, "mooncake": mooncake}
+WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prefix": hot_prefix,
+             "rotating-hot-prefix": rotating_hot_prefix, "mooncake": mooncake}
 
 
 def build_workload(name: str, scale: str, overrides: dict, trace_path: str | None, seed: int) -> list[Session]:

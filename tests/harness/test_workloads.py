@@ -123,3 +123,23 @@ def test_hot_prefix_is_reproducible_by_seed_and_its_sessions_follow_the_preset()
     assert len(sessions) == 20 and all(len(s.prefix) == 1024 and len(s.turns) == 1 for s in sessions)
     assert all(len(s.turns[0].question) == 32 and s.turns[0].max_new_tokens == 8 for s in sessions)
     assert len({s.prefix for s in sessions}) <= 4
+
+
+def test_rotating_hot_prefix_gives_each_phase_a_new_hot_group():
+    import random
+
+    from harness.workloads import build_workload, rotating_hot_prefix_prompts
+
+    prompts = rotating_hot_prefix_prompts(random.Random(3), num_phases=4, requests_per_phase=50, hot_share=0.8,
+                                          num_background_groups=2, prefix_tokens=16, suffix_tokens=4)
+    assert len(prompts) == 200
+    for phase in range(4):
+        groups = [p.group for p in prompts[phase * 50:(phase + 1) * 50]]
+        assert set(groups) <= {0, 1, 2 + phase}
+        assert 30 <= groups.count(2 + phase) <= 48  # ~80 % of the phase
+    by_group = {}
+    for p in prompts:
+        assert by_group.setdefault(p.group, p.prefix) == p.prefix and len(p.suffix) == 4
+    assert len(set(by_group.values())) == 6
+    sessions = build_workload("rotating-hot-prefix", "cpu", {}, None, 0)
+    assert len(sessions) == 64 and all(len(s.prefix) == 1024 for s in sessions)
