@@ -14,6 +14,10 @@ from __future__ import annotations
 
 COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "fetch_tokens", "fetch_bytes",
             "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes", "fetch_hints", "fetch_hints_ignored")
+# Where the fetches' seconds went (since 269ab21; absent before, and then left out, not "missing"):
+# the receivers' call to the owner and import, the owners' wait for their cache lock and copy.
+PHASE_COUNTERS = ("fetch_call_seconds", "fetch_import_seconds", "fetch_export_wait_seconds",
+                  "fetch_export_copy_seconds")
 FALLBACK_PREFIX = "fetch_fallback_"
 # Point-in-time estimates (not counters): taken from the snapshot after the run.
 GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled")
@@ -30,7 +34,7 @@ def replica_deltas(before: dict, after: dict) -> dict[str, dict]:
     deltas = {}
     for replica_id in sorted(set(start) & set(end)):
         first, last = start[replica_id], end[replica_id]
-        keys = [*COUNTERS, *sorted(k for k in last if k.startswith(FALLBACK_PREFIX))]
+        keys = [*COUNTERS, *PHASE_COUNTERS, *sorted(k for k in last if k.startswith(FALLBACK_PREFIX))]
         row = {key: last[key] - first[key] for key in keys
                if _is_number(last.get(key)) and _is_number(first.get(key))}
         row.update({key: last[key] for key in GAUGES if key in last})
@@ -81,6 +85,7 @@ def run_counters(before: dict, after: dict) -> dict:
         "fetch_bandwidth_bytes_per_s": fetch_bytes / fetch_s if fetch_s and fetch_bytes is not None else None,
         "num_fallbacks": sum(fallbacks.values()) if fallbacks else None,
         "fallbacks": {reason: n for reason, n in fallbacks.items() if n},
+        "fetch_phase_seconds": {key: value for key in PHASE_COUNTERS if (value := total(key)) is not None},
         "estimated_bandwidth_bytes_per_s": {r: row["fetch_bandwidth_bytes_per_s"] for r, row in deltas.items()
                                             if _is_number(row.get("fetch_bandwidth_bytes_per_s"))},
         "estimated_overhead_s": {r: row["fetch_overhead_s"] for r, row in deltas.items()
@@ -112,6 +117,11 @@ def pool_counters(runs: list[dict]) -> dict:
     fetch_s, fetch_bytes = pooled["fetch_seconds"], pooled["fetched_bytes"]
     pooled["fetch_bandwidth_bytes_per_s"] = fetch_bytes / fetch_s if fetch_s and fetch_bytes is not None else None
     pooled["fallbacks"] = fallbacks
+    phases: dict[str, float] = {}
+    for run in runs:
+        for key, seconds in run.get("fetch_phase_seconds", {}).items():
+            phases[key] = phases.get(key, 0.0) + seconds
+    pooled["fetch_phase_seconds"] = phases
     pooled["estimated_bandwidth_bytes_per_s"] = [sorted(run.get("estimated_bandwidth_bytes_per_s", {}).values())
                                                  for run in runs]
     pooled["estimated_overhead_s"] = [sorted(run.get("estimated_overhead_s", {}).values()) for run in runs]

@@ -75,3 +75,16 @@ def test_pooled_runs_sum_their_counts_and_pool_the_bandwidth_over_bytes_and_seco
     assert pooled["estimated_bandwidth_bytes_per_s"] == [[5e8, 2e9], [5e8, 2e9], []]
     assert pooled["estimated_overhead_s"] == [[0.04], [0.04], []] and pooled["num_joined"] is None
     assert pool_counters([bare])["fetched_tokens"] is None
+
+
+def test_where_the_fetch_seconds_went_is_summed_where_reported_and_pooled():
+    phases = {"fetch_call_seconds": 0.3, "fetch_import_seconds": 0.1}
+    before = snapshot(a={**BEFORE["replicas"]["a"], "fetch_call_seconds": 0.0, "fetch_import_seconds": 0.0},
+                      b={**BEFORE["replicas"]["b"], "fetch_export_wait_seconds": 0.0})
+    after = snapshot(a={**AFTER["replicas"]["a"], **phases}, b={**AFTER["replicas"]["b"], "fetch_export_wait_seconds": 0.01})
+    run = run_counters(before, after)
+    assert run["fetch_phase_seconds"] == {**phases, "fetch_export_wait_seconds": 0.01}
+    assert run["missing"] == run_counters(BEFORE, AFTER)["missing"]  # phases are never "missing"
+    assert run_counters(BEFORE, AFTER)["fetch_phase_seconds"] == {}
+    assert pool_counters([run, run])["fetch_phase_seconds"] == {"fetch_call_seconds": 0.6, "fetch_import_seconds": 0.2,
+                                                                "fetch_export_wait_seconds": 0.02}
