@@ -45,13 +45,14 @@ class ServePeerTransport:
 
 
 def probe_bandwidth(num_bytes: int) -> float:
-    """Bytes per second of a ``ray.put`` + ``ray.get`` of a ``num_bytes`` CPU
-    tensor (what a bundle's rows are) through this node's object store: the
+    """Bytes per second of a ``ray.put`` + ``ray.get`` of ``num_bytes`` as a
+    bundle's rows travel (one flat NumPy byte array, ``KVBundle.__reduce__``)
+    through this node's object store, reading every byte on arrival: the
     estimate until real fetches refine it (they also pay the call to the
     owner and, across nodes, the network)."""
-    rows = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
-    ray.get(ray.put(torch.ones(1)))  # the first put sets up the store client
+    rows = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32).view(torch.uint8).numpy()
+    ray.get(ray.put(rows[:1]))  # the first put sets up the store client
     start = time.perf_counter()
     got = ray.get(ray.put(rows))
-    got.add_(0)  # touch the pages (a get may map them lazily)
-    return rows.numel() * 4 / max(time.perf_counter() - start, 1e-9)
+    got.copy()  # read every page (a get maps them lazily), as an import copies the rows into its pool
+    return rows.nbytes / max(time.perf_counter() - start, 1e-9)
