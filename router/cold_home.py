@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+from router.reported_work import ReportedWork
 from router.ring import HashRing
 
 COLD_HOME_MODES = ("cost", "ring", "bounded", "least_of_two")
@@ -57,3 +58,27 @@ def cold_home(mode: str, ring: HashRing, key: int, live: Collection[str],
         if fallback is None:
             fallback = replica_id
     return fallback
+
+
+def home_first(mode: str, ring: HashRing, key: int, live: Collection[str], reported: ReportedWork, now: float,
+               load_factor: float, request_work: float, cached_at: dict[str, int],
+               cached_there: Callable[[str], int], ranked: list[str]) -> list[str]:
+    """``ranked`` (the cost rule's order) with the cold home first when the
+    request is cold: the home holds as much of it as any candidate
+    (``cached_at``, filled in for the home by ``cached_there`` if missing).
+    A warm request is left to the cost rule. The shared load is what the
+    summaries report (:meth:`ReportedWork.value`: decayed done work plus the
+    reported queue) plus what this router sent since (its own, unreported:
+    the one part routers do not share, so they disagree only near the bound
+    or within a summary period)."""
+    def shared_load(replica_id: str) -> float:
+        return reported.value(replica_id, now) + reported.pending(replica_id)
+    mean = sum(map(shared_load, ring.nodes)) / max(len(ring), 1) if mode == "bounded" else 0.0
+    home = cold_home(mode, ring, key, live, shared_load, mean, load_factor, request_work)
+    if home is None or home == ranked[0]:
+        return ranked
+    if home not in cached_at:
+        cached_at[home] = cached_there(home)
+    if cached_at[home] < max(cached_at.values()):
+        return ranked  # warm somewhere else: the cost rule decides
+    return [home] + [r for r in ranked if r != home]

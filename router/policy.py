@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Iterable
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
 from router.candidates import gather, within_block
-from router.cold_home import cold_home
+from router.cold_home import home_first
 from router.fetch import FetchHint, FetchPlan, RoutingDecision
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
@@ -108,6 +108,19 @@ class PrefixAffinityPolicy:
        same loads and send every cold prefix to its ring home.
        :meth:`on_routed` confirms the reservation or moves it; one never
        confirmed within ``reservation_timeout_s`` is forgotten.
+
+    7. **Several routers.** Each ingress router sees only its own decisions
+       and completions, plus every summary. :class:`RouterShare` reads how
+       many routers share the traffic from the replicas' output counters
+       (1 below a ratio of 1.5, so a lone router is untouched); with K of
+       them this router's recent-work deviations are ~1/K of the real ones,
+       so the balance term is scaled by K (``balance_fleet_scale``). Off,
+       measured: ``load_peer_estimate`` (a replica's queued work adds
+       (K - 1) × what this router sent it since its last report: the others,
+       seeing alike traffic, likely sent as much), ``drain_foreign_load`` and
+       ``cold_home`` (:mod:`router.cold_home`: cold prefixes by ring order
+       and summaries only, which every router computes alike) are off:
+       measured, BENCHMARKS.md "Several ingress routers".
 
     Defaults and why, with the measurements behind each: BENCHMARKS.md,
     "Router policy defaults".
@@ -330,11 +343,7 @@ class PrefixAffinityPolicy:
         routers = self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate else 1.0
         balance = config.balance_weight * (routers if config.balance_fleet_scale else 1.0)
         peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
-        drain_rate = self._reported.peak_rate(now) if config.drain_foreign_load else 0.0
-        def load(replica_id: str) -> float:  # queued work: own in flight + the others' as reported, drained since
-            reported = self._reported
-            drained = min(loads.foreign(replica_id), drain_rate * reported.age(replica_id, now))
-            return loads.load(replica_id) - drained + peers * reported.pending(replica_id)
+        load = self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
         mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
         dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
@@ -375,25 +384,26 @@ class PrefixAffinityPolicy:
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
                     ranked: list[str], now: float) -> list[str]:
-        """``ranked`` with the cold home first (:mod:`router.cold_home`) when
-        the request is cold: the home holds as much of it as any candidate."""
-        reported = self._reported
-        def shared_load(replica_id: str) -> float:
-            return reported.value(replica_id, now) + reported.pending(replica_id)
-        bounded = self.config.cold_home == "bounded"
-        mean = sum(map(shared_load, self._ring.nodes)) / max(len(self._ring), 1) if bounded else 0.0
-        home = cold_home(self.config.cold_home, self._ring, found.key, live, shared_load, mean,
-                         self.config.cold_home_load_factor, self._work_tokens(request, 0))
-        if home is None or home == ranked[0]:
-            return ranked
-        cached = cached_at.get(home)
-        if cached is None:
-            within = found.within_tokens if home == found.within_replica else 0
-            cached = cached_at[home] = self._cached_tokens(
-                request, self._index.depth(home, request.block_hashes), within)
-        if cached < max(cached_at.values()):
-            return ranked  # warm somewhere else: the cost rule decides
-        return [home] + [r for r in ranked if r != home]
+        """``ranked`` with the cold home first when the request is cold (:func:`home_first`)."""
+        def cached_there(replica_id: str) -> int:
+            within = found.within_tokens if replica_id == found.within_replica else 0
+            return self._cached_tokens(request, self._index.depth(replica_id, request.block_hashes), within)
+        return home_first(self.config.cold_home, self._ring, found.key, live, self._reported, now,
+                          self.config.cold_home_load_factor, self._work_tokens(request, 0), cached_at,
+                          cached_there, ranked)
+
+    def _load_view(self, now: float, peers: float) -> Callable[[str], float]:
+        """Queued work as this router estimates it with several routers: its
+        own in flight, plus the others' as last reported (drained since at the
+        fastest rate a replica was seen to work, with ``drain_foreign_load``),
+        plus ``peers`` × what it sent since that report (the other routers,
+        seeing alike traffic, likely sent as much each)."""
+        loads, reported = self._loads, self._reported
+        drain_rate = reported.peak_rate(now) if self.config.drain_foreign_load else 0.0
+        def load(replica_id: str) -> float:
+            drained = min(loads.foreign(replica_id), drain_rate * reported.age(replica_id, now)) if drain_rate else 0.0
+            return loads.load(replica_id) - drained + peers * reported.pending(replica_id)
+        return load
 
     def _routers_seen(self, now: float) -> float:
         """How many routers share the traffic (:class:`RouterShare`, >= 1):

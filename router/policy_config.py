@@ -76,7 +76,7 @@ class PolicyConfig:
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
     balance_fleet_scale: bool = True  # scale balance_weight by how many routers share the traffic (RouterShare)
-    load_peer_estimate: bool = True  # add (routers - 1) x this router's work since a replica's report to its load
+    load_peer_estimate: bool = False  # add (routers - 1) x this router's work since a replica's report to its load
     drain_foreign_load: bool = False  # other routers' reported work drains at the fastest rate seen since the report
     cold_home: str = "cost"  # where a cold request goes: cost | ring | bounded | least_of_two (router.cold_home)
     cold_home_load_factor: float = 1.25  # "bounded": a cold home's shared load <= this x the mean (+ one request)

@@ -189,7 +189,7 @@ def test_the_several_router_terms_change_nothing_for_one_router():
     """balance_fleet_scale / load_peer_estimate read one router as one (RouterShare),
     so a lone router decides exactly as with both off."""
     on_clock, off_clock = Clock(), Clock()
-    on = _run_one_router(on_clock, make_policy(on_clock))
+    on = _run_one_router(on_clock, make_policy(on_clock, load_peer_estimate=True))
     off = _run_one_router(off_clock, make_policy(off_clock, balance_fleet_scale=False, load_peer_estimate=False))
     assert on == off
 
