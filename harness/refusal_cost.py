@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 from harness import resources
 from harness.retry_client import client_session, send
@@ -69,11 +70,10 @@ async def refusal_cost(app, *, num_held: int, num_refusals: int = 1200, rate_rps
             await asyncio.gather(*holders, return_exceptions=True)
     refused = [o for o in outcomes if not o.ok]
     num_refused = max(1, len(refused))
-    per_refusal_ms = {role: round(1000 * (loud_cpu[role] - quiet_cpu.get(role, 0.0) / quiet_s * loud_s) / num_refused, 2)
-                      for role in loud_cpu}
-    kinds: dict[str, int] = {}
-    for outcome in outcomes:
-        kinds[outcome.final.kind] = kinds.get(outcome.final.kind, 0) + 1
+    # a role's CPU in the refusal window beyond what it used at its quiet rate
+    extra_cpu_s = {role: loud_cpu[role] - quiet_cpu.get(role, 0.0) / quiet_s * loud_s for role in loud_cpu}
+    per_refusal_ms = {role: round(1000 * cpu / num_refused, 2) for role, cpu in extra_cpu_s.items()}
+    kinds = dict(Counter(outcome.final.kind for outcome in outcomes))
     return {
         "num_held": num_held, "num_sent": len(outcomes), "num_refused": len(refused), "statuses": kinds,
         "rate_rps": rate_rps, "achieved_rps": round(len(outcomes) / loud_s, 1),
@@ -82,6 +82,6 @@ async def refusal_cost(app, *, num_held: int, num_refusals: int = 1200, rate_rps
         "quiet_cores": {role: round(cpu / quiet_s, 3) for role, cpu in quiet_cpu.items()},
         "refusal_window_cores": {role: round(cpu / loud_s, 3) for role, cpu in loud_cpu.items()},
         "refusal_latency_p50_s": sorted(o.latency_s for o in refused)[len(refused) // 2] if refused else None,
-        "held_requests_finished": dict((kind, held_kinds.count(kind)) for kind in set(held_kinds)),
+        "held_requests_finished": dict(Counter(held_kinds)),
         "rejected_without_retry_after": sum(o.final.retry_after_s is None for o in refused),
     }
