@@ -117,10 +117,10 @@ class PrefixAffinityPolicy:
        so the balance term is scaled by K (``balance_fleet_scale``). Off,
        measured: ``load_peer_estimate`` (a replica's queued work adds
        (K - 1) × what this router sent it since its last report: the others,
-       seeing alike traffic, likely sent as much), ``drain_foreign_load`` and
-       ``cold_home`` (:mod:`router.cold_home`: cold prefixes by ring order
-       and summaries only, which every router computes alike) are off:
-       measured, BENCHMARKS.md "Several ingress routers".
+       seeing alike traffic, likely sent as much), ``drain_foreign_load``,
+       ``bound_fleet_scale`` and ``cold_home`` (:mod:`router.cold_home`:
+       cold prefixes by ring order and summaries only, which every router
+       computes alike): BENCHMARKS.md "Several ingress routers".
 
     Defaults and why, with the measurements behind each: BENCHMARKS.md,
     "Router policy defaults".
@@ -340,15 +340,18 @@ class PrefixAffinityPolicy:
         mean_recent = loads.recent_total(now) / max(len(ring), 1)
         chance_sd = loads.chance_sd(now)
         num_prompt = request.num_prompt_tokens
-        routers = self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate else 1.0
+        routers = (self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate
+                   or config.bound_fleet_scale else 1.0)
         balance = config.balance_weight * (routers if config.balance_fleet_scale else 1.0)
         peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
         load = self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load
+        one_request = 1.0 / routers if config.bound_fleet_scale else 1.0  # this router's view is ~1/K of the work
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
         mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
         dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
         def is_over(replica_id: str, cached: int) -> bool:  # step 4
-            return loads.recent_work(replica_id, now) > self._bound(request, mean_recent, cached, chance_sd, replica_id)
+            return loads.recent_work(replica_id, now) > self._bound(request, mean_recent, cached, chance_sd,
+                                                                    replica_id, one_request)
         plan = FetchPlan(depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
                          num_prompt, loads.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, is_over) if config.fetch_enabled else None
@@ -370,7 +373,7 @@ class PrefixAffinityPolicy:
         scored.sort()
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring
-            bound = self._bound(request, mean_recent, 0, chance_sd)
+            bound = self._bound(request, mean_recent, 0, chance_sd, one_request=one_request)
             for replica_id in ring_walk:
                 if replica_id in live and replica_id not in depths and loads.recent_work(replica_id, now) <= bound:
                     ranked.append(replica_id)
@@ -411,7 +414,7 @@ class PrefixAffinityPolicy:
         return self._share.routers(now, self._outputs.expected(None))
 
     def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float,
-               replica_id: str | None = None) -> float:
+               replica_id: str | None = None, one_request: float = 1.0) -> float:
         """Most recent work a replica may hold and still take ``request``:
         c × the mean after adding it, plus one request (the +1 of consistent
         hashing with bounded loads, so a lightly loaded fleet is never full),
@@ -423,7 +426,7 @@ class PrefixAffinityPolicy:
         share = cached / max(request.num_prompt_tokens, 1)
         slack = self.config.load_slack_sd * share * chance_sd
         return (self.config.load_factor * (mean_recent + work_here / num_replicas)
-                + self._work_tokens(request, 0, replica_id) + slack)
+                + one_request * self._work_tokens(request, 0, replica_id) + slack)
 
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))

@@ -77,6 +77,7 @@ class PolicyConfig:
     tie_by_recent_work: bool = False  # break cost ties by this router's recent work before ring order
     balance_fleet_scale: bool = True  # scale balance_weight by how many routers share the traffic (RouterShare)
     load_peer_estimate: bool = False  # add (routers - 1) x this router's work since a replica's report to its load
+    bound_fleet_scale: bool = False  # the bound's one-request slack / the number of routers (RouterShare)
     drain_foreign_load: bool = False  # other routers' reported work drains at the fastest rate seen since the report
     cold_home: str = "cost"  # where a cold request goes: cost | ring | bounded | least_of_two (router.cold_home)
     cold_home_load_factor: float = 1.25  # "bounded": a cold home's shared load <= this x the mean (+ one request)
@@ -106,7 +107,7 @@ class PolicyConfig:
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("tie_by_recent_work", "fetch_enabled", "balance_fleet_scale",
-                     "load_peer_estimate", "drain_foreign_load"):
+                     "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
