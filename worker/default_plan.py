@@ -160,6 +160,8 @@ def build_default_plan(
 
 def _plan_decodes(plan: DefaultPlan, chunks: ChunkArrays, decode, scratch_tokens, min_in_place_tokens, device) -> None:
     bs, num_kv_heads = chunks.block_size, chunks.num_kv_heads
+    per_round = max(1, scratch_tokens // plan.key_chunk)
+    plan.merge_pairs = max(len(decode), per_round)
     tables, ends = chunks.tables[decode], chunks.ends[decode]
     num_blocks = -(-ends // bs)
     held_blocks = tables[np.arange(tables.shape[1])[None, :] < num_blocks[:, None]]
@@ -235,7 +237,6 @@ def _plan_decodes(plan: DefaultPlan, chunks: ChunkArrays, decode, scratch_tokens
         return
     piece_held = np.array(piece_held)
     piece_sharers = np.array([len(m) for m in piece_seqs])
-    per_round = max(1, scratch_tokens // plan.key_chunk)
     heads = np.arange(num_kv_heads)[None, :, None]
     for s in np.unique(piece_sharers):
         bucket = np.flatnonzero(piece_sharers == s)
@@ -258,4 +259,3 @@ def _plan_decodes(plan: DefaultPlan, chunks: ChunkArrays, decode, scratch_tokens
                 mask=mask,
                 key_len=key_len,
             ))
-    plan.merge_pairs = max(len(decode), per_round)
