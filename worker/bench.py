@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import statistics
@@ -44,6 +45,7 @@ from worker import reference
 from worker.bench_peers import ContinuousBatchingSystem, Outcome, PlainGenerateSystem, StaticBatchSystem, VllmSystem
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.host import OMP_BINDING, omp_is_bound
 from worker.model import TinyLlamaSpec
 from worker.sampling import SamplingParams
 
@@ -242,6 +244,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every system (default: torch's)")
     parser.add_argument("--peers", default="static,generate_batch,one_by_one", help=f"comma-separated, of {PEERS}")
+    parser.add_argument("--no-bind-threads", action="store_true",
+                        help="run as a script: leave this process's OpenMP threads unpinned (default: pinned one per "
+                             "core, as vLLM pins its own: worker/host.py OMP_BINDING)")
     parser.add_argument("--skip-baselines", action="store_true", help="engine only (quick check)")
     parser.add_argument("--no-deterministic", action="store_true", help="skip the deterministic engine")
     parser.add_argument("--engine-gemm", default="auto", help="the default engine's GEMM: auto, packed, plain")
@@ -256,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     bounds = {name: prefill_bounds(w.prompts) for name, w in workloads.items()}
     print(f"model {args.model}; workloads {list(workloads)}: {args.groups} groups x {args.prompts_per_group} prompts, "
           f"S={args.system_tokens} Q={args.question_tokens} O={args.output_tokens}; lower bounds "
-          f"{ {n: b[0] for n, b in bounds.items()} } prefill tokens; torch threads {torch.get_num_threads()}")
+          f"{ {n: b[0] for n, b in bounds.items()} } prefill tokens; torch threads {torch.get_num_threads()}, "
+          f"OpenMP binding {os.environ.get('OMP_PROC_BIND', 'none')}")
     default = EngineSystem(spec, deterministic=False, max_batch_tokens=args.max_batch_tokens, gemm=args.engine_gemm)
     systems = [default]
     if not args.no_deterministic:
@@ -318,4 +324,7 @@ def _report(run: Run, bound: int) -> None:
 
 
 if __name__ == "__main__":
+    if "--no-bind-threads" not in sys.argv and not omp_is_bound(dict(os.environ)):
+        # libgomp reads the binding when torch loads: start again with it set (main() itself never re-runs).
+        os.execve(sys.executable, [sys.executable, "-m", "worker.bench", *sys.argv[1:]], {**os.environ, **OMP_BINDING})
     main()

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from worker.host import OMP_BINDING
 from worker.model import TinyLlamaSpec, build_tiny_llama, byte_tokenizer
 
 DEFAULT_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
@@ -52,7 +53,8 @@ class VllmPeer:
         save_checkpoint(spec, self.directory / "model")
         prompts_file = self.directory / "prompts.json"
         prompts_file.write_text(json.dumps({"workloads": workloads}))
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        # vLLM pins its own threads (VLLM_CPU_OMP_THREADS_BIND); libgomp's binding stays out of its processes.
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", *OMP_BINDING)}
         env.update(OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
         self.log = open(self.directory / "vllm.log", "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(

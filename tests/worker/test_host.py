@@ -17,3 +17,11 @@ def test_set_threads_only_when_asked():
     assert torch.get_num_threads() == 1
     host.set_threads(before)
     assert torch.get_num_threads() == before
+
+
+def test_omp_binding_is_recognised_only_when_set():
+    assert not host.omp_is_bound({})
+    assert not host.omp_is_bound({"OMP_PROC_BIND": "false"})
+    assert host.omp_is_bound(dict(host.OMP_BINDING))
+    assert host.omp_is_bound({"OMP_PROC_BIND": "spread"})
+
