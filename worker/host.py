@@ -11,10 +11,12 @@
   (``OMP_PROC_BIND=close OMP_PLACES=cores``, read by libgomp when torch
   loads, so it must be in the process's environment from the start). vLLM's
   CPU engine pins its threads the same way (``VLLM_CPU_OMP_THREADS_BIND``).
-  Measured on the 2-core VM, ~125M model: decode step 85-90 ms bound vs
-  90-115 ms unbound, a 512-token prefill 440-460 vs 510-610 ms
-  (``python -m worker.profile_step``). Only for one engine process per set
-  of cores: two bound processes on one machine both start at core 0.
+  worker.bench sets it for its own process so both sides run pinned. On the
+  2-core VM (~125M model) ``python -m worker.profile_step`` steps were
+  steadier bound (decode 85-90 ms vs 90-115 unbound), but the benchmark's
+  wall times did not move (BENCHMARKS.md, engine, "Thread binding"). Only for
+  one engine process per set of cores: two bound processes on one machine
+  both start at core 0, so the Serve config leaves it unset.
 
 Both are process-wide: they affect everything else in the process too.
 """
