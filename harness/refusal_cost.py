@@ -43,7 +43,7 @@ async def refusal_cost(app, *, num_held: int, num_refusals: int = 1200, rate_rps
     measure a quiet window and a window of ``num_refusals`` requests at
     ``rate_rps``; CPU ms per refusal by role (module docstring)."""
     held_body = {"prompt_token_ids": list(range(40, 56)), "max_new_tokens": hold_tokens, "ignore_eos": True}
-    refused_bodies = [body | {"max_new_tokens": 8} for _, body in group_bodies(
+    refused_bodies = [body for _, body in group_bodies(
         num_refusals, num_groups=8, prefix_tokens=64, question_tokens=192, max_new_tokens=8, seed=seed)]
     stop = asyncio.Event()
     held_kinds: list[str] = []
