@@ -11,17 +11,10 @@ from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
 from router.cold_home import cold_home
 from router.ring import HashRing
 from router.router_share import RouterShare
+from tests.router.fake_clock import Clock
 
 BLOCK = 4
 REPLICAS = [f"replica-{i}" for i in range(8)]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_policy(clock, **config):

@@ -7,18 +7,11 @@ import pytest
 from cache import block_hashes
 from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
 from router.fetch import FetchHint, FetchPlan, RoutingDecision, fetch_credit, fetchable_tokens, hint_for
+from tests.router.fake_clock import Clock
 
 BLOCK = 4
 REPLICAS = [f"replica-{i}" for i in range(4)]
 SHARED = [7000 + i for i in range(32)]  # 8 blocks every request of a hot group shares
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_policy(clock=None, **config):

@@ -7,15 +7,9 @@ from cache.hashing import continue_block_hashes
 from cache.summary import CacheSummary
 from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
 from router.partial_blocks import PartialBlockIndex, sub_block_keys
+from tests.router.fake_clock import Clock
 
 BLOCK, SUB = 16, 4
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def tokens(seed, n):
@@ -90,8 +84,9 @@ def test_the_grain_defaults_to_a_quarter_block():
 SYSTEM = tokens(9, 2 * BLOCK)  # two full blocks every chat shares
 
 
-def make_policy(**config):
-    policy = PrefixAffinityPolicy(PolicyConfig(**({"block_size": BLOCK, "sub_block_tokens": SUB} | config)), clock=Clock())
+def make_policy(clock=None, **config):
+    policy = PrefixAffinityPolicy(PolicyConfig(**({"block_size": BLOCK, "sub_block_tokens": SUB} | config)),
+                                  clock=clock or Clock())
     policy.set_replicas(["x", "y"])
     for version, replica in enumerate(["x", "y"]):  # both hold the system prompt
         radix = RadixCache(10_000, BLOCK)
@@ -143,18 +138,16 @@ def test_the_within_block_match_yields_to_a_replica_that_is_much_less_loaded():
 
 
 def test_no_within_block_credit_where_the_replica_lost_the_full_blocks_before_it():
-    policy = make_policy()
+    clock = Clock()
+    policy = make_policy(clock)
     turn_1 = SYSTEM + tokens(1, 8)
     first = serve(policy, chat_request(turn_1), "t1")
     other = "y" if first == "x" else "x"
-    Clock.now = 100.0  # past the grace period: the summary's word stands
-    try:
-        radix = RadixCache(10_000, BLOCK)
-        radix.insert(tokens(77, BLOCK))
-        policy.on_summary(CacheSummary.from_radix(radix, BLOCK, replica_id=first, version=10, timestamp_s=0.0))
-        assert policy.rank(chat_request(next_turn(turn_1, 2)))[0] == other
-    finally:
-        Clock.now = 0.0
+    clock.now = 100.0  # past the grace period: the summary's word stands
+    radix = RadixCache(10_000, BLOCK)
+    radix.insert(tokens(77, BLOCK))
+    policy.on_summary(CacheSummary.from_radix(radix, BLOCK, replica_id=first, version=10, timestamp_s=0.0))
+    assert policy.rank(chat_request(next_turn(turn_1, 2)))[0] == other
 
 
 def test_tenants_do_not_share_within_block_affinity():

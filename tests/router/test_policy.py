@@ -7,17 +7,10 @@ import pytest
 from cache import RadixCache, block_hashes
 from cache.summary import CacheSummary
 from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
+from tests.router.fake_clock import Clock
 
 BLOCK = 4
 REPLICAS = [f"replica-{i}" for i in range(8)]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_policy(clock=None, replicas=REPLICAS, **config):
