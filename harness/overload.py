@@ -86,8 +86,7 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
     for round_index in range(rounds):
         offered = bodies(int(factor * capacity_rps * duration_s), 1000 * (round_index + 1))
         start = time.monotonic()
-        cluster_cpu_s, own_cpu_s = resources.cpu_s(app.ray_pids()), resources.own_cpu_s()
-        role_cpu_s = resources.cpu_s_by_role(app.ray_pids())
+        role_cpu_s, own_cpu_s = resources.cpu_s_by_role(app.ray_pids()), resources.own_cpu_s()
         done = asyncio.Event()
         depths = asyncio.ensure_future(_max_engine_depths(app.url, headers, done))
         try:
@@ -96,9 +95,11 @@ async def overload(app, *, factor: float = 8.0, duration_s: float = 6.0, rounds:
         finally:
             done.set()
         wall_s = time.monotonic() - start
-        round_cluster_cpu_s, round_own_cpu_s = resources.cpu_s(app.ray_pids()) - cluster_cpu_s, resources.own_cpu_s() - own_cpu_s
-        role_cores = {role: round((cpu - role_cpu_s.get(role, 0.0)) / wall_s, 2)
-                      for role, cpu in resources.cpu_s_by_role(app.ray_pids()).items()}
+        # one /proc scan per end of the round: the cluster's CPU is the sum over roles
+        round_role_cpu_s = {role: cpu - role_cpu_s.get(role, 0.0)
+                            for role, cpu in resources.cpu_s_by_role(app.ray_pids()).items()}
+        round_cluster_cpu_s, round_own_cpu_s = sum(round_role_cpu_s.values()), resources.own_cpu_s() - own_cpu_s
+        role_cores = {role: round(cpu / wall_s, 2) for role, cpu in round_role_cpu_s.items()}
         admitted = [o.latency_s for o in outcomes if o.ok]
         rejected = [o for o in outcomes if not o.ok]
         # What a refusal cost the cluster: its CPU in the round beyond what the
