@@ -98,13 +98,19 @@ class DefaultPlan:
         return default_attention(q, key, value, pool, layer, self, scale)
 
 
+def _rank_within(sizes: np.ndarray) -> np.ndarray:
+    """``[0 .. sizes[0]), [0 .. sizes[1]), ...`` concatenated: each element's index within its
+    group, for groups laid out by ``np.repeat(..., sizes)``."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
 def segments(tables: np.ndarray, ends: np.ndarray, block_size: int, counts_of=None):
     """Each row's first ``ceil(end / block_size)`` blocks cut into maximal runs of consecutive
     ids (and, with ``counts_of``, of equal holder counts). Returns per segment: row, first
     block index, first block id, number of blocks, positions held, holder count (1 without)."""
     num_blocks = -(-ends // block_size)
     row = np.repeat(np.arange(len(ends)), num_blocks)
-    index = np.arange(len(row)) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
+    index = _rank_within(num_blocks)
     blocks = tables[row, index]
     holders = counts_of(blocks) if counts_of is not None else np.ones(len(blocks), dtype=np.int64)
     new = np.ones(len(blocks), dtype=bool)
@@ -144,9 +150,7 @@ def build_default_plan(
             in_place = [(int(b) * bs, int(n)) for b, n in zip(block0[long], held[long])]
             # The short segments' positions, gathered in rounds (O(blocks) numpy; positions only of those)
             short = np.flatnonzero(~long)
-            starts_pos = np.repeat(first[short] * bs, held[short])
-            positions = starts_pos + np.arange(int(held[short].sum())) - np.repeat(
-                np.cumsum(held[short]) - held[short], held[short])
+            positions = np.repeat(first[short] * bs, held[short]) + _rank_within(held[short])
             for lo in range(0, len(positions), step_tokens):
                 part = positions[lo : lo + step_tokens]
                 blocks = chunks.tables[index, part // bs]
@@ -221,8 +225,7 @@ def _plan_decodes(plan: DefaultPlan, chunks: ChunkArrays, decode, scratch_tokens
     own = unit_ids[~in_place & (sharers == 1)]  # segments, in (decode, position) order
     if len(own):
         block_seq = np.repeat(seg_seq[own], seg_size[own])
-        block_id = np.repeat(seg_block[own], seg_size[own]) + (
-            np.arange(int(seg_size[own].sum())) - np.repeat(np.cumsum(seg_size[own]) - seg_size[own], seg_size[own]))
+        block_id = np.repeat(seg_block[own], seg_size[own]) + _rank_within(seg_size[own])
         block_held = np.full(len(block_id), bs)
         last_of_seg = np.cumsum(seg_size[own]) - 1
         block_held[last_of_seg] = seg_held[own] - (seg_size[own] - 1) * bs
