@@ -191,19 +191,17 @@ def _plan_decodes(plan: DefaultPlan, chunks: ChunkArrays, decode, scratch_tokens
     # In-place calls: units grouped by (sharers, length); evenly spaced starts share a call.
     q_index, row = [], 0
     cols = seg_block[unit_ids] * bs
-    for s in np.unique(sharers[in_place]) if in_place.any() else []:
+    for s in np.unique(sharers[in_place]):
         for length in np.unique(held[in_place & (sharers == s)]):
             group = np.flatnonzero(in_place & (sharers == s) & (held == length))
             group = group[np.argsort(cols[group], kind="stable")]
             lo = 0
             while lo < len(group):
                 hi = lo + 1
-                if hi < len(group):
-                    step = cols[group[hi]] - cols[group[lo]]
-                    while hi < len(group) and cols[group[hi]] - cols[group[hi - 1]] == step:
-                        hi += 1
+                step = int(cols[group[hi]] - cols[group[lo]]) if hi < len(group) else 0
+                while hi < len(group) and cols[group[hi]] - cols[group[hi - 1]] == step:
+                    hi += 1
                 run = group[lo:hi]
-                step = int(cols[run[1]] - cols[run[0]]) if len(run) > 1 else 0
                 q_index.extend(members[u] for u in run)
                 count = len(run) * int(s)
                 plan.in_place.append(InPlaceCall(slice(row, row + count), len(run), int(s), int(length),
