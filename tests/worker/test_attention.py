@@ -300,3 +300,15 @@ def test_in_place_runs_match_the_gather_path(layout, scratch_tokens, monkeypatch
     if layout == "shared":
         assert any(call.sharers == 6 and call.length == 160 for call in plan.in_place)
         assert plan.stats["gathered"] <= 6 * 11 + 10  # only the own tails (and the small sequences)
+
+
+
+# Prefill chunks of many blocks, with and without a cached prefix, beside decodes.
+LONG_PREFILLS = [(0, 64), (0, 65), (17, 130), (100, 200), (0, 257), (40, 1), (300, 1)]
+
+
+@pytest.mark.parametrize("scratch_tokens", [64, 32768])
+def test_long_prefill_chunks_match_dense_attention(scratch_tokens):
+    specs, num_blocks = _tables(LONG_PREFILLS, 16)
+    out, expected = run(specs, False, block_size=16, scratch_tokens=scratch_tokens, num_blocks=num_blocks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
