@@ -56,7 +56,7 @@ class Endpoint:
             tiny_llama=MODELS[shape], kv_pool_tokens=pool_tokens, cache_budget_tokens=pool_tokens // 2,
             max_batch_tokens=max_batch_tokens, deterministic=False))
         self._load_stop = threading.Event()
-        self._load_thread: threading.Thread | None = None
+        self._load_future = None  # the closed-loop clients of start_load, while they run
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
 
@@ -90,8 +90,11 @@ class Endpoint:
         self._load_future = asyncio.run_coroutine_threadsafe(clients(), self._loop)
 
     def stop_load(self) -> None:
+        """Stop start_load's clients and wait for them (nothing to do if none run)."""
         self._load_stop.set()
-        self._load_future.result(timeout=120)
+        if self._load_future is not None:
+            self._load_future.result(timeout=120)
+            self._load_future = None
 
     def export(self, prompt: list[int]):
         """The owner's side: ``(bundle, {owner_wait, owner_copy, owner_bundle, owner_export})``."""
