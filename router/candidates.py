@@ -31,6 +31,8 @@ class Candidates:
     ring_walk: Iterator[str]  # the rest of that walk, for the spill
     within_replica: str | None  # holds the previous prompt's partial last block (and blocks 0..m-1)
     within_tokens: int  # tokens of block m cached there
+    num_known: int  # m: leading blocks some replica is known to hold
+    within_at_known: tuple[str, int] | None  # within_block() at depth m, before the live filter
 
     def tiebreak(self, replica_id: str) -> int:
         """Rendezvous hash of (key, replica): the last tie-break."""
@@ -95,4 +97,4 @@ def gather(request: RoutingRequest, live: Collection[str], index: PrefixIndex, r
     least = loads.least_loaded_replica()
     if least is not None and least in live and least not in candidates:
         candidates.append(least)
-    return Candidates(key, candidates, depths, ring_rank, ring_walk, within_replica, within_tokens)
+    return Candidates(key, candidates, depths, ring_rank, ring_walk, within_replica, within_tokens, num_known, within)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _REBASE_WINDOWS = 50.0  # rescale the recent-work counters before exp() overflows
@@ -116,6 +117,14 @@ class LoadTracker:
         if self._base_s is None:
             return 0.0
         return self._recent.get(replica_id, 0.0) * math.exp((self._base_s - now) / self.window_s)
+
+    def recent_view(self, now: float) -> Callable[[str], float]:
+        """``recent_work(·, now)`` with the decay computed once, for many
+        replicas at one moment; valid until the next update."""
+        if self._base_s is None:
+            return lambda replica_id: 0.0
+        recent, scale = self._recent, math.exp((self._base_s - now) / self.window_s)
+        return lambda replica_id: recent.get(replica_id, 0.0) * scale
 
     def recent_total(self, now: float) -> float:
         if self._base_s is None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
-from router.candidates import gather, within_block
+from router.candidates import Candidates, gather, within_block
 from router.cold_home import home_first
 from router.fetch import FetchHint, FetchPlan, RoutingDecision
 from router.load import LoadTracker
@@ -20,6 +20,7 @@ from router.request import RoutingRequest
 from router.reported_work import ReportedWork
 from router.ring import HashRing
 from router.router_share import RouterShare
+from router.scoring import Scoring
 from router.summary_intake import SummaryIntake
 
 logger = logging.getLogger(__name__)
@@ -266,28 +267,28 @@ class PrefixAffinityPolicy:
         the fetch credit chose it, step 5 — and its blocks learned), so the
         next decision sees it even if :meth:`on_routed` comes later. Never raises.
         """
-        ranked, fetch, num_booked = self._decide_any(request, candidate_ids)
+        ranked, fetch, num_booked, found = self._decide_any(request, candidate_ids)
         if request_id is not None and ranked:
-            self._count(request, ranked[0], request_id, reserve=True, num_fetched_tokens=num_booked)
+            self._count(request, ranked[0], request_id, reserve=True, num_fetched_tokens=num_booked, found=found)
         return RoutingDecision(tuple(ranked), fetch)
 
-    def _decide_any(self, request: object,
-                    candidate_ids: Collection[str] | None) -> tuple[list[str], FetchHint | None, int]:
+    def _decide_any(self, request: object, candidate_ids: Collection[str] | None
+                    ) -> tuple[list[str], FetchHint | None, int, Candidates | None]:
         live: Collection[str] = self._ring.nodes if candidate_ids is None else (
             candidate_ids if isinstance(candidate_ids, (set, frozenset, dict)) else set(candidate_ids))
         if not live:
             logger.warning("no candidate replicas to route to")
-            return [], None, 0
+            return [], None, 0, None
         try:
             routing = RoutingRequest.from_object(request)
         except ValueError as error:
             logger.warning("request without usable routing attributes (%s); least loaded fallback", error)
-            return self._least_loaded(live), None, 0
-        ranked, fetch, num_booked = self._rank(routing, live)
+            return self._least_loaded(live), None, 0, None
+        ranked, fetch, num_booked, found = self._rank(routing, live)
         if not ranked:
             logger.warning("no candidate among %d replicas is on the ring; least loaded fallback", len(live))
-            return self._least_loaded(live), None, 0
-        return ranked, fetch, num_booked
+            return self._least_loaded(live), None, 0, None
+        return ranked, fetch, num_booked, found
 
     def on_routed(self, request: object, replica_id: str, request_id: str) -> None:
         """The request went to ``replica_id``: learn its blocks there, count its
@@ -298,7 +299,9 @@ class PrefixAffinityPolicy:
             self._count(request, replica_id, request_id, reserve=False)
 
     def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
-               num_fetched_tokens: int = 0) -> None:
+               num_fetched_tokens: int = 0, found: Candidates | None = None) -> None:
+        """``found``: the candidates of the decision just made for ``request``
+        (nothing changed since), whose within-block match is reused."""
         now = self._clock()
         if reserve and self._loads.refresh(request_id, replica_id, now):
             return  # asked again (Ray retries): keep the work counted the first time
@@ -310,7 +313,8 @@ class PrefixAffinityPolicy:
             return
         hashes = routing.block_hashes
         depth = self._index.depth(replica_id, hashes)
-        within = self._within_block(routing, depth)
+        same_match = found is not None and depth == found.num_known  # the same query, the same answer
+        within = found.within_at_known if same_match else self._within_block(routing, depth)
         within_tokens = within[1] if within is not None and within[0] == replica_id else 0
         cached = self._cached_tokens(routing, depth, within_tokens)
         if num_fetched_tokens > cached:  # a hinted fetch: those tokens cost fetch_token_cost each
@@ -330,52 +334,24 @@ class PrefixAffinityPolicy:
             self._share.on_completed(self._clock())
 
     # ----------------------------------------------------------------- private
-    def _rank(self, request: RoutingRequest, live: Collection[str]) -> tuple[list[str], FetchHint | None, int]:
-        config, loads, ring = self.config, self._loads, self._ring
-        found = gather(request, live, self._index, ring, loads, self._partial, config.block_size,
+    def _rank(self, request: RoutingRequest, live: Collection[str]
+              ) -> tuple[list[str], FetchHint | None, int, Candidates]:
+        config, loads = self.config, self._loads
+        found = gather(request, live, self._index, self._ring, loads, self._partial, config.block_size,
                        config.max_affinity_candidates, config.num_ring_candidates)
-        candidates, depths, ring_rank = found.replica_ids, found.depths, found.ring_rank
-        ring_walk, within_replica, within_tokens = found.ring_walk, found.within_replica, found.within_tokens
         now = self._clock()
-        mean_recent = loads.recent_total(now) / max(len(ring), 1)
-        chance_sd = loads.chance_sd(now)
-        num_prompt = request.num_prompt_tokens
-        routers = (self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate
-                   or config.bound_fleet_scale else 1.0)
-        balance = config.balance_weight * (routers if config.balance_fleet_scale else 1.0)
-        peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
-        load = self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load
-        one_request = 1.0 / routers if config.bound_fleet_scale else 1.0  # this router's view is ~1/K of the work
-        shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
-        mean_balance = self._reported.mean(ring.nodes, now) if shared else mean_recent
-        dead = config.balance_dead_sd * chance_sd  # deviations chance explains count for nothing
-        def is_over(replica_id: str, cached: int) -> bool:  # step 4
-            return loads.recent_work(replica_id, now) > self._bound(request, mean_recent, cached, chance_sd,
-                                                                    replica_id, one_request)
-        plan = FetchPlan(depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
-                         num_prompt, loads.load, config.fetch_min_tokens, config.fetch_token_cost,
-                         config.fetch_credit_scope, is_over) if config.fetch_enabled else None
-        scored, cached_at = [], {}
-        for replica_id in candidates:
-            cached = cached_at[replica_id] = self._cached_tokens(
-                request, depths.get(replica_id, 0), within_tokens if replica_id == within_replica else 0)
-            credit = plan.credit(replica_id, cached) if plan is not None else 0.0  # saved by a fetch
-            weighed = cached + config.fetch_affinity_share * credit  # saved tokens that weigh w each
-            weight = 1.0 + (config.affinity_weight - 1.0) * weighed / max(num_prompt, 1)
-            recent = loads.recent_work(replica_id, now)
-            balance_work = self._reported.value(replica_id, now) if shared else recent
-            cost = (load(replica_id) + num_prompt - weight * weighed - (cached + credit - weighed)
-                    + balance * _beyond(balance_work - mean_balance, dead))
-            rank = ring_rank.get(replica_id, len(ring_rank))
-            tiebreak = found.tiebreak(replica_id)
-            tie = recent if config.tie_by_recent_work else 0.0
-            scored.append((is_over(replica_id, cached), cost, tie, rank, tiebreak, replica_id))
-        scored.sort()
+        scoring = self._scoring(request, now)
+        plan = FetchPlan(found.depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
+                         request.num_prompt_tokens, loads.load, config.fetch_min_tokens, config.fetch_token_cost,
+                         config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
+        credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
+        scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring
-            bound = self._bound(request, mean_recent, 0, chance_sd, one_request=one_request)
-            for replica_id in ring_walk:
-                if replica_id in live and replica_id not in depths and loads.recent_work(replica_id, now) <= bound:
+            bound = scoring.bound(None, 0)
+            for replica_id in found.ring_walk:
+                if (replica_id in live and replica_id not in found.depths
+                        and loads.recent_work(replica_id, now) <= bound):
                     ranked.append(replica_id)
                     break
             ranked.extend(entry[-1] for entry in scored)  # then the rest, by cost
@@ -383,7 +359,26 @@ class PrefixAffinityPolicy:
             ranked = self._home_first(request, found, live, cached_at, ranked, now)
         ranked = ranked[: config.num_ranked]
         hint = plan.hint(ranked[0], cached_at.get(ranked[0], 0)) if plan is not None and ranked else None
-        return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0
+        return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
+
+    def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
+        """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""
+        config, loads, ring = self.config, self._loads, self._ring
+        mean_recent = loads.recent_total(now) / max(len(ring), 1)
+        chance_sd = loads.chance_sd(now)
+        routers = (self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate
+                   or config.bound_fleet_scale else 1.0)
+        peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
+        shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
+        return Scoring(
+            config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
+            one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
+            balance=config.balance_weight * (routers if config.balance_fleet_scale else 1.0),
+            mean_balance=self._reported.mean(ring.nodes, now) if shared else mean_recent,
+            dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
+            load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
+            recent=loads.recent_view(now), expected_output=self._outputs.expected,
+            balance_work=(lambda r: self._reported.value(r, now)) if shared else None)
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
                     ranked: list[str], now: float) -> list[str]:
@@ -412,21 +407,6 @@ class PrefixAffinityPolicy:
         """How many routers share the traffic (:class:`RouterShare`, >= 1):
         this router's balance deviations are ~1/that of the real ones."""
         return self._share.routers(now, self._outputs.expected(None))
-
-    def _bound(self, request: RoutingRequest, mean_recent: float, cached: int, chance_sd: float,
-               replica_id: str | None = None, one_request: float = 1.0) -> float:
-        """Most recent work a replica may hold and still take ``request``:
-        c × the mean after adding it, plus one request (the +1 of consistent
-        hashing with bounded loads, so a lightly loaded fleet is never full),
-        plus ``load_slack_sd`` chance deviations scaled by the share of the
-        prompt cached there (moving a cached prefix costs its re-prefill;
-        placing a cold one elsewhere costs nothing)."""
-        work_here = self._work_tokens(request, cached, replica_id)
-        num_replicas = max(len(self._ring), 1)
-        share = cached / max(request.num_prompt_tokens, 1)
-        slack = self.config.load_slack_sd * share * chance_sd
-        return (self.config.load_factor * (mean_recent + work_here / num_replicas)
-                + one_request * self._work_tokens(request, 0, replica_id) + slack)
 
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))
@@ -461,11 +441,3 @@ class PrefixAffinityPolicy:
         assert self._intake.replica_ids <= nodes, "summary version of a replica off the ring"
         self._intake.check_invariants()
 
-
-def _beyond(deviation: float, dead: float) -> float:
-    """``deviation`` shrunk towards 0 by ``dead`` (0 inside the dead zone)."""
-    if deviation > dead:
-        return deviation - dead
-    if deviation < -dead:
-        return deviation + dead
-    return 0.0

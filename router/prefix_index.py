@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from itertools import filterfalse, repeat
 
 def _last_true(n: int, predicate: Callable[[int], bool]) -> int:
     """Largest ``d`` in ``1..n`` with ``predicate(d)``, for a predicate that is
@@ -44,16 +45,21 @@ class PrefixIndex:
     recency tick (ints only). A learned path gets consecutive ticks deepest
     block first, so ancestors are always more recent than descendants and
     are evicted after them, as in the radix tree. ``_fifo[r]`` lists
-    ``(tick, hash)`` in tick order; an item is current iff the entry still
-    has that tick, so eviction pops from its left. Blocks only a summary
-    reported get tick 0 and sit at the FIFO's head (least recent).
+    ``(tick, hash)`` items in tick order, stored as runs ``(first_tick,
+    hashes)`` — one per learn, so a learn allocates one tuple, not one per
+    block: item ``k`` of a run is ``(first_tick + k, hashes[k])``, or
+    ``(0, hashes[k])`` when ``first_tick`` is 0. An item is current iff the
+    entry still has that tick, so eviction pops from its left. Blocks only
+    a summary reported get tick 0 and sit at the FIFO's head (least recent).
+    ``_fifo_size[r]`` counts the items.
 
     Invariants (checked by :meth:`check_invariants`):
 
     1. ``_holders[h] & bit(r)`` iff ``h in _entries[r]``; no zero masks.
     2. ``len(_entries[r]) <= capacity_blocks(r)``.
     3. Every entry has its current ``(tick, hash)`` in ``_fifo[r]``; items
-       with a tick > 0 are in ascending tick order.
+       with a tick > 0 are in ascending tick order; ``_fifo_size[r]`` is the
+       number of items, and no run is empty.
 
     Cost: :meth:`deepest_holders` and :meth:`depth` are O(log n) lookups per
     depth returned (binary search: whoever holds block ``j`` of a chain holds
@@ -71,7 +77,8 @@ class PrefixIndex:
         self.learned_grace_s = float(learned_grace_s)
         self._holders: dict[int, int] = {}
         self._entries: dict[str, dict[int, int]] = {}
-        self._fifo: dict[str, deque[tuple[int, int]]] = {}
+        self._fifo: dict[str, deque[tuple[int, Sequence[int]]]] = {}  # runs of (tick, hash) items
+        self._fifo_size: dict[str, int] = {}  # items in _fifo[r]
         self._capacity: dict[str, int] = {}
         self._slot: dict[str, int] = {}  # replica -> bit position
         self._replica_at: list[str | None] = []
@@ -138,17 +145,18 @@ class PrefixIndex:
         if not num_blocks:
             return
         bit = 1 << self._slot_of(replica_id)
-        holders = self._holders
-        for block_hash in block_hashes:
-            mask = holders.get(block_hash, 0)
-            if not mask & bit:
-                holders[block_hash] = mask | bit
-        ticks = range(self._tick, self._tick + num_blocks)  # deepest block gets the oldest tick
+        entries = self._entries[replica_id]
+        new_blocks = list(filterfalse(entries.__contains__, block_hashes))  # the others have the bit (1.)
+        if new_blocks:
+            holders = self._holders
+            holders.update(zip(new_blocks, map(bit.__or__, map(holders.get, new_blocks, repeat(0)))))
+        first_tick = self._tick  # the deepest block gets the oldest tick
         self._tick += num_blocks
         deepest_first = block_hashes[::-1]
-        self._entries[replica_id].update(zip(deepest_first, ticks))
-        self._fifo[replica_id].extend(zip(ticks, deepest_first))
-        self._tick_times.append((now, ticks.start))
+        entries.update(zip(deepest_first, range(first_tick, self._tick)))
+        self._fifo[replica_id].append((first_tick, deepest_first))
+        self._fifo_size[replica_id] += num_blocks
+        self._tick_times.append((now, first_tick))
         if len(self._tick_times) > 4096:
             self._first_tick_after(now - self.learned_grace_s)  # prunes
         self._maybe_trim(replica_id)
@@ -177,9 +185,11 @@ class PrefixIndex:
             if entries[block_hash] < fresh_tick:
                 del entries[block_hash]
                 self._clear_bit(block_hash, bit)
-        added = reported - entries.keys()
+        added = tuple(reported - entries.keys())
         entries.update(dict.fromkeys(added, 0))
-        self._fifo[replica_id].extendleft((0, h) for h in added)
+        if added:  # each pushed on the left in turn: the last one ends up first
+            self._fifo[replica_id].appendleft((0, added[::-1]))
+            self._fifo_size[replica_id] += len(added)
         holders = self._holders
         for block_hash in added:
             holders[block_hash] = holders.get(block_hash, 0) | bit
@@ -193,7 +203,7 @@ class PrefixIndex:
         bit = 1 << slot
         for block_hash in self._entries.pop(replica_id):
             self._clear_bit(block_hash, bit)
-        del self._fifo[replica_id]
+        del self._fifo[replica_id], self._fifo_size[replica_id]
         self._capacity.pop(replica_id, None)
         self._replica_at[slot] = None
 
@@ -210,6 +220,7 @@ class PrefixIndex:
             self._slot[replica_id] = slot
             self._entries[replica_id] = {}
             self._fifo[replica_id] = deque()
+            self._fifo_size[replica_id] = 0
         return slot
 
     def _first_tick_after(self, time_s: float) -> int:
@@ -234,13 +245,22 @@ class PrefixIndex:
         if excess > 0:
             bit = 1 << self._slot[replica_id]
             while excess > 0:
-                tick, block_hash = fifo.popleft()
-                if entries.get(block_hash) == tick:
-                    del entries[block_hash]
-                    self._clear_bit(block_hash, bit)
-                    excess -= 1
-        if len(fifo) > 8 * len(entries) + 4096:
-            self._fifo[replica_id] = deque(sorted((t, h) for h, t in entries.items()))
+                first_tick, run = fifo.popleft()
+                self._fifo_size[replica_id] -= len(run)
+                for offset, block_hash in enumerate(run):
+                    if entries.get(block_hash) == (first_tick + offset if first_tick else 0):
+                        del entries[block_hash]
+                        self._clear_bit(block_hash, bit)
+                        excess -= 1
+                        if not excess:  # put back the rest of the run
+                            rest = run[offset + 1:]
+                            if rest:
+                                fifo.appendleft((first_tick + offset + 1 if first_tick else 0, rest))
+                                self._fifo_size[replica_id] += len(rest)
+                            break
+        if self._fifo_size[replica_id] > 8 * len(entries) + 4096:
+            self._fifo[replica_id] = deque(_runs(sorted((t, h) for h, t in entries.items())))
+            self._fifo_size[replica_id] = len(entries)
 
     def check_invariants(self) -> None:
         pairs_from_entries = {(h, r) for r, entries in self._entries.items() for h in entries}
@@ -250,12 +270,31 @@ class PrefixIndex:
         }
         assert pairs_from_entries == pairs_from_holders, "holders and entries disagree"
         assert all(self._holders.values()), "zero holder mask"
-        assert set(self._slot) == set(self._entries) == set(self._fifo)
+        assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size)
         for replica_id, entries in self._entries.items():
             assert self._replica_at[self._slot[replica_id]] == replica_id
             assert len(entries) <= self.capacity_blocks(replica_id), replica_id
-            fifo = self._fifo[replica_id]
+            assert all(run for _, run in self._fifo[replica_id]), "empty FIFO run"
+            fifo = list(_items(self._fifo[replica_id]))
+            assert len(fifo) == self._fifo_size[replica_id], replica_id
             queued = set(fifo)
             assert all((t, h) in queued for h, t in entries.items()), replica_id
             ticks = [t for t, _ in fifo if t > 0]
             assert ticks == sorted(ticks), replica_id
+
+
+def _items(runs: Iterable[tuple[int, Sequence[int]]]) -> Iterator[tuple[int, int]]:
+    """The ``(tick, hash)`` items of FIFO runs, in order."""
+    for first_tick, run in runs:
+        for offset, block_hash in enumerate(run):
+            yield (first_tick + offset if first_tick else 0), block_hash
+
+
+def _runs(items: Sequence[tuple[int, int]]) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """FIFO runs holding ``items`` (``(tick, hash)``, in order): items of tick 0,
+    or of consecutive ticks, share a run."""
+    start = 0
+    for end in range(1, len(items) + 1):
+        if end == len(items) or items[end][0] != (items[end - 1][0] + 1 if items[start][0] else 0):
+            yield items[start][0], tuple(h for _, h in items[start:end])
+            start = end

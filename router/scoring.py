@@ -1,0 +1,116 @@
+"""Steps 3–4 of :class:`router.policy.PrefixAffinityPolicy` for one request at
+one moment: each candidate's cost and load bound, and the candidates in rank
+order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.candidates import Candidates
+from router.policy_config import PolicyConfig
+
+
+@dataclass(slots=True)
+class Scoring:
+    """The terms of one decision that do not depend on the candidate, computed
+    once; :meth:`order` then costs a few dict reads and calls per candidate.
+
+    ``cost(r) = load(r) + T - w(r) * saved(r) - (cached(r) + credit(r) -
+    saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)``
+    with ``saved = cached + fetch_affinity_share * credit`` and ``w = 1 +
+    (affinity_weight - 1) * saved / T``; ``r`` is over the bound when
+    ``recent(r) > load_factor * (mean_recent + work(r, cached) / N) +
+    one_request * work(r, 0) + load_slack_sd * cached / T * chance_sd``,
+    ``work(r, c) = T - c + decode_token_cost * expected_output(r)``. The
+    formulas and their reasons: the policy's docstring, steps 3 and 4.
+    Valid only until the router's state next changes (``recent`` and
+    ``load`` read it as of ``now``).
+    """
+
+    config: PolicyConfig
+    num_prompt_tokens: int  # T
+    num_output_tokens: int  # the request's max_tokens
+    mean_recent: float  # this router's recent work per replica
+    chance_sd: float  # LoadTracker.chance_sd
+    num_replicas: int  # N, at least 1
+    one_request: float  # share of one request the bound tolerates beyond the mean
+    balance: float  # the balance term's weight in force
+    mean_balance: float
+    dead: float  # deviations of balance work counted as none
+    load: Callable[[str], float]  # queued work
+    recent: Callable[[str], float]  # recent work
+    expected_output: Callable[[int | None, str | None], float]  # OutputEstimate.expected
+    balance_work: Callable[[str], float] | None = None  # None: ``recent``
+
+    def bound(self, replica_id: str | None, cached: int) -> float:
+        """Most recent work ``replica_id`` may hold and still take the request:
+        c × the mean after adding it, plus one request (the +1 of consistent
+        hashing with bounded loads, so a lightly loaded fleet is never full),
+        plus ``load_slack_sd`` chance deviations scaled by the share of the
+        prompt cached there (moving a cached prefix costs its re-prefill;
+        placing a cold one elsewhere costs nothing). ``None``: the fleet's
+        expected output."""
+        return self._bound(cached, self.config.decode_token_cost
+                           * self.expected_output(self.num_output_tokens, replica_id))
+
+    def _bound(self, cached: int, decode_work: float) -> float:
+        config, num_prompt = self.config, self.num_prompt_tokens
+        work_here = num_prompt - cached + decode_work
+        slack = config.load_slack_sd * (cached / max(num_prompt, 1)) * self.chance_sd
+        return (config.load_factor * (self.mean_recent + work_here / self.num_replicas)
+                + self.one_request * (num_prompt + decode_work) + slack)
+
+    def is_over(self, replica_id: str, cached: int) -> bool:
+        return self.recent(replica_id) > self.bound(replica_id, cached)
+
+    def order(self, found: Candidates, block_size: int,
+              credit: Callable[[str, int], float] | None) -> tuple[list[tuple], dict[str, int]]:
+        """``(entries, cached_at)``: one ``(is_over, cost, tie, ring rank,
+        replica)`` per candidate, lowest first (ties broken by
+        :meth:`Candidates.tiebreak`, then the id), and the tokens each holds.
+        ``credit``: tokens a fetch saves there (None: none)."""
+        config, num_prompt = self.config, self.num_prompt_tokens
+        load, recent, expected, balance_work = self.load, self.recent, self.expected_output, self.balance_work
+        depths, ring_rank, within_replica, within_tokens = (found.depths, found.ring_rank, found.within_replica,
+                                                            found.within_tokens)
+        num_ring, last_token = len(ring_rank), num_prompt - 1
+        per_saved = config.affinity_weight - 1.0
+        saved_share, decode_token_cost = config.fetch_affinity_share, config.decode_token_cost
+        balance, mean_balance, dead = self.balance, self.mean_balance, self.dead
+        entries, cached_at = [], {}
+        for replica_id in found.replica_ids:
+            cached = cached_at[replica_id] = max(0, min(
+                depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0),
+                last_token))
+            fetched = credit(replica_id, cached) if credit is not None else 0.0
+            saved = cached + saved_share * fetched  # saved tokens that weigh w each
+            weight = 1.0 + per_saved * saved / max(num_prompt, 1)
+            recent_work = recent(replica_id)
+            deviation = (balance_work(replica_id) if balance_work is not None else recent_work) - mean_balance
+            cost = (load(replica_id) + num_prompt - weight * saved - (cached + fetched - saved)
+                    + balance * beyond(deviation, dead))
+            decode_work = decode_token_cost * expected(self.num_output_tokens, replica_id)
+            entries.append((recent_work > self._bound(cached, decode_work), cost,
+                            recent_work if config.tie_by_recent_work else 0.0,
+                            ring_rank.get(replica_id, num_ring), replica_id))
+        return _sorted(entries, found), cached_at
+
+
+def _sorted(entries: list[tuple], found: Candidates) -> list[tuple]:
+    """``entries`` sorted as if each carried ``found.tiebreak(replica)``
+    before its id, hashing only when two tie on everything before it."""
+    ordered = sorted(entries)
+    if all(a[:4] < b[:4] for a, b in zip(ordered, ordered[1:])):
+        return ordered
+    keyed = sorted(entry[:4] + (found.tiebreak(entry[4]), entry[4]) for entry in entries)
+    return [key[:4] + key[5:] for key in keyed]
+
+
+def beyond(deviation: float, dead: float) -> float:
+    """``deviation`` shrunk towards 0 by ``dead`` (0 inside the dead zone)."""
+    if deviation > dead:
+        return deviation - dead
+    if deviation < -dead:
+        return deviation + dead
+    return 0.0

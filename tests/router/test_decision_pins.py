@@ -1,0 +1,167 @@
+"""The policy's choices on fixed seeded workloads, pinned.
+
+A refactor of the hot path (``router.bench``'s decision cost) must not
+change a single decision. :func:`drive` replays a seeded mix of everything
+the policy reacts to — prompts sharing system prompts and growing turn by
+turn (partial last blocks, with and without token ids, two tenants),
+reservations confirmed, moved or never confirmed, completions, summaries
+that drop and add blocks (not prefix-closed), with budgets that make the
+index evict, new epochs, stale versions, candidate subsets, replicas
+leaving and joining, time jumps past the grace and reservation timeouts —
+and returns every decision. The pins were recorded with the code before
+the decision-cost rewrite (issue 14); a deliberate change of the rule
+re-pins them, with the reason in its commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+
+from cache import block_hashes
+from cache.summary import CacheSummary
+from router.policy import PolicyConfig, PrefixAffinityPolicy
+from router.request import RoutingRequest
+from tests.router.fake_clock import Clock
+
+BLOCK = 16
+
+
+def drive(config: PolicyConfig, seed: int, num_steps: int = 600, num_replicas: int = 6) -> list:
+    """Every decision (ranked replicas, fetch hint) of a seeded workload."""
+    rng = random.Random(seed)
+    clock = Clock()
+    policy = PrefixAffinityPolicy(config, clock=clock)
+    names = [f"r{i}" for i in range(num_replicas)]
+    policy.set_replicas(names)
+    systems = [[rng.randrange(1000) for _ in range(rng.choice((16, 40, 64)))] for _ in range(4)]
+    chats: list[list[int]] = []
+    routed: dict[str, set[int]] = {name: set() for name in names}
+    versions = {name: 0 for name in names}
+    epochs = {name: "e0" for name in names}
+    outputs = {name: 0 for name in names}
+    in_flight: list[str] = []
+    decisions = []
+    for step in range(num_steps):
+        clock.now += rng.choice((0.0, 0.01, 0.05, 0.2, 1.0)) + (6.0 if rng.random() < 0.02 else 0.0)
+        event = rng.random()
+        live = sorted(policy.replica_ids)
+        if event < 0.62:
+            decisions.append(_route(policy, rng, step, systems, chats, routed, in_flight, live))
+        elif event < 0.72 and in_flight:
+            policy.on_completed(in_flight.pop(rng.randrange(len(in_flight))))
+        elif event < 0.90 and live:
+            replica_id = rng.choice(live)
+            _report(policy, rng, replica_id, routed, versions, epochs, outputs, clock.now)
+        elif event < 0.95 and len(live) > 2:
+            policy.set_replicas(set(live) - {rng.choice(live)})
+        else:  # a new replica joins (a new name: a returning id is a known gap of LoadTracker's heap)
+            newcomer = f"r{len(names)}"
+            names.append(newcomer)
+            routed[newcomer], versions[newcomer], epochs[newcomer], outputs[newcomer] = set(), 0, "e0", 0
+            policy.set_replicas(set(live) | {newcomer})
+        policy.check_invariants()
+    return decisions
+
+
+def _route(policy, rng, step, systems, chats, routed, in_flight, live) -> list:
+    tokens = _prompt(rng, systems, chats)
+    salt = "tenant-b" if rng.random() < 0.15 else None
+    with_ids = rng.random() < 0.8
+    request = RoutingRequest(tuple(block_hashes(tokens, BLOCK, salt)), len(tokens), salt=salt,
+                             prompt=" ".join(map(str, tokens[:8])), num_output_tokens=rng.choice((0, 16, 128, 512)),
+                             token_ids=tuple(tokens) if with_ids else ())
+    candidates = None if rng.random() < 0.8 or len(live) < 3 else rng.sample(live, len(live) - 1)
+    request_id = f"q{step}"
+    reserve = rng.random() < 0.7
+    decision = policy.decide(request, candidates, request_id if reserve else None)
+    ranked = list(decision.ranked)
+    if ranked:
+        fate = rng.random()
+        chosen = ranked[1] if fate < 0.1 and len(ranked) > 1 else ranked[0]
+        if fate < 0.93:  # else: a reservation never confirmed (or a decision never sent)
+            policy.on_routed(request, chosen, request_id)
+            routed[chosen].update(request.block_hashes)
+            in_flight.append(request_id)
+    hint = decision.fetch
+    return [ranked, None if hint is None else [hint.owner, hint.num_tokens]]
+
+
+def _prompt(rng, systems, chats) -> list[int]:
+    kind = rng.random()
+    if kind < 0.45 and chats:  # a conversation's next turn: the previous prompt plus more
+        chat = rng.choice(chats)
+        chat.extend(rng.randrange(1000) for _ in range(rng.randrange(1, 40)))
+        return list(chat)
+    if kind < 0.85:
+        tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 70))]
+        if rng.random() < 0.5:
+            chats.append(list(tokens))
+        return tokens
+    return [rng.randrange(1000) for _ in range(rng.randrange(1, 50))]  # cold, maybe under a block
+
+
+def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> None:
+    held = routed[replica_id]
+    kept = {h for h in held if rng.random() < 0.85}  # evictions anywhere in a chain
+    routed[replica_id] = kept
+    if rng.random() < 0.05:
+        epochs[replica_id] = f"e{versions[replica_id]}"  # a restart
+        routed[replica_id] = kept = set()
+    versions[replica_id] += 1 if rng.random() < 0.9 else -1  # sometimes stale
+    outputs[replica_id] += rng.randrange(0, 400)  # prefill counter; no output counter: RouterShare stays at 1
+    policy.on_summary(CacheSummary(
+        replica_id, max(versions[replica_id], 0), now, BLOCK, frozenset(kept),
+        budget_tokens=rng.choice((0, 0, 40 * BLOCK, 200 * BLOCK)), num_queued_tokens=rng.randrange(0, 500),
+        num_running=rng.randrange(0, 4), num_waiting=rng.randrange(0, 3),
+        mean_output_tokens=rng.choice((0.0, 20.0, 150.0)), num_prefill_tokens_total=outputs[replica_id], epoch=epochs[replica_id]))
+
+
+CONFIGS = {
+    "default": {},
+    "small_index": {"max_blocks_per_replica": 60, "max_partial_entries": 16, "learned_grace_s": 0.5},
+    "fetch_over_bound": {"fetch_credit_scope": "over_bound", "load_factor": 1.0, "fetch_min_tokens": 16},
+    "fetch_always": {"fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16},
+    "ties_and_reports": {"tie_by_recent_work": True, "balance_from_reports": True, "balance_dead_sd": 1.0},
+    "cold_home_bounded": {"cold_home": "bounded", "load_peer_estimate": True, "drain_foreign_load": True,
+                          "bound_fleet_scale": True},
+    "cold_home_ring": {"cold_home": "ring", "sub_block_tokens": 0, "num_ranked": 5},
+    "wide": {"max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
+             "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
+}
+
+# sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite.
+PINS: dict[tuple[str, int], str] = {
+    ("cold_home_bounded", 0): "7217c7d03c38afcf23e1",
+    ("cold_home_bounded", 1): "bd61b695e2413468cfc3",
+    ("cold_home_ring", 0): "ce061b761bc68758c424",
+    ("cold_home_ring", 1): "f9833a560959a08e9d16",
+    ("default", 0): "d27dba4de193948cd76b",
+    ("default", 1): "d49c6ab6e0260063e268",
+    ("fetch_always", 0): "34aba097b36624ab0b29",
+    ("fetch_always", 1): "442ffaebd072d47f14fb",
+    ("fetch_over_bound", 0): "54040be4a7d3189e518f",
+    ("fetch_over_bound", 1): "661bd26856dd541d8c9b",
+    ("small_index", 0): "85f96b9a685473ebaea6",
+    ("small_index", 1): "4d79adb72c1f1b343578",
+    ("ties_and_reports", 0): "427aeaa7acf1793a4be6",
+    ("ties_and_reports", 1): "5347526b97e350bffcba",
+    ("wide", 0): "88d0d224a3e9e27e44c6",
+    ("wide", 1): "24871aedad6a4397c0e9",
+}
+
+
+def digest(decisions: list) -> str:
+    return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:20]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_decisions_are_the_pinned_ones(name, seed):
+    decisions = drive(PolicyConfig(block_size=BLOCK, **CONFIGS[name]), seed)
+    assert len(decisions) > 300
+    assert digest(decisions) == PINS[(name, seed)], (
+        "the policy chose differently on a pinned workload: a hot-path change must not change decisions")
