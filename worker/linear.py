@@ -95,8 +95,49 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out[:num_rows].reshape(*x.shape[:-1], self.out_features)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + (x Wᵀ + b)`` in one oneDNN call (a binary post-op on the GEMM's float32
+        result): the same bits as the separate add (IEEE addition is exact-commutative and the
+        post-op adds the rounded product; :func:`fused_add_is_exact` checks it). Rows padded as
+        :meth:`forward` pads them."""
+        num_rows = x.numel() // self.in_features
+        padded = -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+        rows = x.reshape(num_rows, self.in_features)
+        other = residual.reshape(num_rows, self.out_features)
+        if padded != num_rows:
+            rows = torch.cat([rows, rows.new_zeros(padded - num_rows, self.in_features)])
+            other = torch.cat([other, other.new_zeros(padded - num_rows, self.out_features)])
+        out = torch.ops.mkldnn._linear_pointwise.binary(rows, other.contiguous(), self.packed, self.bias, "add")
+        return out[:num_rows].reshape(residual.shape)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@functools.lru_cache(maxsize=None)
+def fused_add_is_exact() -> bool:
+    """Does :meth:`PackedLinear.forward_add` give the bits of ``residual + layer(x)`` here
+    (seeded data, with and without bias, whole and padded row counts)?"""
+    generator = torch.Generator(device="cpu").manual_seed(5)
+    weight = torch.randn(48, 80, generator=generator) * 0.1
+    for bias in (None, torch.randn(48, generator=generator)):
+        layer = PackedLinear(weight, bias)
+        for num_rows in (16, 37):
+            x, residual = torch.randn(num_rows, 80, generator=generator), torch.randn(num_rows, 48, generator=generator)
+            try:
+                fused = layer.forward_add(x, residual)
+            except RuntimeError:
+                return False
+            if not torch.equal(fused, residual + layer(x)):
+                return False
+    return True
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)``: one fused call for a :class:`PackedLinear` where that is exact, else two."""
+    if type(layer) is PackedLinear and fused_add_is_exact():
+        return layer.forward_add(x, residual)
+    return residual + layer(x)
 
 
 def gemm_rows(rows: torch.Tensor, layer: nn.Module) -> torch.Tensor:

@@ -6,6 +6,11 @@ chosen at load time (worker/linear.py), the batch-invariant layers
 (worker/numerics.py) and the tiled attention kernel in deterministic mode. Holds no KV state: the pool is an
 argument, so the engine and the plain reference server share one runner
 (same weights, same numerics) with separate pools.
+
+The forward is worker/lean_forward.py's loop over the model's own modules
+where that loop gives the same logits, bit for bit, as transformers' own
+``model(...)`` on probe steps run at load time (:meth:`ModelRunner.forward_path`
+says which); else transformers' forward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from worker.attention import DEFAULT_SCRATCH_TOKENS
 from worker.config import EngineConfig
 from worker.gpu_attention import flashinfer_available
 from worker.kv import KVPool
+from worker.lean_forward import LeanForward, lean_forward_for
 from worker.linear import choose_gemm, fuse_projections, pack_linears
 from worker.model import LoadedModel, TinyLlamaSpec, load_model
 from worker.numerics import install_rope_table, make_batch_invariant
@@ -41,11 +47,13 @@ class ModelRunner:
         gemm: str = "auto",
         attention_scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
         attention_kernel: str = "auto",
+        lean: bool | None = None,
     ) -> None:
         """``gemm``: "auto" (the packed kernel where :func:`choose_gemm` picks it), "packed" or "plain";
         ``attention_scratch_tokens``: K/V positions the default attention kernel gathers at once;
         ``attention_kernel``: default mode's kernel, "auto" (FlashInfer on CUDA where it imports,
-        else torch), "torch" or "flashinfer"."""
+        else torch), "torch" or "flashinfer"; ``lean``: None (the lean forward where the load-time probe
+        finds it equal to transformers' forward), False (always transformers' forward)."""
         if attention_kernel not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_kernel must be auto, torch or flashinfer, got {attention_kernel!r}")
         self.attention_scratch_tokens = attention_scratch_tokens
@@ -79,6 +87,11 @@ class ModelRunner:
             group = geometry.num_heads // geometry.num_kv_heads
             self.tile_rows = choose_tile_rows(group, geometry.head_dim, self.dtype, self.device)
             self.share_rows = choose_share_rows(self.tile_rows[0], geometry.head_dim, self.dtype, self.device)
+        self.lean: LeanForward | None = None
+        if lean is not False:
+            candidate = lean_forward_for(self.loaded.model)
+            if candidate is not None and self._probe_agrees(candidate):
+                self.lean = candidate
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:
@@ -100,12 +113,17 @@ class ModelRunner:
     def forward(self, chunks: Sequence[SeqChunk], pool: KVPool) -> torch.Tensor:
         """Write the chunks' K/V into ``pool``; return ``[num_wanted, vocab]`` float32
         logits after the last token of each chunk with ``needs_logits``, in order."""
-        step = build_step(
-            chunks, pool, deterministic=self.deterministic,
-            pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
-            tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
-            share_rows=self.share_rows,
-        )
+        step = self._build(chunks, pool)
+        if self.lean is not None:
+            return self.lean.forward(step).float()
+        return self._hf_forward(step)
+
+    @property
+    def forward_path(self) -> str:
+        """``"lean"`` (worker/lean_forward.py) or ``"transformers"``."""
+        return "transformers" if self.lean is None else "lean"
+
+    def _hf_forward(self, step) -> torch.Tensor:
         output = self.loaded.model(
             input_ids=step.input_ids[None],
             position_ids=step.position_ids[None],
@@ -114,3 +132,34 @@ class ModelRunner:
             kvroute_step=step,
         )
         return output.logits[0].float()
+
+    def _build(self, chunks: Sequence[SeqChunk], pool: KVPool):
+        return build_step(
+            chunks, pool, deterministic=self.deterministic,
+            pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
+            tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
+            share_rows=self.share_rows,
+        )
+
+    @torch.inference_mode()
+    def _probe_agrees(self, lean: LeanForward) -> bool:
+        """Do ``lean`` and transformers' forward give equal logits (``torch.equal``) and write equal
+        K/V on two probe steps (a prefill; then a decode beside another sequence's prefill), each
+        path on a fresh pool of its own? Seeded tokens; a few forwards of at most 8 tokens."""
+        generator = torch.Generator().manual_seed(17)
+        tokens = torch.randint(0, self.loaded.vocab_size, (13,), generator=generator).tolist()
+        block_size = 16
+        steps = [
+            [SeqChunk(tokens[:7], 0, [0], True)],
+            [SeqChunk(tokens[7:8], 7, [0], True), SeqChunk(tokens[8:], 0, [1], True)],
+        ]
+        pools = [self.new_pool(2, block_size), self.new_pool(2, block_size)]
+        for chunks in steps:
+            expected = self._hf_forward(self._build(chunks, pools[0]))
+            try:
+                got = lean.forward(self._build(chunks, pools[1])).float()
+            except Exception:  # noqa: BLE001 - a model the loop does not fit: keep transformers' forward
+                return False
+            if not torch.equal(got, expected):
+                return False
+        return torch.equal(pools[0].data, pools[1].data)

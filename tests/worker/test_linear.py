@@ -78,3 +78,22 @@ def test_rotary_in_one_pass_gives_hf_rotary_bits_for_q_and_k():
     fused = build_tiny_llama(TinyLlamaSpec(), 259).eval()
     fuse_projections(fused)
     assert all(layer.self_attn.rotate_in_one_pass for layer in fused.model.layers)
+
+
+@needs_packed
+@pytest.mark.parametrize("num_rows", [1, 16, 37])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_gemm_with_the_residual_add_fused_gives_the_separate_add_bits(num_rows, has_bias):
+    from worker.linear import fused_add_is_exact, linear_add
+
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(96, 64, generator=generator) * 0.1
+    bias = torch.randn(96, generator=generator) if has_bias else None
+    layer = PackedLinear(weight, bias)
+    x, residual = torch.randn(1, num_rows, 64, generator=generator), torch.randn(1, num_rows, 96, generator=generator)
+    assert fused_add_is_exact()
+    fused = layer.forward_add(x, residual)
+    assert fused.shape == residual.shape and torch.equal(fused, residual + layer(x))
+    assert torch.equal(linear_add(layer, x, residual), residual + layer(x))
+    plain = nn.Linear(64, 96, bias=has_bias)
+    assert torch.equal(linear_add(plain, x, residual), residual + plain(x))  # not packed: the two ops
