@@ -70,12 +70,40 @@ def sample(
     """
     logits = logits.float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    tokens = greedy_tokens(logits).tolist()
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if not row_params.is_greedy:
             tokens[row] = _sample_row(logits[row], row_params, generator)
     chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
     return tokens, chosen
+
+
+ARGMAX_BLOCK = 128  # columns per block of greedy_tokens' two-level argmax
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` of ``logits [rows, vocab]``, the same indices (the first
+    maximum of each row; a NaN counts as the maximum), in a fraction of the time: torch's CPU
+    argmax is a scalar loop (~0.9-1.8 ms for 32 x 32k at 2 threads), ``amax`` is vectorised.
+
+    Two levels: each block of :data:`ARGMAX_BLOCK` columns' maximum (``amax``; a short last
+    block on its own), the first block holding the row's maximum, then ``argmax`` inside that
+    block only. Rows with a NaN take torch's argmax."""
+    num_rows, vocab = logits.shape
+    num_full = vocab // ARGMAX_BLOCK
+    if num_full < 2:
+        return torch.argmax(logits, dim=-1)
+    block_max = logits[:, : num_full * ARGMAX_BLOCK].view(num_rows, num_full, ARGMAX_BLOCK).amax(dim=-1)
+    if num_full * ARGMAX_BLOCK < vocab:
+        block_max = torch.cat((block_max, logits[:, num_full * ARGMAX_BLOCK :].amax(dim=-1, keepdim=True)), dim=1)
+    row_max = block_max.amax(dim=-1, keepdim=True)
+    if torch.isnan(row_max).any():
+        return torch.argmax(logits, dim=-1)
+    first_block = torch.argmax((block_max == row_max).to(torch.uint8), dim=-1)  # first block reaching the max
+    columns = (first_block * ARGMAX_BLOCK)[:, None] + torch.arange(ARGMAX_BLOCK, device=logits.device)
+    # A short last block: columns past the end repeat the last one, after it (argmax keeps the first).
+    within = torch.gather(logits, 1, columns.clamp_(max=vocab - 1)).argmax(dim=-1)
+    return first_block * ARGMAX_BLOCK + within
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

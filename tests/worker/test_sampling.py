@@ -78,3 +78,23 @@ def test_logprob_of_a_sampled_token_is_from_the_raw_distribution():
     params = SamplingParams(temperature=0.5, seed=0)
     token, logprob = sample(logits, [params], [make_generator(0)])
     assert logprob[0] == torch.log_softmax(logits, -1)[0, token[0]].item()
+
+
+@pytest.mark.parametrize("vocab", [3, 255, 256, 259, 300, 1000, 32000])
+def test_greedy_tokens_are_torch_argmax_with_ties_infinities_and_nans(vocab):
+    from worker.sampling import greedy_tokens
+
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        logits = torch.randn(6, vocab, generator=generator)
+        if trial % 3 == 0:
+            logits = (logits * 2).round()  # many tied maxima, across and within blocks
+        if trial % 5 == 1:
+            logits[0] = float("-inf")
+        if trial % 7 == 2:
+            logits[-1, vocab // 2] = float("nan")
+        if trial % 4 == 3:
+            logits[:, -1] = logits.max() + 1  # the maximum in the (short) last block
+        if trial % 6 == 5:
+            logits[1, :] = 4.0  # one value everywhere: the first column
+        assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1)), trial
