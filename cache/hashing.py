@@ -12,8 +12,8 @@ Only FULL blocks are hashed: a partial trailing block has no hash.
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from operator import countOf
 
 import xxhash
@@ -60,9 +60,10 @@ def continue_block_hashes(parent_hash: int, tokens: Sequence[int], block_size: i
     num_full = len(tokens) // block_size
     if num_full == 0:
         return []
-    try:
-        packed = array("q", tokens[: num_full * block_size]).tobytes()
-    except OverflowError as error:
+    num_tokens = num_full * block_size
+    try:  # one C call for the whole prompt (array("q", ...) parses a format per token)
+        packed = _int64s(num_tokens).pack(*(tokens if len(tokens) == num_tokens else tokens[:num_tokens]))
+    except struct.error as error:
         raise ValueError(f"token id out of the int64 range: {error}") from None
     stride = block_size * 8
     hashes: list[int] = []
@@ -71,6 +72,13 @@ def continue_block_hashes(parent_hash: int, tokens: Sequence[int], block_size: i
         parent = xxhash.xxh3_64_intdigest(_U64.pack(parent) + packed[start : start + stride])
         hashes.append(parent)
     return hashes
+
+
+@lru_cache(maxsize=256)
+def _int64s(count: int) -> struct.Struct:
+    """Packs ``count`` ints as little-endian int64 (the bytes ``array("q")``
+    gives on the little-endian machines we run on, and DESIGN.md's layout)."""
+    return struct.Struct(f"<{count}q")
 
 
 def chain_block_keys(block_keys: Iterable[int], salt: str | bytes | None = None) -> list[int]:
