@@ -76,6 +76,8 @@ class PartialBlockIndex:
     def learn(self, replica_id: str, parent_hash: int, tail_tokens: Sequence[int]) -> None:
         """A prompt whose partial last block is ``tail_tokens`` (after the chain
         ``parent_hash``) went to ``replica_id``."""
+        if len(tail_tokens) < self.sub_block_tokens:
+            return  # no sub-block to name
         entries = self._entries
         for j, key in enumerate(self._keys(parent_hash, tail_tokens), 1):
             entries[key] = (replica_id, j * self.sub_block_tokens)

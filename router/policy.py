@@ -319,8 +319,9 @@ class PrefixAffinityPolicy:
         cached = self._cached_tokens(routing, depth, within_tokens)
         if num_fetched_tokens > cached:  # a hinted fetch: those tokens cost fetch_token_cost each
             cached += (1.0 - self.config.fetch_token_cost) * (num_fetched_tokens - cached)
-        work = self._work_tokens(routing, cached, replica_id)
-        queued = self._work_tokens(routing, cached, replica_id, self.config.queue_token_cost)
+        expected = self._outputs.expected(routing.num_output_tokens, replica_id)
+        work = routing.num_prompt_tokens - cached + self.config.decode_token_cost * expected  # = _work_tokens
+        queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
         self._typical_work += (work - self._typical_work) / 64  # moving average
         add(request_id, replica_id, queued, now, work)
         self._reported.on_routed(replica_id, queued)

@@ -69,15 +69,18 @@ class Scoring:
         """``(entries, cached_at)``: one ``(is_over, cost, tie, ring rank,
         replica)`` per candidate, lowest first (ties broken by
         :meth:`Candidates.tiebreak`, then the id), and the tokens each holds.
-        ``credit``: tokens a fetch saves there (None: none)."""
-        config, num_prompt = self.config, self.num_prompt_tokens
+        ``credit``: tokens a fetch saves there (None: none). The cost and
+        :meth:`bound` written out, term for term (the same floats)."""
+        config, num_prompt, num_output = self.config, self.num_prompt_tokens, self.num_output_tokens
         load, recent, expected, balance_work = self.load, self.recent, self.expected_output, self.balance_work
         depths, ring_rank, within_replica, within_tokens = (found.depths, found.ring_rank, found.within_replica,
                                                             found.within_tokens)
-        num_ring, last_token = len(ring_rank), num_prompt - 1
-        per_saved = config.affinity_weight - 1.0
-        saved_share, decode_token_cost = config.fetch_affinity_share, config.decode_token_cost
+        num_ring, last_token, prompt_or_1 = len(ring_rank), num_prompt - 1, max(num_prompt, 1)
+        per_saved, saved_share = config.affinity_weight - 1.0, config.fetch_affinity_share
+        decode_token_cost, tie_by_recent = config.decode_token_cost, config.tie_by_recent_work
         balance, mean_balance, dead = self.balance, self.mean_balance, self.dead
+        load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas
+        slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
         entries, cached_at = [], {}
         for replica_id in found.replica_ids:
             cached = cached_at[replica_id] = max(0, min(
@@ -85,14 +88,15 @@ class Scoring:
                 last_token))
             fetched = credit(replica_id, cached) if credit is not None else 0.0
             saved = cached + saved_share * fetched  # saved tokens that weigh w each
-            weight = 1.0 + per_saved * saved / max(num_prompt, 1)
+            weight = 1.0 + per_saved * saved / prompt_or_1
             recent_work = recent(replica_id)
             deviation = (balance_work(replica_id) if balance_work is not None else recent_work) - mean_balance
-            cost = (load(replica_id) + num_prompt - weight * saved - (cached + fetched - saved)
-                    + balance * beyond(deviation, dead))
-            decode_work = decode_token_cost * expected(self.num_output_tokens, replica_id)
-            entries.append((recent_work > self._bound(cached, decode_work), cost,
-                            recent_work if config.tie_by_recent_work else 0.0,
+            beyond_dead = deviation - dead if deviation > dead else (deviation + dead if deviation < -dead else 0.0)
+            cost = load(replica_id) + num_prompt - weight * saved - (cached + fetched - saved) + balance * beyond_dead
+            decode_work = decode_token_cost * expected(num_output, replica_id)
+            bound = (load_factor * (mean_recent + (num_prompt - cached + decode_work) / num_replicas)
+                     + one_request * (num_prompt + decode_work) + slack_sd * (cached / prompt_or_1) * chance_sd)
+            entries.append((recent_work > bound, cost, recent_work if tie_by_recent else 0.0,
                             ring_rank.get(replica_id, num_ring), replica_id))
         return _sorted(entries, found), cached_at
 
