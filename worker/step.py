@@ -9,6 +9,7 @@ sequence: the tokens it feeds, where they start, its block table);
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,12 +73,16 @@ def build_step(
     offsets = np.cumsum(lengths) - lengths
     num_tokens = int(lengths.sum())
     num_rows = pad_rows(num_tokens) if deterministic else num_tokens
-    max_blocks = max(len(c.block_table) for c in chunks)
-    tables = np.full((len(chunks), max_blocks), pool.scratch_block_id, dtype=np.int64)
-    for index, chunk in enumerate(chunks):
-        tables[index, : len(chunk.block_table)] = chunk.block_table
-        if len(chunk.block_table) * pool.block_size < chunk.start_pos + lengths[index]:
-            raise ValueError(f"chunk {index}: block table too short for position {chunk.start_pos + lengths[index] - 1}")
+    table_lengths = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks))
+    short = np.flatnonzero(table_lengths * pool.block_size < starts + lengths)
+    if len(short):
+        index = int(short[0])
+        raise ValueError(f"chunk {index}: block table too short for position {starts[index] + lengths[index] - 1}")
+    # [num_chunks, max_blocks], padded with the scratch block: one flat copy, not one per chunk
+    tables = np.full((len(chunks), int(table_lengths.max())), pool.scratch_block_id, dtype=np.int64)
+    tables[np.arange(tables.shape[1])[None, :] < table_lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64, count=int(table_lengths.sum())
+    )
     num_kv_heads = pool.geometry.num_kv_heads
     arrays = ChunkArrays(offsets, lengths, starts, tables, pool.block_size, pool.scratch_block_id, num_kv_heads)
 
