@@ -91,25 +91,35 @@ class FetchPlan:
         if credit_scope not in CREDIT_SCOPES or (credit_scope == "over_bound" and is_over is None):
             raise ValueError(f"credit_scope must be one of {CREDIT_SCOPES} (over_bound needs is_over), "
                              f"got {credit_scope!r}")
-        self.fetchable = fetchable_tokens(depths, block_size, num_prompt_tokens, load_of)
-        self._depths, self._depth_of = depths, depth_of
+        self._num_fetchable = fetchable_num_tokens(depths, block_size, num_prompt_tokens)
+        self._owner: str | None = None  # the deepest holder, looked up on first need
+        self._depths, self._depth_of, self._load_of = depths, depth_of, load_of
         self._block_size, self._num_prompt_tokens = block_size, num_prompt_tokens
         self._min_tokens, self._fetch_token_cost = min_tokens, fetch_token_cost
         self._credit_scope, self._is_over = credit_scope, is_over
         self._credit_open: bool | None = None  # decided once per plan, on the first credit asked
 
     @property
+    def fetchable(self) -> tuple[str, int] | None:
+        """:func:`fetchable_tokens` of the plan's holders."""
+        if not self._num_fetchable:
+            return None
+        if self._owner is None:
+            self._owner = deepest_holder(self._depths, self._load_of)
+        return self._owner, self._num_fetchable
+
+    @property
     def credit_open(self) -> bool:
         """Whether fetchable tokens lower non-owners' costs in this decision."""
         if self._credit_open is None:
-            scope, fetchable = self._credit_scope, self.fetchable
-            self._credit_open = fetchable is not None and (
-                scope == "always" or (scope == "over_bound" and self._is_over(*fetchable)))
+            scope = self._credit_scope
+            self._credit_open = bool(self._num_fetchable) and (
+                scope == "always" or (scope == "over_bound" and self._is_over(*self.fetchable)))
         return self._credit_open
 
     def held(self, replica_id: str, cached: int) -> int:
         """Tokens of the prompt ``replica_id`` holds (``cached``: what the score counts)."""
-        if self.fetchable is None or replica_id in self._depths:
+        if not self._num_fetchable or replica_id in self._depths:
             return cached
         depth_tokens = self._depth_of(replica_id) * self._block_size
         return max(cached, min(depth_tokens, self._num_prompt_tokens - 1))
@@ -121,7 +131,10 @@ class FetchPlan:
                             self._fetch_token_cost)
 
     def hint(self, first_id: str, cached: int) -> FetchHint | None:
-        return hint_for(first_id, self.held(first_id, cached), self.fetchable, self._min_tokens)
+        held = self.held(first_id, cached)
+        if self._num_fetchable - held <= self._min_tokens:
+            return None  # nothing worth a fetch, whoever the owner (hint_for; no owner looked up)
+        return hint_for(first_id, held, self.fetchable, self._min_tokens)
 
     def booked_tokens(self, hint: FetchHint | None) -> int:
         """Tokens the reservation counts as fetched (at ``fetch_token_cost``):
@@ -138,14 +151,22 @@ def fetchable_tokens(depths: Mapping[str, int], block_size: int, num_prompt_toke
     many leading prompt tokens a fetch from it could bring: whole blocks,
     below the prompt's length. None if nobody holds a full block of it.
     O(holders)."""
+    num_tokens = fetchable_num_tokens(depths, block_size, num_prompt_tokens)
+    return (deepest_holder(depths, load_of), num_tokens) if num_tokens else None
+
+
+def fetchable_num_tokens(depths: Mapping[str, int], block_size: int, num_prompt_tokens: int) -> int:
+    """The tokens of :func:`fetchable_tokens`, 0 for None."""
     if not depths:
-        return None
+        return 0
+    num_blocks = min(max(depths.values()), (num_prompt_tokens - 1) // block_size) if num_prompt_tokens > 0 else 0
+    return num_blocks * block_size if num_blocks > 0 else 0
+
+
+def deepest_holder(depths: Mapping[str, int], load_of: Callable[[str], float]) -> str:
+    """The owner of :func:`fetchable_tokens`: the least loaded of the deepest holders."""
     deepest = max(depths.values())
-    num_blocks = min(deepest, (num_prompt_tokens - 1) // block_size) if num_prompt_tokens > 0 else 0
-    if num_blocks <= 0:
-        return None
-    owner = min((r for r, d in depths.items() if d == deepest), key=lambda r: (load_of(r), r))
-    return owner, num_blocks * block_size
+    return min((r for r, d in depths.items() if d == deepest), key=lambda r: (load_of(r), r))
 
 
 def fetch_credit(fetchable: tuple[str, int] | None, replica_id: str, cached: int, min_tokens: int,

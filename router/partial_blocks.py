@@ -18,14 +18,20 @@ shares, at most ``block_size / S - 1`` lookups.
 from __future__ import annotations
 
 import struct
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
 
 import xxhash
 
-_U64 = struct.Struct("<Q")
 _MASK_64 = (1 << 64) - 1
+
+
+@lru_cache(maxsize=64)
+def _parent_and_tokens(num_tokens: int) -> struct.Struct:
+    """A chain value (uint64) then ``num_tokens`` int64, little-endian: the bytes
+    ``cache.continue_block_hashes`` hashes for one block."""
+    return struct.Struct(f"<Q{num_tokens}q")
 
 
 def sub_block_keys(parent_hash: int, block_tokens: Sequence[int], sub_block_tokens: int, max_keys: int) -> list[int]:
@@ -33,12 +39,16 @@ def sub_block_keys(parent_hash: int, block_tokens: Sequence[int], sub_block_toke
     after the chain ``parent_hash`` (the chained hash of those tokens taken as
     one block, as ``cache.continue_block_hashes`` would), for
     ``j = 1 .. min(max_keys, len(block_tokens) // sub_block_tokens)``. One
-    packing, one hash call per key. Raises TypeError/OverflowError for
-    tokens that are not int64 ids."""
+    packing, one hash call per key. Raises ValueError for tokens that are
+    not int64 ids."""
     count = min(max_keys, len(block_tokens) // sub_block_tokens)
     if count <= 0:
         return []
-    packed = _U64.pack(parent_hash & _MASK_64) + array("q", block_tokens[: count * sub_block_tokens]).tobytes()
+    num_tokens = count * sub_block_tokens
+    try:
+        packed = _parent_and_tokens(num_tokens).pack(parent_hash & _MASK_64, *block_tokens[:num_tokens])
+    except struct.error as error:
+        raise ValueError(f"not int64 token ids: {error}") from None
     stride = 8 * sub_block_tokens
     return [xxhash.xxh3_64_intdigest(packed[: 8 + j * stride]) for j in range(1, count + 1)]
 

@@ -83,9 +83,9 @@ class Scoring:
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
         entries, cached_at = [], {}
         for replica_id in found.replica_ids:
-            cached = cached_at[replica_id] = max(0, min(
-                depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0),
-                last_token))
+            cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
+            cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
+            cached = cached_at[replica_id] = 0 if cached < 0 else cached
             fetched = credit(replica_id, cached) if credit is not None else 0.0
             saved = cached + saved_share * fetched  # saved tokens that weigh w each
             weight = 1.0 + per_saved * saved / prompt_or_1

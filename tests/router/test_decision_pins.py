@@ -165,3 +165,9 @@ def test_the_decisions_are_the_pinned_ones(name, seed):
     assert len(decisions) > 300
     assert digest(decisions) == PINS[(name, seed)], (
         "the policy chose differently on a pinned workload: a hot-path change must not change decisions")
+
+
+if __name__ == "__main__":  # re-pin after a deliberate change of the rule: python -m tests.router.test_decision_pins
+    for name in sorted(CONFIGS):
+        for seed in (0, 1):
+            print(f'    ("{name}", {seed}): "{digest(drive(PolicyConfig(block_size=BLOCK, **CONFIGS[name]), seed))}",')
