@@ -60,7 +60,8 @@ def within_block(partial: PartialBlockIndex | None, index: PrefixIndex, ring: Ha
     if depth > len(hashes):
         return None
     parent = hashes[depth - 1] if depth else salt_seed(request.salt)
-    found = partial.match(parent, request.token_ids[depth * block_size:(depth + 1) * block_size])
+    start = depth * block_size
+    found = partial.match(parent, request.token_ids[start:start + partial.max_shared_tokens])
     if found is None or found[0] not in ring:
         return None
     if depth and not index.holds(found[0], parent):

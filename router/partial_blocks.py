@@ -78,6 +78,7 @@ class PartialBlockIndex:
         self.sub_block_tokens = sub_block_tokens
         self.max_entries = max_entries
         self._max_keys = block_size // sub_block_tokens - 1
+        self.max_shared_tokens = self._max_keys * sub_block_tokens  # the most a match can share: match reads no more
         self._entries: OrderedDict[int, tuple[str, int]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -97,7 +98,8 @@ class PartialBlockIndex:
 
     def match(self, parent_hash: int, block_tokens: Sequence[int]) -> tuple[str, int] | None:
         """``(replica, tokens shared)`` for the longest known start of the block
-        ``block_tokens`` after the chain ``parent_hash``; None if none."""
+        ``block_tokens`` after the chain ``parent_hash`` (only its first
+        ``max_shared_tokens`` are read); None if none."""
         entries = self._entries
         for key in reversed(self._keys(parent_hash, block_tokens)):
             found = entries.get(key)
