@@ -182,6 +182,10 @@ class LoadTracker:
         for request_id in [k for k, v in self._in_flight.items() if v.replica_id == replica_id]:
             del self._in_flight[request_id]
             self._reserved.pop(request_id, None)
+        # Its heap entries go too: a replica that joins again counts its versions from 1 anew,
+        # and an old entry with a matching version would look current (invariant 3).
+        self._heap = [entry for entry in self._heap if entry[3] != replica_id]
+        heapq.heapify(self._heap)
 
     def on_routed(self, request_id: str, replica_id: str, num_tokens: float, now: float,
                   recent_tokens: float | None = None) -> None:

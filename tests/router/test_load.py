@@ -247,3 +247,19 @@ def test_a_joining_replica_starts_at_the_mean_recent_work():
     assert loads.recent_total(0.0) == pytest.approx(600.0)  # the mean is unchanged: 200
     assert loads.least_loaded_replica() == "b"  # all idle: b did less than the newcomer's share
     assert loads.chance_sd(0.0) == pytest.approx(math.sqrt((300.0**2 + 100.0**2) * 2) / 3)
+
+
+def test_a_replica_that_leaves_and_joins_again_has_no_stale_heap_entry():
+    loads = LoadTracker()
+    for replica in ("a", "b"):
+        loads.add_replica(replica)
+    loads.on_routed("q1", "a", 50.0, now=0.0)
+    loads.on_routed("q2", "b", 10.0, now=0.0)
+    loads.on_completed("q2")
+    loads.remove_replica("a")  # a's entries had versions 1 and 2
+    loads.add_replica("a")  # version 1 again: an old (50 tokens, version 1) entry must not look current
+    loads.on_routed("q3", "a", 5.0, now=0.0)  # version 2 again
+    loads.check_invariants()
+    assert loads.load("a") == 5.0 and loads.least_loaded_replica() == "b"
+    loads.on_routed("q4", "b", 20.0, now=0.0)
+    assert loads.least_loaded_replica() == "a"
