@@ -343,7 +343,7 @@ class PrefixAffinityPolicy:
         now = self._clock()
         scoring = self._scoring(request, now)
         plan = FetchPlan(found.depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
-                         request.num_prompt_tokens, loads.load, config.fetch_min_tokens, config.fetch_token_cost,
+                         request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
