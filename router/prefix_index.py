@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from itertools import islice, repeat
+from itertools import islice
 
 def _last_true(n: int, predicate: Callable[[int], bool]) -> int:
     """Largest ``d`` in ``1..n`` with ``predicate(d)``, for a predicate that is
@@ -152,9 +152,9 @@ class PrefixIndex:
         deepest_first = block_hashes[::-1]
         entries.update(zip(deepest_first, range(first_tick, self._tick)))
         if len(entries) > num_known:  # new keys went last: only they lack the bit (1.)
-            new_blocks = list(islice(reversed(entries), len(entries) - num_known))
             holders = self._holders
-            holders.update(zip(new_blocks, map(bit.__or__, map(holders.get, new_blocks, repeat(0)))))
+            for block_hash in islice(reversed(entries), len(entries) - num_known):
+                holders[block_hash] = holders.get(block_hash, 0) | bit
         self._fifo[replica_id].append((first_tick, deepest_first))
         self._fifo_size[replica_id] += num_blocks
         self._tick_times.append((now, first_tick))
