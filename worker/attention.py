@@ -22,6 +22,11 @@ keys straight from the step's ``key``/``value`` (causal, no copy) and its
 cached prefix the same way (in place, or gathered where scattered). The
 partial results are merged by log-sum-exp (online softmax) once per layer.
 
+Where the runner chose the native decode kernel (worker/native/: CPU float32,
+built and self-checked at load), the plan carries only the decodes' block
+tables and lengths and one C++ call per layer attends every decode in place;
+prefill chunks still take the path above.
+
 Merging partial results by log-sum-exp is exact up to float rounding; the
 order of rounds depends on the batch, so this kernel is not batch-invariant
 (deterministic mode uses the tiled kernel).
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker import native
 from worker.default_plan import DECODE_KEY_CHUNK, DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan
 
 ATTN_IMPLEMENTATION = "kvroute_paged"
@@ -106,7 +112,16 @@ def default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale:
     num_kv_heads = key.shape[0]
     group = num_heads // num_kv_heads
     out = q.new_empty(num_heads, num_rows, head_dim)
-    if plan.decode_rows is not None:
+    if plan.native_tables is not None:
+        k_pool, v_pool = pool.data[layer, 0], pool.data[layer, 1]  # [kv_heads, blocks + 1, block_size, D]
+        if plan.all_decodes:  # read q and write out in place: [T, heads, D] strided views
+            native.paged_decode(q.transpose(0, 1), k_pool, v_pool, plan.native_tables, plan.native_lens,
+                                pool.block_size, scale, out=out.transpose(0, 1))
+        else:
+            qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
+            o = native.paged_decode(qd, k_pool, v_pool, plan.native_tables, plan.native_lens, pool.block_size, scale)
+            out[:, plan.decode_rows] = o.transpose(0, 1)
+    elif plan.decode_rows is not None:
         num_decodes = plan.decode_rows.shape[0]
         qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
         acc_out = qd.new_zeros(num_decodes, num_heads, head_dim)

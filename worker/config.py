@@ -9,6 +9,7 @@ from worker.model import TinyLlamaSpec
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _GEMMS = ("auto", "packed", "plain")
+_ATTENTION_KERNELS = ("auto", "torch", "native", "flashinfer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     attention_scratch_tokens: int = 32768  # K/V positions attention gathers at once (its scratch bound)
     gemm: str = "auto"  # linear kernel: "auto" (pre-packed oneDNN where it exists and checks out), "packed", "plain"
+    # default mode's attention: "auto" (FlashInfer on CUDA where it imports; on CPU float32 the native
+    # decode kernel of worker/native/ where it builds and checks out; else torch), "torch", "native", "flashinfer"
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -80,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"gemm must be one of {_GEMMS}, got {self.gemm!r}")
         if self.gemm == "packed" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("gemm 'packed' needs device 'cpu' and dtype 'float32'")
+        if self.attention_kernel not in _ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {_ATTENTION_KERNELS}, got {self.attention_kernel!r}")
+        if self.attention_kernel == "native" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("attention_kernel 'native' needs device 'cpu' and dtype 'float32'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):

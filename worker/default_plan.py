@@ -89,6 +89,10 @@ class DefaultPlan:
     prefills: list[PrefillWork]
     key_chunk: int  # positions per gathered decode piece
     merge_pairs: int = 1  # decode partial results held before they are merged
+    # The native decode kernel (worker/native/): every decode read in place through its block table.
+    native_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64; None: the torch kernel
+    native_lens: torch.Tensor | None = None  # [num_decodes] int64 positions attended (the new token's included)
+    all_decodes: bool = False  # every row of the step is a decode, in row order
     stats: dict = field(default_factory=dict)  # positions read in place / gathered (tests, profiling)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
@@ -124,11 +128,13 @@ def segments(tables: np.ndarray, ends: np.ndarray, block_size: int, counts_of=No
 
 def build_default_plan(
     chunks: ChunkArrays, device: torch.device, scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
-    min_in_place_tokens: int | None = None,
+    min_in_place_tokens: int | None = None, native_decode: bool = False,
 ) -> DefaultPlan:
     """``scratch_tokens``: most K/V positions gathered at once (at least one piece);
     ``min_in_place_tokens``: shortest segment read in place (None: :data:`MIN_IN_PLACE_TOKENS`,
-    read at call time; :data:`NEVER_IN_PLACE`: none, the gather-only kernel)."""
+    read at call time; :data:`NEVER_IN_PLACE`: none, the gather-only kernel); ``native_decode``:
+    decodes go to the native kernel (worker/native/: the caller checked it loads and fits the
+    geometry), which needs only their block tables and lengths."""
     if min_in_place_tokens is None:
         min_in_place_tokens = MIN_IN_PLACE_TOKENS
     bs = chunks.block_size
@@ -138,7 +144,14 @@ def build_default_plan(
     plan = DefaultPlan(None, None, [], [], [], key_chunk, stats={"in_place": 0, "gathered": 0})
     if len(decode):
         plan.decode_rows = torch.from_numpy(chunks.offsets[decode]).to(device)
-        _plan_decodes(plan, chunks, decode, scratch_tokens, min_in_place_tokens, device)
+        if native_decode:
+            ends = chunks.ends[decode]
+            plan.native_tables = torch.from_numpy(np.ascontiguousarray(chunks.tables[decode])).to(device)
+            plan.native_lens = torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(device)
+            plan.all_decodes = len(decode) == len(chunks.lengths)
+            plan.stats["in_place"] += int(ends.sum())
+        else:
+            _plan_decodes(plan, chunks, decode, scratch_tokens, min_in_place_tokens, device)
     heads = np.arange(chunks.num_kv_heads)[:, None]
     step_tokens = max(bs, scratch_tokens)
     for index in np.flatnonzero(~is_decode):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker import attention
+from worker import attention, native
 from worker.attention import DEFAULT_SCRATCH_TOKENS
 from worker.config import EngineConfig
 from worker.gpu_attention import flashinfer_available
@@ -51,11 +51,12 @@ class ModelRunner:
     ) -> None:
         """``gemm``: "auto" (the packed kernel where :func:`choose_gemm` picks it), "packed" or "plain";
         ``attention_scratch_tokens``: K/V positions the default attention kernel gathers at once;
-        ``attention_kernel``: default mode's kernel, "auto" (FlashInfer on CUDA where it imports,
-        else torch), "torch" or "flashinfer"; ``lean``: None (the lean forward where the load-time probe
+        ``attention_kernel``: default mode's kernel, "auto" (FlashInfer on CUDA where it imports; on CPU
+        float32 the native decode kernel where it builds and passes its self-check; else torch), "torch",
+        "native" (an error where it cannot run) or "flashinfer"; ``lean``: None (the lean forward where the load-time probe
         finds it equal to transformers' forward), False (always transformers' forward)."""
-        if attention_kernel not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_kernel must be auto, torch or flashinfer, got {attention_kernel!r}")
+        if attention_kernel not in ("auto", "torch", "native", "flashinfer"):
+            raise ValueError(f"attention_kernel must be auto, torch, native or flashinfer, got {attention_kernel!r}")
         self.attention_scratch_tokens = attention_scratch_tokens
         attention.register()
         self.loaded: LoadedModel = load_model(
@@ -69,6 +70,10 @@ class ModelRunner:
             or (attention_kernel == "auto" and self.device.type == "cuda" and flashinfer_available())
         )
         self.dtype = getattr(torch, dtype)
+        self.native_decode = not deterministic and attention_kernel in ("auto", "native") and self._native_fits()
+        if attention_kernel == "native" and not deterministic and not self.native_decode:
+            raise ValueError("attention_kernel 'native' cannot run here (default mode on CPU float32, a"
+                             " supported geometry and a C++ compiler; see the log)")
         self.max_positions = max_positions or self.loaded.max_position_embeddings
         install_rope_table(self.loaded.model, self.max_positions)
         self.fused = fuse_projections(self.loaded.model)
@@ -99,8 +104,26 @@ class ModelRunner:
             config.model, config.tiny_llama, device=config.device, dtype=config.dtype,
             deterministic=config.deterministic, max_batch_tokens=max(config.max_batch_tokens, 64),
             max_positions=config.max_model_len, trust_remote_code=config.trust_remote_code, gemm=config.gemm,
-            attention_scratch_tokens=config.attention_scratch_tokens,
+            attention_scratch_tokens=config.attention_scratch_tokens, attention_kernel=config.attention_kernel,
         )
+
+    def _native_fits(self) -> bool:
+        """The native decode kernel fits this model and machine: it builds, loads and agrees with
+        dense attention on a self-check of this geometry (worker/native/)."""
+        geometry = self.loaded.geometry
+        if not native.supports(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, self.dtype, self.device):
+            return False
+        if native.load() is None:
+            return False
+        return native.self_check(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, block_size=16)
+
+    @property
+    def attention_path(self) -> str:
+        """Default mode's decode attention: ``"native"``, ``"flashinfer"`` or ``"torch"``
+        (deterministic mode: ``"tiled"``)."""
+        if self.deterministic:
+            return "tiled"
+        return "native" if self.native_decode else "flashinfer" if self.flashinfer else "torch"
 
     @property
     def geometry(self):
@@ -138,7 +161,7 @@ class ModelRunner:
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
             tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
-            share_rows=self.share_rows,
+            share_rows=self.share_rows, native_decode=self.native_decode,
         )
 
     @torch.inference_mode()

@@ -58,11 +58,13 @@ def build_step(
     scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
     flashinfer: bool = False,
     share_rows: int = 0,
+    native_decode: bool = False,
 ) -> StepBatch:
     """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel;
     ``scratch_tokens``: K/V positions the default kernel gathers at once;
     ``flashinfer``: default mode plans for FlashInfer's paged kernel (CUDA);
-    ``share_rows``: the batch-invariant kernel's shared-key products' row limit (0: no sharing)."""
+    ``share_rows``: the batch-invariant kernel's shared-key products' row limit (0: no sharing);
+    ``native_decode``: default mode's decodes run the native kernel (worker/native/)."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -111,7 +113,7 @@ def build_step(
     elif flashinfer:
         plan = build_flashinfer_plan(arrays, num_heads, pool.geometry.head_dim, pool.data.dtype, device)
     else:
-        plan = build_default_plan(arrays, device, scratch_tokens)
+        plan = build_default_plan(arrays, device, scratch_tokens, native_decode=native_decode)
     return StepBatch(
         pool=pool,
         input_ids=torch.from_numpy(input_ids).to(device),

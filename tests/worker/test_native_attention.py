@@ -1,0 +1,94 @@
+"""The native decode kernel (worker/native/) against dense attention, inside the default
+plan and on its own, and how the runner chooses it."""
+
+import pytest
+import torch
+
+from tests.worker.test_attention import EDGES, SPECS, _tables, run
+from worker import native
+from worker.config import EngineConfig
+from worker.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C++ compiler: the torch path is used")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_decodes_beside_prefills_match_dense_attention(block_size):
+    """Decodes at every block/chunk boundary beside prefill chunks (which stay on torch)."""
+    specs, num_blocks = _tables(EDGES, block_size)
+    out, expected = run(specs, False, block_size=block_size, num_blocks=num_blocks, native_decode=True)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_native_decode_only_step_writes_its_output_in_place():
+    """A step of decodes only takes the strided in/out path (no copy of q or out)."""
+    decodes = [spec for spec in SPECS if spec[1] == 1]
+    plans = []
+    out, expected = run(decodes, False, plans=plans, native_decode=True)
+    assert plans[0].all_decodes and plans[0].native_tables is not None and not plans[0].in_place
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_native_and_torch_kernels_agree_on_a_shared_prefix():
+    """Decodes sharing a cached prefix's blocks (the same ids in their tables; one (start, n), so
+    the helper writes the same keys there for each) with queries and tails of their own."""
+    prefix = list(range(8))
+    specs = [(40, 1, prefix + [8, 9, 10], 1), (40, 1, prefix + [11, 12, 13], 2), (40, 1, prefix + [14, 15, 16], 3)]
+    native_out, expected = run(specs, False, native_decode=True)
+    torch_out, _ = run(specs, False)
+    torch.testing.assert_close(native_out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(native_out, torch_out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 8), (12, 4, 64), (14, 2, 64), (32, 8, 128), (8, 8, 40), (16, 1, 256)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_self_check_passes_for_supported_geometries(heads, block_size):
+    """GQA groups 1..16 (blocks of 3 score rows and 4 value rows, with remainders), head dims
+    with an odd number of 8-lanes vectors, contexts over several 128-key chunks."""
+    num_heads, num_kv_heads, head_dim = heads
+    assert native.supports(num_heads, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    assert native.self_check(num_heads, num_kv_heads, head_dim, block_size)
+
+
+def test_unsupported_geometry_is_refused_not_miscomputed():
+    assert not native.supports(12, 4, 60, torch.float32, torch.device("cpu"))  # head_dim not a multiple of 8
+    assert not native.supports(34, 2, 64, torch.float32, torch.device("cpu"))  # group of 17
+    assert not native.supports(12, 4, 64, torch.bfloat16, torch.device("cpu"))
+    q = torch.zeros(1, 34, 64)
+    pool = torch.zeros(2, 2, 16, 64)
+    with pytest.raises(ValueError, match="does not support"):
+        native.paged_decode(q, pool, pool, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+                            16, 0.125)
+
+
+def test_a_large_context_in_a_long_sequence_of_chunks_stays_accurate():
+    """8k positions in one sequence: the online softmax's rescaling over 64 chunks."""
+    generator = torch.Generator().manual_seed(3)
+    length, block_size = 8192, 16
+    pool_k = torch.randn(2, length // block_size + 1, block_size, 64, generator=generator)
+    pool_v = torch.randn(2, length // block_size + 1, block_size, 64, generator=generator)
+    table = torch.randperm(length // block_size, generator=generator)[None].contiguous()
+    q = torch.randn(1, 6, 64, generator=generator) * 3  # peaked scores
+    got = native.paged_decode(q, pool_k, pool_v, table, torch.tensor([length]), block_size, 0.125)
+    positions = torch.arange(length)
+    k = pool_k[:, table[0, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
+    v = pool_v[:, table[0, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
+    weights = torch.softmax((k @ q[0].double()[:, :, None])[..., 0] * 0.125, dim=-1)
+    torch.testing.assert_close(got[0], (weights[:, None, :] @ v)[:, 0].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_build_reuses_the_cached_library(tmp_path):
+    first = native.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+
+
+def test_runner_chooses_the_native_kernel_on_cpu_default_mode_only():
+    assert ModelRunner.from_config(EngineConfig()).attention_path == "native"
+    assert ModelRunner.from_config(EngineConfig(attention_kernel="torch")).attention_path == "torch"
+    assert ModelRunner.from_config(EngineConfig(deterministic=True, attention_kernel="native")).attention_path == "tiled"
+    with pytest.raises(ValueError, match="attention_kernel"):
+        EngineConfig(attention_kernel="fast")
+    with pytest.raises(ValueError, match="native"):
+        EngineConfig(attention_kernel="native", dtype="bfloat16")

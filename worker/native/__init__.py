@@ -1,0 +1,203 @@
+"""Native CPU kernels: C++ compiled once on the machine that runs them, loaded with ctypes.
+
+torch has no CPU kernel that attends through a block table; the default
+kernel (worker/attention.py) composes one out of ~30 small torch ops per
+layer, and on a decode step those ops, not the arithmetic, are the cost.
+``paged_decode.cpp`` here is one call per layer instead: every decode token's
+attention read in place from the pool (see its header for the algorithm).
+
+Build: the first :func:`load` compiles the source with the system C++
+compiler (``c++ -O3 -march=native -fopenmp``) into a per-user cache keyed by
+the source, the flags, the compiler and the CPU, then loads it; later loads
+(every Worker replica, every test) reuse the file. No compiler, a failed
+build or an unsupported shape → ``None`` / ``False``, and callers keep the
+torch path: nothing here is required for correctness.
+
+The library is linked against ``libgomp.so.1`` only by name; torch is
+imported first and has loaded its own, so the kernel's OpenMP threads are
+torch's (``torch.set_num_threads`` applies). No torch headers are needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
+ABI_VERSION = 1
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "kvroute" / "native"
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags (``-march=native`` code must not run on a CPU that lacks them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_fingerprint().encode(),
+                 str(ABI_VERSION).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir / f"kvroute_native_{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile the kernels (if this source/compiler/CPU has no library yet) and return its path.
+    Raises ``RuntimeError`` with the compiler's output when it cannot."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    cache_dir = cache_dir or default_cache_dir()
+    target = library_path(cache_dir, compiler)
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent builders (replicas starting together) never
+    # load a half-written file, and the last rename wins with identical content.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernels' library, built on first use; ``None`` where it cannot be built or loaded
+    (logged once). Thread-safe; tried once per process."""
+    global _library, _tried
+    with _lock:
+        if _tried:
+            return _library
+        _tried = True
+        try:
+            library = ctypes.CDLL(str(build()))
+            if library.kvroute_native_abi_version() != ABI_VERSION:
+                raise RuntimeError("library ABI version mismatch")
+            fn = library.kvroute_paged_decode
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                           _i64, _i64, _i64, _i64, _i64, _i64, _f32]
+            _library = library
+        except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
+            logger.warning("native kernels unavailable, using the torch path: %s", exc)
+            _library = None
+        return _library
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`paged_decode` handles this geometry (CPU float32, GQA group <= 16,
+    head_dim a multiple of 8 up to 256)."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and num_kv_heads >= 1
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 16
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
+
+
+def paged_decode(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+    block_size: int, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    ``q [seqs, heads, D]`` (last dim contiguous); ``k_pool``/``v_pool`` one layer's
+    ``[kv_heads, pool_blocks, block_size, D]`` contiguous (``KVPool.data[layer, 0]``);
+    ``tables [seqs, max_blocks]`` int64 block ids, ``context_lens [seqs]`` int64 (positions
+    ``< len`` are attended; the tables cover them) → ``out [seqs, heads, D]``.
+    The caller checks :func:`supports`; the library must have loaded."""
+    library = load()
+    if library is None:
+        raise RuntimeError("native kernels are not available")
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, pool_blocks = k_pool.shape[0], k_pool.shape[1]
+    if q.stride(2) != 1 or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("paged_decode needs q's last dim and the pools contiguous")
+    if tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or not (tables.is_contiguous() and context_lens.is_contiguous()):
+        raise ValueError("paged_decode needs contiguous int64 tables and context lengths")
+    if out is None:
+        out = q.new_empty(num_seqs, num_heads, head_dim)
+    status = library.kvroute_paged_decode(
+        q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
+        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
+    )
+    if status != 0:
+        raise ValueError(f"paged_decode does not support heads {num_heads}/{num_kv_heads}, head_dim {head_dim}")
+    return out
+
+
+def self_check(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Does :func:`paged_decode` give dense softmax attention (to float32 rounding) on a small
+    seeded case of this geometry: scattered blocks, contexts of 1 to 300 positions, a partial
+    last block? Run once at load, before the kernel is chosen (a miscompiled library is never used)."""
+    generator = torch.Generator().manual_seed(23)
+    lengths = [1, block_size, block_size + 3, 300]
+    max_blocks = -(-max(lengths) // block_size)
+    pool_blocks = len(lengths) * max_blocks + 1
+    shape = (num_kv_heads, pool_blocks, block_size, head_dim)
+    k_pool, v_pool = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    order = torch.randperm(pool_blocks - 1, generator=generator)  # scattered tables
+    tables = order[: len(lengths) * max_blocks].view(len(lengths), max_blocks).contiguous()
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    got = paged_decode(q, k_pool, v_pool, tables, torch.tensor(lengths), block_size, scale)
+    group = num_heads // num_kv_heads
+    for seq, length in enumerate(lengths):
+        positions = torch.arange(length)
+        blocks = tables[seq, positions // block_size]
+        k = k_pool[:, blocks, positions % block_size].double().repeat_interleave(group, 0)  # [heads, n, D]
+        v = v_pool[:, blocks, positions % block_size].double().repeat_interleave(group, 0)
+        weights = torch.softmax((k @ q[seq].double()[:, :, None])[..., 0] * scale, dim=-1)  # [heads, n]
+        expected = (weights[:, None, :] @ v)[:, 0].float()
+        if not torch.allclose(got[seq], expected, rtol=1e-4, atol=1e-5):
+            return False
+    return True

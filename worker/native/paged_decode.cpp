@@ -1,0 +1,302 @@
+// Decode attention read in place from the paged KV pool (CPU, float32).
+//
+// One query token per sequence. For each (sequence, KV head) the kernel walks
+// the sequence's block table, reading keys and values where they lie in the
+// pool (no gather, no scratch beyond a few KB of stack), and keeps an online
+// softmax over chunks of at most kChunkKeys positions: per chunk the scores of
+// the head's query group (GQA: num_heads / num_kv_heads query heads share a KV
+// head, so each key row is read once for all of them), one rescale of the
+// running sums, exponentials, and the value accumulation. Work items are
+// (sequence, KV head) pairs shared among the OpenMP threads of the process
+// (torch's own runtime: the library is loaded after torch, whose libgomp
+// provides the symbols), so the kernel uses torch's thread count.
+//
+// Layout (worker/kv.py): one layer's keys are [kv_heads, pool_blocks,
+// block_size, head_dim] contiguous, values likewise; block b of head h starts
+// at ((h * pool_blocks + b) * block_size) * head_dim.
+//
+// Numerics: float32 throughout; exp by Cody-Waite range reduction and a
+// degree-7 polynomial (within a few ulp of expf); the result matches a dense
+// softmax attention to float32 rounding (tests/worker/test_native_attention.py),
+// not bit for bit: deterministic mode never runs this kernel.
+//
+// Vector code uses GCC/Clang vector extensions (8 floats), which the compiler
+// maps onto whatever the target has (AVX2 + FMA with -march=native on x86-64,
+// two NEON registers on ARM).
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int kChunkKeys = 128;   // keys per online-softmax chunk
+constexpr int kMaxGroup = 16;     // query heads per KV head supported
+constexpr int kMaxHeadDim = 256;  // head_dim supported (a multiple of 8)
+constexpr float kEmptyMax = -1e30f;  // running max before any key (finite: no inf - inf)
+
+inline v8f load8(const float* p) {
+  v8f r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof x); }
+
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+inline float hsum(v8f x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// exp(x) for x <= 0 (softmax arguments); 0 below -87 (where expf leaves the normals).
+inline v8f exp8(v8f x) {
+  const v8f lo = splat(-87.0f);
+  v8i tiny = x < lo;
+  x = x < lo ? lo : x;
+  v8f nf = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8i ni = __builtin_convertvector(nf, v8i);  // truncation toward zero
+  v8f t = __builtin_convertvector(ni, v8f);
+  ni = ni + (t > nf);  // floor: (t > nf) is -1 where truncation rounded up
+  t = __builtin_convertvector(ni, v8f);
+  v8f r = x - t * splat(0.693145751953125f);
+  r = r - t * splat(1.428606765330187045e-06f);
+  v8f p = splat(1.0f / 5040.0f);
+  p = p * r + splat(1.0f / 720.0f);
+  p = p * r + splat(1.0f / 120.0f);
+  p = p * r + splat(1.0f / 24.0f);
+  p = p * r + splat(1.0f / 6.0f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  v8i bits = (ni + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  v8f out = p * scale;
+  return tiny ? splat(0.0f) : out;
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+
+// The four sums of x0..x3's lanes, as one 4-vector (a transpose-add: fewer shuffles than 4 hsums).
+inline v4f hsum4(v8f x0, v8f x1, v8f x2, v8f x3) {
+  v4f y0 = __builtin_shufflevector(x0, x0, 0, 1, 2, 3) + __builtin_shufflevector(x0, x0, 4, 5, 6, 7);
+  v4f y1 = __builtin_shufflevector(x1, x1, 0, 1, 2, 3) + __builtin_shufflevector(x1, x1, 4, 5, 6, 7);
+  v4f y2 = __builtin_shufflevector(x2, x2, 0, 1, 2, 3) + __builtin_shufflevector(x2, x2, 4, 5, 6, 7);
+  v4f y3 = __builtin_shufflevector(x3, x3, 0, 1, 2, 3) + __builtin_shufflevector(x3, x3, 4, 5, 6, 7);
+  v4f z0 = __builtin_shufflevector(y0, y1, 0, 4, 1, 5) + __builtin_shufflevector(y0, y1, 2, 6, 3, 7);
+  v4f z1 = __builtin_shufflevector(y2, y3, 0, 4, 1, 5) + __builtin_shufflevector(y2, y3, 2, 6, 3, 7);
+  return __builtin_shufflevector(z0, z1, 0, 1, 4, 5) + __builtin_shufflevector(z0, z1, 2, 3, 6, 7);
+}
+
+// Scores of R (1..3) prescaled query rows (head_dim apart) against `count` key rows: each key
+// vector is loaded once for the R rows (4 keys x R rows of accumulators stay in registers).
+template <int R>
+void score_rows_r(const float* q, int head_dim, const float* keys, int count, float* scores, int score_stride) {
+  const int nv = head_dim / 8;
+  int t = 0;
+  for (; t + 4 <= count; t += 4) {
+    const float* k0 = keys + (t + 0) * head_dim;
+    v8f acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) acc[r][u] = splat(0.0f);
+    for (int i = 0; i < nv; ++i) {
+      const v8f x0 = load8(k0 + 8 * i), x1 = load8(k0 + head_dim + 8 * i);
+      const v8f x2 = load8(k0 + 2 * head_dim + 8 * i), x3 = load8(k0 + 3 * head_dim + 8 * i);
+      for (int r = 0; r < R; ++r) {
+        const v8f qv = load8(q + r * head_dim + 8 * i);
+        acc[r][0] += qv * x0;
+        acc[r][1] += qv * x1;
+        acc[r][2] += qv * x2;
+        acc[r][3] += qv * x3;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const v4f sums = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      std::memcpy(scores + r * score_stride + t, &sums, sizeof sums);
+    }
+  }
+  for (; t < count; ++t) {
+    const float* k0 = keys + t * head_dim;
+    for (int r = 0; r < R; ++r) {
+      v8f a0 = splat(0.0f);
+      for (int i = 0; i < nv; ++i) a0 += load8(q + r * head_dim + 8 * i) * load8(k0 + 8 * i);
+      scores[r * score_stride + t] = hsum(a0);
+    }
+  }
+}
+
+// Scores of `group` prescaled queries against `count` key rows, in blocks of up to 3 query rows.
+inline void score_rows(const float* q, int group, int head_dim, const float* keys, int count, float* scores,
+                       int score_stride) {
+  int g = 0;
+  for (; g + 3 <= group; g += 3)
+    score_rows_r<3>(q + g * head_dim, head_dim, keys, count, scores + g * score_stride, score_stride);
+  if (group - g == 2) score_rows_r<2>(q + g * head_dim, head_dim, keys, count, scores + g * score_stride, score_stride);
+  if (group - g == 1) score_rows_r<1>(q + g * head_dim, head_dim, keys, count, scores + g * score_stride, score_stride);
+}
+
+// acc[r] += sum_t probs[r][t] * values[t] for R (1..4) rows: 2 vectors of the head dim at a
+// time for all R rows in registers across the `count` value rows.
+template <int R>
+void accumulate_rows_r(const float* probs, int prob_stride, int head_dim, const float* values, int count,
+                       float* acc) {
+  const int nv = head_dim / 8;
+  int i = 0;
+  for (; i + 2 <= nv; i += 2) {
+    v8f a[R][2];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = load8(acc + r * head_dim + 8 * i);
+      a[r][1] = load8(acc + r * head_dim + 8 * i + 8);
+    }
+    for (int t = 0; t < count; ++t) {
+      const v8f x0 = load8(values + t * head_dim + 8 * i), x1 = load8(values + t * head_dim + 8 * i + 8);
+      for (int r = 0; r < R; ++r) {
+        const v8f p = splat(probs[r * prob_stride + t]);
+        a[r][0] += p * x0;
+        a[r][1] += p * x1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store8(acc + r * head_dim + 8 * i, a[r][0]);
+      store8(acc + r * head_dim + 8 * i + 8, a[r][1]);
+    }
+  }
+  if (i < nv) {
+    v8f a[R];
+    for (int r = 0; r < R; ++r) a[r] = load8(acc + r * head_dim + 8 * i);
+    for (int t = 0; t < count; ++t) {
+      const v8f x0 = load8(values + t * head_dim + 8 * i);
+      for (int r = 0; r < R; ++r) a[r] += splat(probs[r * prob_stride + t]) * x0;
+    }
+    for (int r = 0; r < R; ++r) store8(acc + r * head_dim + 8 * i, a[r]);
+  }
+}
+
+// acc[g] += sum_t probs[g][t] * values[t] for `count` value rows, in blocks of up to 4 rows.
+inline void accumulate_rows(const float* probs, int prob_stride, int group, int head_dim, const float* values,
+                            int count, float* acc) {
+  int g = 0;
+  for (; g + 4 <= group; g += 4)
+    accumulate_rows_r<4>(probs + g * prob_stride, prob_stride, head_dim, values, count, acc + g * head_dim);
+  const float* p = probs + g * prob_stride;
+  float* a = acc + g * head_dim;
+  switch (group - g) {
+    case 3: accumulate_rows_r<3>(p, prob_stride, head_dim, values, count, a); break;
+    case 2: accumulate_rows_r<2>(p, prob_stride, head_dim, values, count, a); break;
+    case 1: accumulate_rows_r<1>(p, prob_stride, head_dim, values, count, a); break;
+    default: break;
+  }
+}
+
+struct Args {
+  const float* q;
+  int64_t q_seq_stride, q_head_stride;
+  const float* k_pool;
+  const float* v_pool;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* context_lens;
+  float* out;
+  int64_t out_seq_stride, out_head_stride;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, pool_blocks;
+  float scale;
+};
+
+void attend_one(const Args& a, int64_t seq, int64_t kv_head) {
+  const int group = static_cast<int>(a.num_heads / a.num_kv_heads);
+  const int head_dim = static_cast<int>(a.head_dim);
+  const int nv = head_dim / 8;
+  const int64_t bs = a.block_size;
+  alignas(64) float q[kMaxGroup * kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
+  alignas(64) float scores[kMaxGroup * kChunkKeys];
+  float run_max[kMaxGroup], run_sum[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    const float* src = a.q + seq * a.q_seq_stride + (kv_head * group + g) * a.q_head_stride;
+    for (int i = 0; i < nv; ++i) store8(q + g * head_dim + 8 * i, load8(src + 8 * i) * splat(a.scale));
+    for (int i = 0; i < nv; ++i) store8(acc + g * head_dim + 8 * i, splat(0.0f));
+    run_max[g] = kEmptyMax;
+    run_sum[g] = 0.0f;
+  }
+  const int64_t* table = a.tables + seq * a.table_stride;
+  const int64_t context = a.context_lens[seq];
+  const float* k_head = a.k_pool + kv_head * a.pool_blocks * bs * head_dim;
+  const float* v_head = a.v_pool + kv_head * a.pool_blocks * bs * head_dim;
+  for (int64_t chunk = 0; chunk < context; chunk += kChunkKeys) {
+    const int n = static_cast<int>(context - chunk < kChunkKeys ? context - chunk : kChunkKeys);
+    for (int j = 0; j < n;) {  // scores, block by block
+      const int64_t pos = chunk + j;
+      const int64_t offset = pos % bs;
+      const int count = static_cast<int>(bs - offset < n - j ? bs - offset : n - j);
+      const float* keys = k_head + (table[pos / bs] * bs + offset) * head_dim;
+      score_rows(q, group, head_dim, keys, count, scores + j, kChunkKeys);
+      j += count;
+    }
+    for (int g = 0; g < group; ++g) {  // online softmax: rescale, then this chunk's weights
+      float* row = scores + g * kChunkKeys;
+      float top = run_max[g];
+      for (int t = 0; t < n; ++t) top = row[t] > top ? row[t] : top;
+      const float correction = exp8(splat(run_max[g] - top))[0];
+      v8f total = splat(0.0f);
+      int t = 0;
+      for (; t + 8 <= n; t += 8) {
+        v8f p = exp8(load8(row + t) - splat(top));
+        store8(row + t, p);
+        total += p;
+      }
+      float tail = 0.0f;
+      for (; t < n; ++t) {
+        v8f p = exp8(splat(row[t] - top));
+        row[t] = p[0];
+        tail += p[0];
+      }
+      run_sum[g] = run_sum[g] * correction + (hsum(total) + tail);
+      run_max[g] = top;
+      if (correction != 1.0f) {
+        float* ag = acc + g * head_dim;
+        for (int i = 0; i < nv; ++i) store8(ag + 8 * i, load8(ag + 8 * i) * splat(correction));
+      }
+    }
+    for (int j = 0; j < n;) {  // values, block by block
+      const int64_t pos = chunk + j;
+      const int64_t offset = pos % bs;
+      const int count = static_cast<int>(bs - offset < n - j ? bs - offset : n - j);
+      const float* values = v_head + (table[pos / bs] * bs + offset) * head_dim;
+      accumulate_rows(scores + j, kChunkKeys, group, head_dim, values, count, acc);
+      j += count;
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* dst = a.out + seq * a.out_seq_stride + (kv_head * group + g) * a.out_head_stride;
+    const v8f inv = splat(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);
+    for (int i = 0; i < nv; ++i) store8(dst + 8 * i, load8(acc + g * head_dim + 8 * i) * inv);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0: done; 1: a shape this kernel does not support (nothing written).
+int kvroute_paged_decode(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* k_pool,
+                         const float* v_pool, const int64_t* tables, int64_t table_stride,
+                         const int64_t* context_lens, float* out, int64_t out_seq_stride, int64_t out_head_stride,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, int64_t pool_blocks, float scale) {
+  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup) return 1;
+  if (head_dim % 8 != 0 || head_dim > kMaxHeadDim || block_size < 1) return 1;
+  const Args a{q, q_seq_stride, q_head_stride, k_pool, v_pool, tables, table_stride, context_lens,
+               out, out_seq_stride, out_head_stride, num_heads, num_kv_heads, head_dim, block_size,
+               pool_blocks, scale};
+  const int64_t items = num_seqs * num_kv_heads;
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < items; ++item) attend_one(a, item / num_kv_heads, item % num_kv_heads);
+  return 0;
+}
+
+int kvroute_native_abi_version() { return 1; }
+
+}  // extern "C"
