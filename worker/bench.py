@@ -131,14 +131,18 @@ class Run:
 class EngineSystem:
     """This engine; ``engine`` is kept for the reference check."""
 
-    def __init__(self, spec: TinyLlamaSpec, *, deterministic: bool, max_batch_tokens: int, gemm: str = "auto") -> None:
+    def __init__(self, spec: TinyLlamaSpec, *, deterministic: bool, max_batch_tokens: int, gemm: str = "auto",
+                 attention: str = "auto") -> None:
         self.engine = Engine(EngineConfig(
             tiny_llama=spec, deterministic=deterministic, cache_budget_tokens=65536,
             max_batch_tokens=max_batch_tokens, max_num_seqs=64, max_model_len=2048, gemm=gemm,
+            attention_kernel=attention,
         ))
         self.name = "engine (deterministic)" if deterministic else "engine (default)"
         if gemm != "auto":
             self.name += f" gemm={gemm}"
+        if attention != "auto":
+            self.name += f" attention={attention}"
         with torch.inference_mode():
             self.engine.generate([5, 6, 7, 8] * 8, 2)  # warm-up
 
@@ -250,6 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-baselines", action="store_true", help="engine only (quick check)")
     parser.add_argument("--no-deterministic", action="store_true", help="skip the deterministic engine")
     parser.add_argument("--engine-gemm", default="auto", help="the default engine's GEMM: auto, packed, plain")
+    parser.add_argument("--engine-attention", default="auto",
+                        help="the default engine's attention kernel: auto, native, torch")
+    parser.add_argument("--compare-attention", default="",
+                        help="also time the default engine with this attention kernel (e.g. torch), interleaved")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -263,10 +271,15 @@ def main(argv: list[str] | None = None) -> dict:
           f"S={args.system_tokens} Q={args.question_tokens} O={args.output_tokens}; lower bounds "
           f"{ {n: b[0] for n, b in bounds.items()} } prefill tokens; torch threads {torch.get_num_threads()}, "
           f"OpenMP binding {os.environ.get('OMP_PROC_BIND', 'none')}")
-    default = EngineSystem(spec, deterministic=False, max_batch_tokens=args.max_batch_tokens, gemm=args.engine_gemm)
+    default = EngineSystem(spec, deterministic=False, max_batch_tokens=args.max_batch_tokens, gemm=args.engine_gemm,
+                           attention=args.engine_attention)
+    print(f"default engine: attention {default.engine.runner.attention_path}, forward {default.engine.runner.forward_path}")
     systems = [default]
     if not args.no_deterministic:
         systems.append(EngineSystem(spec, deterministic=True, max_batch_tokens=args.max_batch_tokens))
+    if args.compare_attention:
+        systems.append(EngineSystem(spec, deterministic=False, max_batch_tokens=args.max_batch_tokens,
+                                    gemm=args.engine_gemm, attention=args.compare_attention))
     peer_names = [] if args.skip_baselines else [n for n in args.peers.split(",") if n]
     # A timeout's SIGTERM unwinds through the finally below, so a peer's processes are not left behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
