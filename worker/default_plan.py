@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker import native
 from worker.chunk_arrays import ChunkArrays
 
 DECODE_KEY_CHUNK = 128  # positions per gathered decode piece (rounded up to whole blocks)
@@ -92,6 +93,7 @@ class DefaultPlan:
     # The native decode kernel (worker/native/): every decode read in place through its block table.
     native_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64; None: the torch kernel
     native_lens: torch.Tensor | None = None  # [num_decodes] int64 positions attended (the new token's included)
+    native_items: torch.Tensor | None = None  # [num_decodes * kv_heads, 2] (decode, kv head) in thread order
     all_decodes: bool = False  # every row of the step is a decode, in row order
     stats: dict = field(default_factory=dict)  # positions read in place / gathered (tests, profiling)
 
@@ -146,7 +148,9 @@ def build_default_plan(
         plan.decode_rows = torch.from_numpy(chunks.offsets[decode]).to(device)
         if native_decode:
             ends = chunks.ends[decode]
-            plan.native_tables = torch.from_numpy(np.ascontiguousarray(chunks.tables[decode])).to(device)
+            tables = np.ascontiguousarray(chunks.tables[decode])
+            plan.native_tables = torch.from_numpy(tables).to(device)
+            plan.native_items = torch.from_numpy(native.decode_items(tables, chunks.num_kv_heads)).to(device)
             plan.native_lens = torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(device)
             plan.all_decodes = len(decode) == len(chunks.lengths)
             plan.stats["in_place"] += int(ends.sum())

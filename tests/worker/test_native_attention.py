@@ -92,3 +92,14 @@ def test_runner_chooses_the_native_kernel_on_cpu_default_mode_only():
         EngineConfig(attention_kernel="fast")
     with pytest.raises(ValueError, match="native"):
         EngineConfig(attention_kernel="native", dtype="bfloat16")
+
+
+def test_decode_items_put_sharers_of_a_prefix_together_head_major():
+    """Sequences 0 and 2 start with block 7 (a shared prefix), 1 with block 3: items go by
+    prefix (ordered by first block id), then KV head, then sequence."""
+    import numpy as np
+
+    tables = np.array([[7, 8], [3, 4], [7, 9]])
+    items = native.decode_items(tables, num_kv_heads=2)
+    assert items.dtype == np.int64 and items.flags["C_CONTIGUOUS"]
+    assert items.tolist() == [[1, 0], [1, 1], [0, 0], [2, 0], [0, 1], [2, 1]]

@@ -31,13 +31,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -119,8 +120,8 @@ def load() -> ctypes.CDLL | None:
                 raise RuntimeError("library ABI version mismatch")
             fn = library.kvroute_paged_decode
             fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _i64, _i64, _f32]
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64,
+                           _i64, _i64, _i64, _i64, _i64, _f32]
             _library = library
         except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
             logger.warning("native kernels unavailable, using the torch path: %s", exc)
@@ -142,16 +143,29 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
     )
 
 
+def decode_items(tables: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """The (sequence, KV head) work items of :func:`paged_decode`, ``[seqs * kv_heads, 2]`` int64:
+    sequences whose tables start with the same block (a shared cached prefix) together, and within
+    them head-major, so consecutive items on a thread read the same prefix rows (cache-warm)."""
+    num_seqs = tables.shape[0]
+    _, prefix_group = np.unique(tables[:, 0], return_inverse=True)
+    seq = np.repeat(np.arange(num_seqs), num_kv_heads)
+    head = np.tile(np.arange(num_kv_heads), num_seqs)
+    order = np.lexsort((seq, head, prefix_group.reshape(-1)[seq]))
+    return np.ascontiguousarray(np.stack([seq[order], head[order]], axis=1), dtype=np.int64)
+
+
 def paged_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, scale: float, out: torch.Tensor | None = None,
+    block_size: int, scale: float, out: torch.Tensor | None = None, items: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     ``q [seqs, heads, D]`` (last dim contiguous); ``k_pool``/``v_pool`` one layer's
     ``[kv_heads, pool_blocks, block_size, D]`` contiguous (``KVPool.data[layer, 0]``);
     ``tables [seqs, max_blocks]`` int64 block ids, ``context_lens [seqs]`` int64 (positions
-    ``< len`` are attended; the tables cover them) → ``out [seqs, heads, D]``.
+    ``< len`` are attended; the tables cover them); ``items``: :func:`decode_items` of the tables
+    (made here when ``None``; a step's plan makes it once for every layer) → ``out [seqs, heads, D]``.
     The caller checks :func:`supports`; the library must have loaded."""
     library = load()
     if library is None:
@@ -162,13 +176,14 @@ def paged_decode(
         raise ValueError("paged_decode needs q's last dim and the pools contiguous")
     if tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or not (tables.is_contiguous() and context_lens.is_contiguous()):
         raise ValueError("paged_decode needs contiguous int64 tables and context lengths")
+    if items is None:
+        items = torch.from_numpy(decode_items(tables.numpy(), num_kv_heads))
     if out is None:
         out = q.new_empty(num_seqs, num_heads, head_dim)
     status = library.kvroute_paged_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
-        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
+        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), items.data_ptr(), items.shape[0],
+        out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
     )
     if status != 0:
         raise ValueError(f"paged_decode does not support heads {num_heads}/{num_kv_heads}, head_dim {head_dim}")

@@ -280,23 +280,25 @@ void attend_one(const Args& a, int64_t seq, int64_t kv_head) {
 
 extern "C" {
 
-// 0: done; 1: a shape this kernel does not support (nothing written).
+// 0: done; 1: a shape this kernel does not support (nothing written). `items` [num_items, 2]:
+// the (sequence, KV head) pairs to attend, in the order the threads take them (each thread a
+// contiguous share): callers put the pairs reading the same cached prefix next to each other, so
+// that prefix's rows are still in the core's cache for the next sharer.
 int kvroute_paged_decode(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* k_pool,
                          const float* v_pool, const int64_t* tables, int64_t table_stride,
-                         const int64_t* context_lens, float* out, int64_t out_seq_stride, int64_t out_head_stride,
-                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, int64_t pool_blocks, float scale) {
+                         const int64_t* context_lens, const int64_t* items, int64_t num_items, float* out,
+                         int64_t out_seq_stride, int64_t out_head_stride, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int64_t pool_blocks, float scale) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup) return 1;
   if (head_dim % 8 != 0 || head_dim > kMaxHeadDim || block_size < 1) return 1;
   const Args a{q, q_seq_stride, q_head_stride, k_pool, v_pool, tables, table_stride, context_lens,
                out, out_seq_stride, out_head_stride, num_heads, num_kv_heads, head_dim, block_size,
                pool_blocks, scale};
-  const int64_t items = num_seqs * num_kv_heads;
 #pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < items; ++item) attend_one(a, item / num_kv_heads, item % num_kv_heads);
+  for (int64_t item = 0; item < num_items; ++item) attend_one(a, items[2 * item], items[2 * item + 1]);
   return 0;
 }
 
-int kvroute_native_abi_version() { return 1; }
+int kvroute_native_abi_version() { return 2; }
 
 }  // extern "C"
