@@ -116,11 +116,11 @@ def default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale:
         k_pool, v_pool = pool.data[layer, 0], pool.data[layer, 1]  # [kv_heads, blocks + 1, block_size, D]
         if plan.all_decodes:  # read q and write out in place: [T, heads, D] strided views
             native.paged_decode(q.transpose(0, 1), k_pool, v_pool, plan.native_tables, plan.native_lens,
-                                pool.block_size, scale, out=out.transpose(0, 1), items=plan.native_items)
+                                pool.block_size, scale, out=out.transpose(0, 1), groups=plan.native_groups)
         else:
             qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
             o = native.paged_decode(qd, k_pool, v_pool, plan.native_tables, plan.native_lens, pool.block_size, scale,
-                                    items=plan.native_items)
+                                    groups=plan.native_groups)
             out[:, plan.decode_rows] = o.transpose(0, 1)
     elif plan.decode_rows is not None:
         num_decodes = plan.decode_rows.shape[0]

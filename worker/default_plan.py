@@ -93,7 +93,7 @@ class DefaultPlan:
     # The native decode kernel (worker/native/): every decode read in place through its block table.
     native_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64; None: the torch kernel
     native_lens: torch.Tensor | None = None  # [num_decodes] int64 positions attended (the new token's included)
-    native_items: torch.Tensor | None = None  # [num_decodes * kv_heads, 2] (decode, kv head) in thread order
+    native_groups: native.DecodeGroups | None = None  # decodes grouped by shared prefix, the kernel's work items
     all_decodes: bool = False  # every row of the step is a decode, in row order
     stats: dict = field(default_factory=dict)  # positions read in place / gathered (tests, profiling)
 
@@ -130,13 +130,14 @@ def segments(tables: np.ndarray, ends: np.ndarray, block_size: int, counts_of=No
 
 def build_default_plan(
     chunks: ChunkArrays, device: torch.device, scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
-    min_in_place_tokens: int | None = None, native_decode: bool = False,
+    min_in_place_tokens: int | None = None, native_decode: bool = False, native_max_members: int = 1,
 ) -> DefaultPlan:
     """``scratch_tokens``: most K/V positions gathered at once (at least one piece);
     ``min_in_place_tokens``: shortest segment read in place (None: :data:`MIN_IN_PLACE_TOKENS`,
     read at call time; :data:`NEVER_IN_PLACE`: none, the gather-only kernel); ``native_decode``:
     decodes go to the native kernel (worker/native/: the caller checked it loads and fits the
-    geometry), which needs only their block tables and lengths."""
+    geometry), which needs only their block tables and lengths, grouped by shared prefix in groups
+    of at most ``native_max_members`` decodes."""
     if min_in_place_tokens is None:
         min_in_place_tokens = MIN_IN_PLACE_TOKENS
     bs = chunks.block_size
@@ -150,7 +151,8 @@ def build_default_plan(
             ends = chunks.ends[decode]
             tables = np.ascontiguousarray(chunks.tables[decode])
             plan.native_tables = torch.from_numpy(tables).to(device)
-            plan.native_items = torch.from_numpy(native.decode_items(tables, chunks.num_kv_heads)).to(device)
+            plan.native_groups = native.DecodeGroups.of(tables, ends, chunks.block_size, chunks.num_kv_heads,
+                                                        native_max_members)
             plan.native_lens = torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(device)
             plan.all_decodes = len(decode) == len(chunks.lengths)
             plan.stats["in_place"] += int(ends.sum())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker import native
 from worker.attention import DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan
 from worker.chunk_arrays import ChunkArrays
 from worker.gpu_attention import FlashInferPlan, build_flashinfer_plan
@@ -113,7 +114,10 @@ def build_step(
     elif flashinfer:
         plan = build_flashinfer_plan(arrays, num_heads, pool.geometry.head_dim, pool.data.dtype, device)
     else:
-        plan = build_default_plan(arrays, device, scratch_tokens, native_decode=native_decode)
+        plan = build_default_plan(
+            arrays, device, scratch_tokens, native_decode=native_decode,
+            native_max_members=native.max_members_for(num_heads, num_kv_heads),
+        )
     return StepBatch(
         pool=pool,
         input_ids=torch.from_numpy(input_ids).to(device),

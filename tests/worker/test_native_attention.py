@@ -94,12 +94,51 @@ def test_runner_chooses_the_native_kernel_on_cpu_default_mode_only():
         EngineConfig(attention_kernel="native", dtype="bfloat16")
 
 
-def test_decode_items_put_sharers_of_a_prefix_together_head_major():
-    """Sequences 0 and 2 start with block 7 (a shared prefix), 1 with block 3: items go by
-    prefix (ordered by first block id), then KV head, then sequence."""
+def test_decode_groups_share_the_common_prefix_of_decodes_starting_in_the_same_block():
+    """Decodes 0 and 2 start with block 7 (a cached prefix), 1 with block 3: groups go by first
+    block; a group's shared length is its common leading blocks capped by its shortest member."""
     import numpy as np
 
     tables = np.array([[7, 8], [3, 4], [7, 9]])
-    items = native.decode_items(tables, num_kv_heads=2)
-    assert items.dtype == np.int64 and items.flags["C_CONTIGUOUS"]
-    assert items.tolist() == [[1, 0], [1, 1], [0, 0], [2, 0], [0, 1], [2, 1]]
+    lens = np.array([20, 30, 25])
+    groups = native.DecodeGroups.of(tables, lens, block_size=16, num_kv_heads=2, max_members=8)
+    assert groups.members.tolist() == [1, 0, 2] and groups.member_starts.tolist() == [0, 1, 3]
+    assert groups.shared_lens.tolist() == [30, 16]
+    assert groups.items.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    alone = native.DecodeGroups.of(tables, lens, block_size=16, num_kv_heads=1, max_members=1)
+    assert alone.member_starts.tolist() == [0, 1, 2, 3] and alone.shared_lens.tolist() == [30, 20, 25]
+    shorter = native.DecodeGroups.of(tables, np.array([10, 30, 25]), block_size=16, num_kv_heads=1, max_members=8)
+    assert shorter.shared_lens.tolist() == [30, 10]  # the shortest member holds only 10 positions
+
+
+@pytest.mark.parametrize("max_members", [1, 2, 64])
+def test_grouped_decodes_over_a_shared_prefix_match_dense_attention(max_members):
+    """Five decodes over one 300-position prefix (shared blocks) with tails of different lengths,
+    one of them shorter than the prefix's last block, beside two unrelated decodes."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, num_kv_heads, num_heads, head_dim = 16, 2, 6, 16
+    pool_k = torch.randn(num_kv_heads, 120, block_size, head_dim, generator=generator)
+    pool_v = torch.randn(num_kv_heads, 120, block_size, head_dim, generator=generator)
+    prefix = list(range(19))  # 304 positions
+    tables, lens, next_block = [], [], 19
+    for length in (340, 303, 310, 330, 400):
+        own = -(-length // block_size) - len(prefix)
+        tables.append(prefix + list(range(next_block, next_block + max(own, 0))))
+        next_block += max(own, 0)
+        lens.append(length)
+    for length in (50, 77):
+        count = -(-length // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+        lens.append(length)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [119] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=generator)
+    groups = native.DecodeGroups.of(table.numpy(), torch.tensor(lens).numpy(), block_size, num_kv_heads, max_members)
+    got = native.paged_decode(q, pool_k, pool_v, table, torch.tensor(lens), block_size, 0.25, groups=groups)
+    for seq, length in enumerate(lens):
+        positions = torch.arange(length)
+        k = pool_k[:, table[seq, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
+        v = pool_v[:, table[seq, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
+        weights = torch.softmax((k @ q[seq].double()[:, :, None])[..., 0] * 0.25, dim=-1)
+        torch.testing.assert_close(got[seq], (weights[:, None, :] @ v)[:, 0].float(), rtol=1e-4, atol=1e-5)

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 2
+ABI_VERSION = 3
+MAX_GROUP_ROWS = 64  # query rows (members x query heads per KV head) one work item attends together
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -120,8 +122,8 @@ def load() -> ctypes.CDLL | None:
                 raise RuntimeError("library ABI version mismatch")
             fn = library.kvroute_paged_decode
             fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _i64, _f32]
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
+                           _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32]
             _library = library
         except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
             logger.warning("native kernels unavailable, using the torch path: %s", exc)
@@ -143,28 +145,48 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
     )
 
 
-def decode_items(tables: np.ndarray, num_kv_heads: int) -> np.ndarray:
-    """The (sequence, KV head) work items of :func:`paged_decode`, ``[seqs * kv_heads, 2]`` int64:
-    sequences whose tables start with the same block (a shared cached prefix) together, and within
-    them head-major, so consecutive items on a thread read the same prefix rows (cache-warm)."""
-    num_seqs = tables.shape[0]
-    _, prefix_group = np.unique(tables[:, 0], return_inverse=True)
-    seq = np.repeat(np.arange(num_seqs), num_kv_heads)
-    head = np.tile(np.arange(num_kv_heads), num_seqs)
-    order = np.lexsort((seq, head, prefix_group.reshape(-1)[seq]))
-    return np.ascontiguousarray(np.stack([seq[order], head[order]], axis=1), dtype=np.int64)
+@dataclass(frozen=True, slots=True)
+class DecodeGroups:
+    """How :func:`paged_decode` splits a step's decodes into work: groups of decodes whose tables
+    start with the same block (a cached prefix they share), each group's common prefix read once
+    for all its members' query rows, and the (group, KV head) work items. All int64, contiguous."""
+
+    members: torch.Tensor  # decodes (indices into the step's), group after group
+    member_starts: torch.Tensor  # [num_groups + 1]: group g is members[member_starts[g]:member_starts[g + 1]]
+    shared_lens: torch.Tensor  # [num_groups] leading positions all members hold in the same blocks
+    items: torch.Tensor  # [num_groups * kv_heads, 2] (group, KV head), group-major
+
+    @classmethod
+    def of(cls, tables: np.ndarray, lens: np.ndarray, block_size: int, num_kv_heads: int,
+           max_members: int) -> DecodeGroups:
+        """Groups of at most ``max_members`` decodes with the same first block (ordered by it);
+        a group's shared length is its members' common leading blocks, capped at the shortest
+        member's length (so every member attends every shared position)."""
+        num_seqs = tables.shape[0]
+        order = np.argsort(tables[:, 0], kind="stable")
+        first = tables[order, 0]
+        new_run = np.r_[True, first[1:] != first[:-1]]
+        run_start = np.maximum.accumulate(np.where(new_run, np.arange(num_seqs), 0))
+        starts = np.flatnonzero((np.arange(num_seqs) - run_start) % max_members == 0)
+        leader = np.repeat(order[starts], np.diff(np.r_[starts, num_seqs]))
+        same = np.logical_and.accumulate(tables[order] == tables[leader], axis=1).sum(axis=1)  # common blocks
+        shared = np.minimum(np.minimum.reduceat(same, starts) * block_size, np.minimum.reduceat(lens[order], starts))
+        num_groups = len(starts)
+        items = np.stack([np.repeat(np.arange(num_groups), num_kv_heads), np.tile(np.arange(num_kv_heads), num_groups)], 1)
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+        return cls(as_tensor(order), as_tensor(np.r_[starts, num_seqs]), as_tensor(shared), as_tensor(items))
 
 
 def paged_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, scale: float, out: torch.Tensor | None = None, items: torch.Tensor | None = None,
+    block_size: int, scale: float, out: torch.Tensor | None = None, groups: DecodeGroups | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     ``q [seqs, heads, D]`` (last dim contiguous); ``k_pool``/``v_pool`` one layer's
     ``[kv_heads, pool_blocks, block_size, D]`` contiguous (``KVPool.data[layer, 0]``);
     ``tables [seqs, max_blocks]`` int64 block ids, ``context_lens [seqs]`` int64 (positions
-    ``< len`` are attended; the tables cover them); ``items``: :func:`decode_items` of the tables
+    ``< len`` are attended; the tables cover them); ``groups``: :meth:`DecodeGroups.of` the tables
     (made here when ``None``; a step's plan makes it once for every layer) → ``out [seqs, heads, D]``.
     The caller checks :func:`supports`; the library must have loaded."""
     library = load()
@@ -176,13 +198,15 @@ def paged_decode(
         raise ValueError("paged_decode needs q's last dim and the pools contiguous")
     if tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or not (tables.is_contiguous() and context_lens.is_contiguous()):
         raise ValueError("paged_decode needs contiguous int64 tables and context lengths")
-    if items is None:
-        items = torch.from_numpy(decode_items(tables.numpy(), num_kv_heads))
+    if groups is None:
+        groups = DecodeGroups.of(tables.numpy(), context_lens.numpy(), block_size, num_kv_heads,
+                                 max_members_for(num_heads, num_kv_heads))
     if out is None:
         out = q.new_empty(num_seqs, num_heads, head_dim)
     status = library.kvroute_paged_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
-        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), items.data_ptr(), items.shape[0],
+        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), groups.members.data_ptr(),
+        groups.member_starts.data_ptr(), groups.shared_lens.data_ptr(), groups.items.data_ptr(), groups.items.shape[0],
         out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
     )
     if status != 0:
@@ -190,18 +214,25 @@ def paged_decode(
     return out
 
 
+def max_members_for(num_heads: int, num_kv_heads: int) -> int:
+    """Decodes one work item takes together: at most :data:`MAX_GROUP_ROWS` query rows."""
+    return max(1, MAX_GROUP_ROWS // max(1, num_heads // num_kv_heads))
+
+
 def self_check(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Does :func:`paged_decode` give dense softmax attention (to float32 rounding) on a small
     seeded case of this geometry: scattered blocks, contexts of 1 to 300 positions, a partial
-    last block? Run once at load, before the kernel is chosen (a miscompiled library is never used)."""
+    last block, two decodes sharing a prefix's blocks? Run once at load, before the kernel is
+    chosen (a miscompiled library is never used)."""
     generator = torch.Generator().manual_seed(23)
-    lengths = [1, block_size, block_size + 3, 300]
+    lengths = [1, block_size, block_size + 3, 300, 290]
     max_blocks = -(-max(lengths) // block_size)
     pool_blocks = len(lengths) * max_blocks + 1
     shape = (num_kv_heads, pool_blocks, block_size, head_dim)
     k_pool, v_pool = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
     order = torch.randperm(pool_blocks - 1, generator=generator)  # scattered tables
     tables = order[: len(lengths) * max_blocks].view(len(lengths), max_blocks).contiguous()
+    tables[4, : 250 // block_size] = tables[3, : 250 // block_size]  # a shared cached prefix
     q = torch.randn(len(lengths), num_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
     got = paged_decode(q, k_pool, v_pool, tables, torch.tensor(lengths), block_size, scale)

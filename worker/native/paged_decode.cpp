@@ -1,5 +1,9 @@
 // Decode attention read in place from the paged KV pool (CPU, float32).
 //
+// Decodes come grouped (worker/native/__init__.py, DecodeGroups): members of a group hold their
+// first positions in the same blocks (a cached prefix), which are read once for the query rows of
+// every member; then each member reads its own tail.
+//
 // One query token per sequence. For each (sequence, KV head) the kernel walks
 // the sequence's block table, reading keys and values where they lie in the
 // pool (no gather, no scratch beyond a few KB of stack), and keeps an online
@@ -26,6 +30,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -199,47 +204,52 @@ struct Args {
   const int64_t* tables;
   int64_t table_stride;
   const int64_t* context_lens;
+  const int64_t* members;        // sequences of every group, group after group
+  const int64_t* member_starts;  // [num_groups + 1]: group g is members[member_starts[g] .. member_starts[g + 1])
+  const int64_t* shared_lens;    // [num_groups]: leading positions every member of the group holds in the same blocks
   float* out;
   int64_t out_seq_stride, out_head_stride;
   int64_t num_heads, num_kv_heads, head_dim, block_size, pool_blocks;
   float scale;
 };
 
-void attend_one(const Args& a, int64_t seq, int64_t kv_head) {
-  const int group = static_cast<int>(a.num_heads / a.num_kv_heads);
-  const int head_dim = static_cast<int>(a.head_dim);
+// Online-softmax state of `rows` query rows: the prescaled queries, running max and sum, and
+// the weighted value sums.
+struct RowState {
+  int rows, head_dim;
+  std::vector<float> q, acc, scores, run_max, run_sum;
+  RowState(int rows_, int head_dim_)
+      : rows(rows_), head_dim(head_dim_), q(static_cast<size_t>(rows_) * head_dim_),
+        acc(static_cast<size_t>(rows_) * head_dim_, 0.0f), scores(static_cast<size_t>(rows_) * kChunkKeys),
+        run_max(rows_, kEmptyMax), run_sum(rows_, 0.0f) {}
+};
+
+// Rows [row0, row0 + rows) of `state` attend positions [begin, end) of the sequence whose block
+// table is `table`: chunks of at most kChunkKeys keys, each read once for all those rows.
+void attend_range(const Args& a, RowState& state, int row0, int rows, const int64_t* table, int64_t begin,
+                  int64_t end, const float* k_head, const float* v_head) {
+  const int head_dim = state.head_dim;
   const int nv = head_dim / 8;
   const int64_t bs = a.block_size;
-  alignas(64) float q[kMaxGroup * kMaxHeadDim];
-  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
-  alignas(64) float scores[kMaxGroup * kChunkKeys];
-  float run_max[kMaxGroup], run_sum[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    const float* src = a.q + seq * a.q_seq_stride + (kv_head * group + g) * a.q_head_stride;
-    for (int i = 0; i < nv; ++i) store8(q + g * head_dim + 8 * i, load8(src + 8 * i) * splat(a.scale));
-    for (int i = 0; i < nv; ++i) store8(acc + g * head_dim + 8 * i, splat(0.0f));
-    run_max[g] = kEmptyMax;
-    run_sum[g] = 0.0f;
-  }
-  const int64_t* table = a.tables + seq * a.table_stride;
-  const int64_t context = a.context_lens[seq];
-  const float* k_head = a.k_pool + kv_head * a.pool_blocks * bs * head_dim;
-  const float* v_head = a.v_pool + kv_head * a.pool_blocks * bs * head_dim;
-  for (int64_t chunk = 0; chunk < context; chunk += kChunkKeys) {
-    const int n = static_cast<int>(context - chunk < kChunkKeys ? context - chunk : kChunkKeys);
+  const float* q = state.q.data() + static_cast<size_t>(row0) * head_dim;
+  float* acc = state.acc.data() + static_cast<size_t>(row0) * head_dim;
+  float* scores = state.scores.data();
+  for (int64_t chunk = begin; chunk < end; chunk += kChunkKeys) {
+    const int n = static_cast<int>(end - chunk < kChunkKeys ? end - chunk : kChunkKeys);
     for (int j = 0; j < n;) {  // scores, block by block
       const int64_t pos = chunk + j;
       const int64_t offset = pos % bs;
       const int count = static_cast<int>(bs - offset < n - j ? bs - offset : n - j);
       const float* keys = k_head + (table[pos / bs] * bs + offset) * head_dim;
-      score_rows(q, group, head_dim, keys, count, scores + j, kChunkKeys);
+      score_rows(q, rows, head_dim, keys, count, scores + j, kChunkKeys);
       j += count;
     }
-    for (int g = 0; g < group; ++g) {  // online softmax: rescale, then this chunk's weights
+    for (int g = 0; g < rows; ++g) {  // online softmax: rescale, then this chunk's weights
       float* row = scores + g * kChunkKeys;
-      float top = run_max[g];
+      float& run_max = state.run_max[row0 + g];
+      float top = run_max;
       for (int t = 0; t < n; ++t) top = row[t] > top ? row[t] : top;
-      const float correction = exp8(splat(run_max[g] - top))[0];
+      const float correction = exp8(splat(run_max - top))[0];
       v8f total = splat(0.0f);
       int t = 0;
       for (; t + 8 <= n; t += 8) {
@@ -253,8 +263,8 @@ void attend_one(const Args& a, int64_t seq, int64_t kv_head) {
         row[t] = p[0];
         tail += p[0];
       }
-      run_sum[g] = run_sum[g] * correction + (hsum(total) + tail);
-      run_max[g] = top;
+      state.run_sum[row0 + g] = state.run_sum[row0 + g] * correction + (hsum(total) + tail);
+      run_max = top;
       if (correction != 1.0f) {
         float* ag = acc + g * head_dim;
         for (int i = 0; i < nv; ++i) store8(ag + 8 * i, load8(ag + 8 * i) * splat(correction));
@@ -265,14 +275,45 @@ void attend_one(const Args& a, int64_t seq, int64_t kv_head) {
       const int64_t offset = pos % bs;
       const int count = static_cast<int>(bs - offset < n - j ? bs - offset : n - j);
       const float* values = v_head + (table[pos / bs] * bs + offset) * head_dim;
-      accumulate_rows(scores + j, kChunkKeys, group, head_dim, values, count, acc);
+      accumulate_rows(scores + j, kChunkKeys, rows, head_dim, values, count, acc);
       j += count;
     }
   }
-  for (int g = 0; g < group; ++g) {
-    float* dst = a.out + seq * a.out_seq_stride + (kv_head * group + g) * a.out_head_stride;
-    const v8f inv = splat(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);
-    for (int i = 0; i < nv; ++i) store8(dst + 8 * i, load8(acc + g * head_dim + 8 * i) * inv);
+}
+
+// One work item: a group of decodes and one KV head. The group's shared prefix is read once for
+// every member's query rows (members x query heads of the KV head); then each member its own tail.
+void attend_group(const Args& a, int64_t group_index, int64_t kv_head) {
+  const int group = static_cast<int>(a.num_heads / a.num_kv_heads);
+  const int head_dim = static_cast<int>(a.head_dim);
+  const int nv = head_dim / 8;
+  const int64_t first = a.member_starts[group_index];
+  const int num_members = static_cast<int>(a.member_starts[group_index + 1] - first);
+  RowState state(num_members * group, head_dim);
+  for (int m = 0; m < num_members; ++m) {
+    const int64_t seq = a.members[first + m];
+    for (int g = 0; g < group; ++g) {
+      const float* src = a.q + seq * a.q_seq_stride + (kv_head * group + g) * a.q_head_stride;
+      float* dst = state.q.data() + static_cast<size_t>(m * group + g) * head_dim;
+      for (int i = 0; i < nv; ++i) store8(dst + 8 * i, load8(src + 8 * i) * splat(a.scale));
+    }
+  }
+  const float* k_head = a.k_pool + kv_head * a.pool_blocks * a.block_size * head_dim;
+  const float* v_head = a.v_pool + kv_head * a.pool_blocks * a.block_size * head_dim;
+  const int64_t shared = a.shared_lens[group_index];
+  const int64_t* leader_table = a.tables + a.members[first] * a.table_stride;
+  attend_range(a, state, 0, num_members * group, leader_table, 0, shared, k_head, v_head);
+  for (int m = 0; m < num_members; ++m) {
+    const int64_t seq = a.members[first + m];
+    attend_range(a, state, m * group, group, a.tables + seq * a.table_stride, shared, a.context_lens[seq], k_head,
+                 v_head);
+    for (int g = 0; g < group; ++g) {
+      const int row = m * group + g;
+      float* dst = a.out + seq * a.out_seq_stride + (kv_head * group + g) * a.out_head_stride;
+      const v8f inv = splat(state.run_sum[row] > 0.0f ? 1.0f / state.run_sum[row] : 0.0f);
+      const float* acc = state.acc.data() + static_cast<size_t>(row) * head_dim;
+      for (int i = 0; i < nv; ++i) store8(dst + 8 * i, load8(acc + 8 * i) * inv);
+    }
   }
 }
 
@@ -280,25 +321,27 @@ void attend_one(const Args& a, int64_t seq, int64_t kv_head) {
 
 extern "C" {
 
-// 0: done; 1: a shape this kernel does not support (nothing written). `items` [num_items, 2]:
-// the (sequence, KV head) pairs to attend, in the order the threads take them (each thread a
-// contiguous share): callers put the pairs reading the same cached prefix next to each other, so
-// that prefix's rows are still in the core's cache for the next sharer.
+// 0: done; 1: a shape this kernel does not support (nothing written).
+// Decodes come in groups (members / member_starts): the members of a group hold their first
+// shared_lens[g] positions in the same blocks (a cached prefix; a group of one needs nothing in
+// common). Work items are (group, KV head) pairs, `items` [num_items, 2], taken by the threads
+// one at a time (dynamic schedule: groups differ in size).
 int kvroute_paged_decode(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* k_pool,
                          const float* v_pool, const int64_t* tables, int64_t table_stride,
-                         const int64_t* context_lens, const int64_t* items, int64_t num_items, float* out,
+                         const int64_t* context_lens, const int64_t* members, const int64_t* member_starts,
+                         const int64_t* shared_lens, const int64_t* items, int64_t num_items, float* out,
                          int64_t out_seq_stride, int64_t out_head_stride, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, int64_t pool_blocks, float scale) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup) return 1;
   if (head_dim % 8 != 0 || head_dim > kMaxHeadDim || block_size < 1) return 1;
   const Args a{q, q_seq_stride, q_head_stride, k_pool, v_pool, tables, table_stride, context_lens,
-               out, out_seq_stride, out_head_stride, num_heads, num_kv_heads, head_dim, block_size,
-               pool_blocks, scale};
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < num_items; ++item) attend_one(a, items[2 * item], items[2 * item + 1]);
+               members, member_starts, shared_lens, out, out_seq_stride, out_head_stride, num_heads,
+               num_kv_heads, head_dim, block_size, pool_blocks, scale};
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < num_items; ++item) attend_group(a, items[2 * item], items[2 * item + 1]);
   return 0;
 }
 
-int kvroute_native_abi_version() { return 2; }
+int kvroute_native_abi_version() { return 3; }
 
 }  // extern "C"
