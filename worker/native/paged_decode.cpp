@@ -6,7 +6,8 @@
 //
 // One query token per sequence. For each (sequence, KV head) the kernel walks
 // the sequence's block table, reading keys and values where they lie in the
-// pool (no gather, no scratch beyond a few KB of stack), and keeps an online
+// pool (no gather; scratch is one work item's rows: at most 64 x (head_dim + 128) floats
+// of queries, sums and scores per thread, whatever the batch or context), and keeps an online
 // softmax over chunks of at most kChunkKeys positions: per chunk the scores of
 // the head's query group (GQA: num_heads / num_kv_heads query heads share a KV
 // head, so each key row is read once for all of them), one rescale of the
