@@ -37,3 +37,6 @@ fi
 
 "${PIP[@]}" install -e ".[test,bench]"
 .venv/bin/python -c "import torch, transformers, ray, xxhash; print(f'setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, ray {ray.__version__}')"
+# Build the optional native CPU kernels now (cached per source, compiler and CPU; the engine
+# falls back to its torch kernels where this cannot be done, and says so in its log).
+.venv/bin/python -c "import logging; logging.basicConfig(); from worker import native; print('setup: native kernels', 'built' if native.load() else 'unavailable (torch kernels are used)')"

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker import native
 from worker.default_plan import DECODE_KEY_CHUNK, DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan
 
 ATTN_IMPLEMENTATION = "kvroute_paged"
@@ -112,16 +111,8 @@ def default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale:
     num_kv_heads = key.shape[0]
     group = num_heads // num_kv_heads
     out = q.new_empty(num_heads, num_rows, head_dim)
-    if plan.native_tables is not None:
-        k_pool, v_pool = pool.data[layer, 0], pool.data[layer, 1]  # [kv_heads, blocks + 1, block_size, D]
-        if plan.all_decodes:  # read q and write out in place: [T, heads, D] strided views
-            native.paged_decode(q.transpose(0, 1), k_pool, v_pool, plan.native_tables, plan.native_lens,
-                                pool.block_size, scale, out=out.transpose(0, 1), groups=plan.native_groups)
-        else:
-            qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
-            o = native.paged_decode(qd, k_pool, v_pool, plan.native_tables, plan.native_lens, pool.block_size, scale,
-                                    groups=plan.native_groups)
-            out[:, plan.decode_rows] = o.transpose(0, 1)
+    if plan.native is not None:  # decodes: one native call writes their rows of out
+        plan.native.attend_into(q.transpose(0, 1), out.transpose(0, 1), pool, layer, scale)
     elif plan.decode_rows is not None:
         num_decodes = plan.decode_rows.shape[0]
         qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]

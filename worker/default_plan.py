@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker import native
 from worker.chunk_arrays import ChunkArrays
+from worker.native_plan import NativeRows
 
 DECODE_KEY_CHUNK = 128  # positions per gathered decode piece (rounded up to whole blocks)
 DEFAULT_SCRATCH_TOKENS = 32768  # K/V positions one round may gather
@@ -90,11 +90,8 @@ class DefaultPlan:
     prefills: list[PrefillWork]
     key_chunk: int  # positions per gathered decode piece
     merge_pairs: int = 1  # decode partial results held before they are merged
-    # The native decode kernel (worker/native/): every decode read in place through its block table.
-    native_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64; None: the torch kernel
-    native_lens: torch.Tensor | None = None  # [num_decodes] int64 positions attended (the new token's included)
-    native_groups: native.DecodeGroups | None = None  # decodes grouped by shared prefix, the kernel's work items
-    all_decodes: bool = False  # every row of the step is a decode, in row order
+    # The decodes for the native kernel (worker/native_plan.py); None: the torch kernel's decode path
+    native: NativeRows | None = None
     stats: dict = field(default_factory=dict)  # positions read in place / gathered (tests, profiling)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
@@ -148,14 +145,8 @@ def build_default_plan(
     if len(decode):
         plan.decode_rows = torch.from_numpy(chunks.offsets[decode]).to(device)
         if native_decode:
-            ends = chunks.ends[decode]
-            tables = np.ascontiguousarray(chunks.tables[decode])
-            plan.native_tables = torch.from_numpy(tables).to(device)
-            plan.native_groups = native.DecodeGroups.of(tables, ends, chunks.block_size, chunks.num_kv_heads,
-                                                        native_max_members)
-            plan.native_lens = torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(device)
-            plan.all_decodes = len(decode) == len(chunks.lengths)
-            plan.stats["in_place"] += int(ends.sum())
+            plan.native = NativeRows.of(chunks, decode, native_max_members, device)
+            plan.stats["in_place"] += int(chunks.ends[decode].sum())
         else:
             _plan_decodes(plan, chunks, decode, scratch_tokens, min_in_place_tokens, device)
     heads = np.arange(chunks.num_kv_heads)[:, None]

@@ -1,7 +1,8 @@
 """Decode step time and peak memory against context length and batch (a script).
 
     python -m worker.long_context_bench [--model tiny|125m] [--contexts 512,1024,2048,4096,8192] \\
-        [--batches 1,8,64] [--max-positions 131072] [--threads 2] [--steps 5] [--source DIR] [--json OUT]
+        [--batches 1,8,64] [--max-positions 131072] [--threads 2] [--steps 5] [--source DIR] \\
+        [--attention-kernel auto|native|torch] [--json OUT]
 
 For every (context, batch) with batch × context ≤ ``--max-positions``, a
 fresh process builds the model runner, a KV pool holding every sequence's
@@ -49,8 +50,9 @@ def status(key):
 
 spec = TinyLlamaSpec(**args["spec"])
 context, batch, block_size = args["context"], args["batch"], 16
+kernel = {} if args["attention_kernel"] == "auto" else {"attention_kernel": args["attention_kernel"]}
 runner = ModelRunner("tiny-llama", spec, device="cpu", dtype="float32", deterministic=False,
-                     max_batch_tokens=max(64, batch), max_positions=context + 8)
+                     max_batch_tokens=max(64, batch), max_positions=context + 8, **kernel)
 blocks_per_seq = -(-context // block_size)
 pool = runner.new_pool(batch * blocks_per_seq, block_size)
 pool.data.normal_()
@@ -74,8 +76,10 @@ print(json.dumps({"context": context, "batch": batch, "step_ms": 1e3 * statistic
 """
 
 
-def run_one(source: str, spec_fields: dict, context: int, batch: int, threads: int, steps: int) -> dict:
-    args = {"spec": spec_fields, "context": context, "batch": batch, "threads": threads, "steps": steps}
+def run_one(source: str, spec_fields: dict, context: int, batch: int, threads: int, steps: int,
+            attention_kernel: str = "auto") -> dict:
+    args = {"spec": spec_fields, "context": context, "batch": batch, "threads": threads, "steps": steps,
+            "attention_kernel": attention_kernel}
     env = {**os.environ, "PYTHONPATH": source}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], cwd=source, env=env,
                           capture_output=True, text=True, check=False)
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--source", default=os.getcwd(), help="checkout whose engine runs (default: this one)")
+    parser.add_argument("--attention-kernel", default="auto",
+                        help="the runner's attention_kernel: auto, native, torch (auto: what the checkout chooses)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for context in contexts:
             if batch * context > args.max_positions:
                 continue
-            row = run_one(args.source, fields, context, batch, args.threads, args.steps)
+            row = run_one(args.source, fields, context, batch, args.threads, args.steps, args.attention_kernel)
             rows.append(row)
             if "error" in row:
                 print(f"{context:>8} {batch:>6} error {row['error']}", flush=True)

@@ -70,8 +70,11 @@ class ModelRunner:
             or (attention_kernel == "auto" and self.device.type == "cuda" and flashinfer_available())
         )
         self.dtype = getattr(torch, dtype)
-        self.native_decode = not deterministic and attention_kernel in ("auto", "native") and self._native_fits()
-        if attention_kernel == "native" and not deterministic and not self.native_decode:
+        # The native kernel: default mode's decodes, or (deterministic mode) every token.
+        native_fits = attention_kernel in ("auto", "native") and self._native_fits()
+        self.native_decode = native_fits and not deterministic
+        self.native_all = native_fits and deterministic
+        if attention_kernel == "native" and not native_fits:
             raise ValueError("attention_kernel 'native' cannot run here (default mode on CPU float32, a"
                              " supported geometry and a C++ compiler; see the log)")
         self.max_positions = max_positions or self.loaded.max_position_embeddings
@@ -119,11 +122,13 @@ class ModelRunner:
 
     @property
     def attention_path(self) -> str:
-        """Default mode's decode attention: ``"native"``, ``"flashinfer"`` or ``"torch"``
-        (deterministic mode: ``"tiled"``)."""
+        """Decode attention: ``"native"`` (worker/native/; in deterministic mode for every token),
+        ``"flashinfer"``, ``"torch"`` or, deterministic mode without the native kernel, ``"tiled"``."""
+        if self.native_decode or self.native_all:
+            return "native"
         if self.deterministic:
             return "tiled"
-        return "native" if self.native_decode else "flashinfer" if self.flashinfer else "torch"
+        return "flashinfer" if self.flashinfer else "torch"
 
     @property
     def geometry(self):
@@ -161,7 +166,7 @@ class ModelRunner:
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
             tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
-            share_rows=self.share_rows, native_decode=self.native_decode,
+            share_rows=self.share_rows, native_decode=self.native_decode, native_all=self.native_all,
         )
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ from worker.attention import DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_
 from worker.chunk_arrays import ChunkArrays
 from worker.gpu_attention import FlashInferPlan, build_flashinfer_plan
 from worker.kv import KVPool
+from worker.native_plan import NativePlan, build_native_plan
 from worker.numerics import pad_rows
 from worker.tiled_attention import TiledPlan, build_tiled_plan
 
@@ -44,7 +45,7 @@ class StepBatch:
     position_ids: torch.Tensor  # [num_rows]
     write_rows: torch.Tensor  # [kv_heads * num_rows] pool row of each (head, token)'s K/V, head-major
     logits_rows: torch.Tensor  # [num_logits] rows whose logits are wanted, in chunk order
-    plan: DefaultPlan | TiledPlan | FlashInferPlan  # attends the step's queries: plan.attend(q, key, value, pool, layer, scale)
+    plan: DefaultPlan | TiledPlan | FlashInferPlan | NativePlan  # attends the step's queries: plan.attend(q, key, value, pool, layer, scale)
     num_tokens: int  # real (unpadded) rows
 
 
@@ -60,12 +61,14 @@ def build_step(
     flashinfer: bool = False,
     share_rows: int = 0,
     native_decode: bool = False,
+    native_all: bool = False,
 ) -> StepBatch:
     """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel;
     ``scratch_tokens``: K/V positions the default kernel gathers at once;
     ``flashinfer``: default mode plans for FlashInfer's paged kernel (CUDA);
     ``share_rows``: the batch-invariant kernel's shared-key products' row limit (0: no sharing);
-    ``native_decode``: default mode's decodes run the native kernel (worker/native/)."""
+    ``native_decode``: default mode's decodes run the native kernel (worker/native/);
+    ``native_all``: every token runs it (deterministic mode: batch-invariant, worker/native_plan.py)."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -105,7 +108,10 @@ def build_step(
     wants = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=len(chunks))
     logits_rows = (offsets + lengths - 1)[wants]
 
-    if deterministic:
+    max_members = native.max_members_for(num_heads, num_kv_heads)
+    if native_all:
+        plan = build_native_plan(arrays, max_members, device)
+    elif deterministic:
         plan = build_tiled_plan(
             arrays, num_rows, num_heads // num_kv_heads, device,
             decode_tile_rows=tile_rows[0], prefill_tile_rows=tile_rows[1], scratch_tokens=scratch_tokens,
@@ -116,7 +122,7 @@ def build_step(
     else:
         plan = build_default_plan(
             arrays, device, scratch_tokens, native_decode=native_decode,
-            native_max_members=native.max_members_for(num_heads, num_kv_heads),
+            native_max_members=max_members,
         )
     return StepBatch(
         pool=pool,

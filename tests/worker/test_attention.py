@@ -29,12 +29,14 @@ def naive(q_all, k_all, v_all, scale):
 
 
 def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_tokens=32768, num_blocks=64,
-        share_rows=0, plans=None, native_decode=False):
+        share_rows=0, plans=None, native_decode=False, native_all=False, keys_of=None):
     """chunk_specs: (start, n, table) or (start, n, table, q_seed) per sequence. A sequence's
     q, k, v depend only on its own spec (seeded by it), so the same sequence in two batches
     sees equal inputs; with a q_seed, q is drawn from it instead (k, v still from (start, n):
     sequences of one (start, n) may then share blocks). Keys of positions before ``start``
-    are written into the pool first. ``plans``: a list the step's plan is appended to."""
+    are written into the pool first. ``plans``: a list the step's plan is appended to.
+    ``keys_of``: (start, n) seeding every sequence's q, k, v instead of its own (sequences then
+    hold the same context: one context, several chunkings)."""
     pool = KVPool(GEOMETRY, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
     data = []
     for start, length, table, *q_seed in chunk_specs:
@@ -42,6 +44,11 @@ def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_to
         q = torch.randn(4, length, 8, generator=generator)
         k = torch.randn(2, start + length, 8, generator=generator)
         v = torch.randn(2, start + length, 8, generator=generator)
+        if keys_of is not None:
+            context = torch.Generator().manual_seed(keys_of[0] * 1000 + keys_of[1])
+            k_all, v_all = torch.randn(2, sum(keys_of), 8, generator=context), torch.randn(2, sum(keys_of), 8, generator=context)
+            q_all = torch.randn(4, sum(keys_of), 8, generator=context)
+            q, k, v = q_all[:, start : start + length], k_all[:, : start + length], v_all[:, : start + length]
         if q_seed:
             q = torch.randn(4, length, 8, generator=torch.Generator().manual_seed(q_seed[0]))
         data.append((q, k, v))
@@ -52,7 +59,7 @@ def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_to
     chunks = [SeqChunk([5] * n, s, t, True) for s, n, t, *_ in chunk_specs]
     step = build_step(
         chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows,
-        scratch_tokens=scratch_tokens, share_rows=share_rows, native_decode=native_decode,
+        scratch_tokens=scratch_tokens, share_rows=share_rows, native_decode=native_decode, native_all=native_all,
     )
     if plans is not None:
         plans.append(step.plan)

@@ -7,6 +7,7 @@ import torch
 from tests.worker.test_attention import EDGES, SPECS, _tables, run
 from worker import native
 from worker.config import EngineConfig
+from worker.native_plan import NativePlan
 from worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C++ compiler: the torch path is used")
@@ -20,13 +21,42 @@ def test_native_decodes_beside_prefills_match_dense_attention(block_size):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_native_decode_only_step_writes_its_output_in_place():
-    """A step of decodes only takes the strided in/out path (no copy of q or out)."""
+def test_native_decodes_of_a_decode_only_step_match_dense_attention():
+    """Every row a decode: the native call writes all of out, the torch decode path plans nothing."""
     decodes = [spec for spec in SPECS if spec[1] == 1]
     plans = []
     out, expected = run(decodes, False, plans=plans, native_decode=True)
-    assert plans[0].all_decodes and plans[0].native_tables is not None and not plans[0].in_place
+    assert plans[0].native is not None and not plans[0].in_place and not plans[0].decode_rounds
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_plan_attends_every_token_causally(block_size):
+    """Deterministic mode's plan: prefill chunks and decodes all through the native kernel."""
+    specs, num_blocks = _tables(EDGES, block_size)
+    plans = []
+    out, expected = run(specs, True, block_size=block_size, num_blocks=num_blocks, plans=plans, native_all=True)
+    assert isinstance(plans[0], NativePlan)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_native_plan_gives_a_token_the_same_bits_in_any_batch_or_chunk():
+    """Batch invariance: the last token of a 300-position context, as a decode alone, as a decode
+    beside others, and as the last row of prefill chunks of several lengths, has equal bits."""
+    block_size = 4
+    table = list(range(76))
+    outs = []
+    for specs, row in (
+        ([(299, 1, table)], 0),
+        ([(0, 9, [76, 77, 78]), (299, 1, table), (70, 1, list(range(79, 97)))], 9),
+        ([(280, 20, table)], 19),
+        ([(0, 300, table)], 299),
+        ([(5, 3, [97, 98]), (130, 170, table)], 3 + 169),
+    ):
+        out, _ = run(specs, True, block_size=block_size, num_blocks=128, native_all=True, keys_of=(0, 300))
+        outs.append(out[row])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_native_and_torch_kernels_agree_on_a_shared_prefix():
@@ -84,36 +114,42 @@ def test_build_reuses_the_cached_library(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 
-def test_runner_chooses_the_native_kernel_on_cpu_default_mode_only():
+def test_runner_chooses_the_native_kernel_where_it_runs():
     assert ModelRunner.from_config(EngineConfig()).attention_path == "native"
     assert ModelRunner.from_config(EngineConfig(attention_kernel="torch")).attention_path == "torch"
-    assert ModelRunner.from_config(EngineConfig(deterministic=True, attention_kernel="native")).attention_path == "tiled"
+    assert ModelRunner.from_config(EngineConfig(deterministic=True)).attention_path == "native"
+    assert ModelRunner.from_config(EngineConfig(deterministic=True, attention_kernel="torch")).attention_path == "tiled"
     with pytest.raises(ValueError, match="attention_kernel"):
         EngineConfig(attention_kernel="fast")
     with pytest.raises(ValueError, match="native"):
         EngineConfig(attention_kernel="native", dtype="bfloat16")
 
 
-def test_decode_groups_share_the_common_prefix_of_decodes_starting_in_the_same_block():
-    """Decodes 0 and 2 start with block 7 (a cached prefix), 1 with block 3: groups go by first
-    block; a group's shared length is its common leading blocks capped by its shortest member."""
+def test_member_groups_share_the_common_prefix_rounded_down_to_whole_chunks():
+    """Decodes 0 and 2 start with block 7 (a cached prefix of 10 blocks = 160 positions), 1 with
+    block 30: groups go by first block; a group's shared length is its common leading blocks,
+    capped by its shortest member, rounded down to a multiple of the kernel's 128-key chunk."""
     import numpy as np
 
-    tables = np.array([[7, 8], [3, 4], [7, 9]])
-    lens = np.array([20, 30, 25])
-    groups = native.DecodeGroups.of(tables, lens, block_size=16, num_kv_heads=2, max_members=8)
-    assert groups.members.tolist() == [1, 0, 2] and groups.member_starts.tolist() == [0, 1, 3]
-    assert groups.shared_lens.tolist() == [30, 16]
+    prefix = list(range(7, 17))
+    tables = np.array([prefix + [20, 21], list(range(30, 42)), prefix + [22, 23]])
+    seqs = np.arange(3)
+    groups = native.MemberGroups.of(tables, seqs, seqs, np.array([170, 180, 190]), block_size=16, num_kv_heads=2,
+                                    max_members=8)
+    assert groups.rows.tolist() == [0, 2, 1] and groups.starts.tolist() == [0, 2, 3]
+    assert groups.shared_lens.tolist() == [128, 128]  # min(160, 170) and 180, rounded down
     assert groups.items.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    alone = native.DecodeGroups.of(tables, lens, block_size=16, num_kv_heads=1, max_members=1)
-    assert alone.member_starts.tolist() == [0, 1, 2, 3] and alone.shared_lens.tolist() == [30, 20, 25]
-    shorter = native.DecodeGroups.of(tables, np.array([10, 30, 25]), block_size=16, num_kv_heads=1, max_members=8)
-    assert shorter.shared_lens.tolist() == [30, 10]  # the shortest member holds only 10 positions
+    alone = native.MemberGroups.of(tables, seqs, seqs, np.array([170, 180, 100]), 16, 1, max_members=1)
+    assert alone.starts.tolist() == [0, 1, 2, 3] and alone.shared_lens.tolist() == [128, 0, 128]
+    chunk = native.MemberGroups.of(tables, np.array([0, 0, 0]), np.array([4, 5, 6]), np.array([130, 131, 132]), 16, 1, 8)
+    assert chunk.rows.tolist() == [4, 5, 6] and chunk.shared_lens.tolist() == [128]  # a prefill chunk's tokens
 
 
 @pytest.mark.parametrize("max_members", [1, 2, 64])
 def test_grouped_decodes_over_a_shared_prefix_match_dense_attention(max_members):
-    """Five decodes over one 300-position prefix (shared blocks) with tails of different lengths,
+    import numpy as np
+
+    """Five decodes over one 304-position prefix (shared blocks) with tails of different lengths,
     one of them shorter than the prefix's last block, beside two unrelated decodes."""
     generator = torch.Generator().manual_seed(5)
     block_size, num_kv_heads, num_heads, head_dim = 16, 2, 6, 16
@@ -134,8 +170,9 @@ def test_grouped_decodes_over_a_shared_prefix_match_dense_attention(max_members)
     width = max(map(len, tables))
     table = torch.tensor([t + [119] * (width - len(t)) for t in tables])
     q = torch.randn(len(lens), num_heads, head_dim, generator=generator)
-    groups = native.DecodeGroups.of(table.numpy(), torch.tensor(lens).numpy(), block_size, num_kv_heads, max_members)
-    got = native.paged_decode(q, pool_k, pool_v, table, torch.tensor(lens), block_size, 0.25, groups=groups)
+    seqs = np.arange(len(lens))
+    groups = native.MemberGroups.of(table.numpy(), seqs, seqs, np.array(lens), block_size, num_kv_heads, max_members)
+    got = native.paged_attention(q, pool_k, pool_v, table, groups, block_size, 0.25, torch.empty_like(q))
     for seq, length in enumerate(lens):
         positions = torch.arange(length)
         k = pool_k[:, table[seq, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)

@@ -37,9 +37,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_GROUP_ROWS = 64  # query rows (members x query heads per KV head) one work item attends together
 
 _lock = threading.Lock()
@@ -120,10 +120,10 @@ def load() -> ctypes.CDLL | None:
             library = ctypes.CDLL(str(build()))
             if library.kvroute_native_abi_version() != ABI_VERSION:
                 raise RuntimeError("library ABI version mismatch")
-            fn = library.kvroute_paged_decode
+            fn = library.kvroute_paged_attention
             fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                           _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32]
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+                           _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32]
             _library = library
         except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
             logger.warning("native kernels unavailable, using the torch path: %s", exc)
@@ -145,73 +145,99 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
     )
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeGroups:
-    """How :func:`paged_decode` splits a step's decodes into work: groups of decodes whose tables
-    start with the same block (a cached prefix they share), each group's common prefix read once
-    for all its members' query rows, and the (group, KV head) work items. All int64, contiguous."""
+CHUNK_KEYS = 128  # the kernel's online-softmax chunk (kChunkKeys): shared lengths are multiples of it
 
-    members: torch.Tensor  # decodes (indices into the step's), group after group
-    member_starts: torch.Tensor  # [num_groups + 1]: group g is members[member_starts[g]:member_starts[g + 1]]
-    shared_lens: torch.Tensor  # [num_groups] leading positions all members hold in the same blocks
+
+@dataclass(frozen=True, slots=True)
+class MemberGroups:
+    """How :func:`paged_attention` splits a step's query tokens ("members": a decode, or one token
+    of a prefill chunk) into work: groups of members whose tables start with the same block (a
+    cached prefix, or one chunk's own table), each group's common prefix read once for all its
+    members' query rows, and the (group, KV head) work items. All int64, contiguous.
+
+    Within a group, members are ordered by (table, end). A group's shared length is a multiple
+    of :data:`CHUNK_KEYS`, so every row's keys are cut into the same chunks whatever its group:
+    a row's result depends only on its query, its end and the keys (batch-invariant)."""
+
+    rows: torch.Tensor  # query row of each member (in q and out), group after group
+    tables: torch.Tensor  # the member's block table: a row of the step's tables
+    ends: torch.Tensor  # the member attends positions [0, end)
+    starts: torch.Tensor  # [num_groups + 1]: group g is members [starts[g], starts[g + 1])
+    shared_lens: torch.Tensor  # [num_groups] leading positions all members attend in the same blocks
     items: torch.Tensor  # [num_groups * kv_heads, 2] (group, KV head), group-major
 
     @classmethod
-    def of(cls, tables: np.ndarray, lens: np.ndarray, block_size: int, num_kv_heads: int,
-           max_members: int) -> DecodeGroups:
-        """Groups of at most ``max_members`` decodes with the same first block (ordered by it);
-        a group's shared length is its members' common leading blocks, capped at the shortest
-        member's length (so every member attends every shared position)."""
-        num_seqs = tables.shape[0]
-        order = np.argsort(tables[:, 0], kind="stable")
-        first = tables[order, 0]
+    def of(cls, tables: np.ndarray, member_tables: np.ndarray, member_rows: np.ndarray, member_ends: np.ndarray,
+           block_size: int, num_kv_heads: int, max_members: int) -> MemberGroups:
+        """Groups of at most ``max_members`` members with the same first block (ordered by it,
+        then table, then end); a group's shared length is its members' common leading blocks,
+        capped at its shortest member's end, rounded down to a multiple of :data:`CHUNK_KEYS`."""
+        num_members = len(member_rows)
+        first_block = tables[member_tables, 0]
+        order = np.lexsort((member_ends, member_tables, first_block))
+        first = first_block[order]
         new_run = np.r_[True, first[1:] != first[:-1]]
-        run_start = np.maximum.accumulate(np.where(new_run, np.arange(num_seqs), 0))
-        starts = np.flatnonzero((np.arange(num_seqs) - run_start) % max_members == 0)
-        leader = np.repeat(order[starts], np.diff(np.r_[starts, num_seqs]))
-        same = np.logical_and.accumulate(tables[order] == tables[leader], axis=1).sum(axis=1)  # common blocks
-        shared = np.minimum(np.minimum.reduceat(same, starts) * block_size, np.minimum.reduceat(lens[order], starts))
+        run_start = np.maximum.accumulate(np.where(new_run, np.arange(num_members), 0))
+        starts = np.flatnonzero((np.arange(num_members) - run_start) % max_members == 0)
+        table_rows = member_tables[order]
+        leader = np.repeat(table_rows[starts], np.diff(np.r_[starts, num_members]))
+        same = np.logical_and.accumulate(tables[table_rows] == tables[leader], axis=1).sum(axis=1)
+        ends = member_ends[order]
+        shared = np.minimum(np.minimum.reduceat(same, starts) * block_size, np.minimum.reduceat(ends, starts))
+        shared -= shared % CHUNK_KEYS
         num_groups = len(starts)
         items = np.stack([np.repeat(np.arange(num_groups), num_kv_heads), np.tile(np.arange(num_kv_heads), num_groups)], 1)
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
-        return cls(as_tensor(order), as_tensor(np.r_[starts, num_seqs]), as_tensor(shared), as_tensor(items))
+        return cls(as_tensor(member_rows[order]), as_tensor(table_rows), as_tensor(ends),
+                   as_tensor(np.r_[starts, num_members]), as_tensor(shared), as_tensor(items))
+
+
+def paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, groups: MemberGroups,
+    block_size: int, scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of the members' query rows over their paged contexts, into ``out``.
+
+    ``q``/``out [rows, heads, D]`` (last dim contiguous; other rows of ``out`` untouched);
+    ``k_pool``/``v_pool`` one layer's ``[kv_heads, pool_blocks, block_size, D]`` contiguous
+    (``KVPool.data[layer, 0]``); ``tables [num_tables, max_blocks]`` int64 block ids covering
+    each member's positions. The caller checks :func:`supports`; the library must have loaded."""
+    library = load()
+    if library is None:
+        raise RuntimeError("native kernels are not available")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, pool_blocks = k_pool.shape[0], k_pool.shape[1]
+    if q.stride(2) != 1 or out.stride(2) != 1 or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("paged_attention needs q's and out's last dim and the pools contiguous")
+    if tables.dtype != torch.int64 or not tables.is_contiguous():
+        raise ValueError("paged_attention needs contiguous int64 tables")
+    status = library.kvroute_paged_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
+        tables.stride(0), groups.rows.data_ptr(), groups.tables.data_ptr(), groups.ends.data_ptr(),
+        groups.starts.data_ptr(), groups.shared_lens.data_ptr(), groups.items.data_ptr(), groups.items.shape[0],
+        out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
+    )
+    if status != 0:
+        raise ValueError(f"paged_attention does not support heads {num_heads}/{num_kv_heads}, head_dim {head_dim}")
+    return out
 
 
 def paged_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, scale: float, out: torch.Tensor | None = None, groups: DecodeGroups | None = None,
+    block_size: int, scale: float, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
-
-    ``q [seqs, heads, D]`` (last dim contiguous); ``k_pool``/``v_pool`` one layer's
-    ``[kv_heads, pool_blocks, block_size, D]`` contiguous (``KVPool.data[layer, 0]``);
-    ``tables [seqs, max_blocks]`` int64 block ids, ``context_lens [seqs]`` int64 (positions
-    ``< len`` are attended; the tables cover them); ``groups``: :meth:`DecodeGroups.of` the tables
-    (made here when ``None``; a step's plan makes it once for every layer) → ``out [seqs, heads, D]``.
-    The caller checks :func:`supports`; the library must have loaded."""
-    library = load()
-    if library is None:
-        raise RuntimeError("native kernels are not available")
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, pool_blocks = k_pool.shape[0], k_pool.shape[1]
-    if q.stride(2) != 1 or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("paged_decode needs q's last dim and the pools contiguous")
-    if tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or not (tables.is_contiguous() and context_lens.is_contiguous()):
-        raise ValueError("paged_decode needs contiguous int64 tables and context lengths")
-    if groups is None:
-        groups = DecodeGroups.of(tables.numpy(), context_lens.numpy(), block_size, num_kv_heads,
-                                 max_members_for(num_heads, num_kv_heads))
+    """One query token per sequence (``q [seqs, heads, D]``, sequence ``i`` reads ``tables[i]``
+    up to ``context_lens[i]``) → ``out [seqs, heads, D]``: :func:`paged_attention` with a member per
+    sequence."""
+    if context_lens.dtype != torch.int64:
+        raise ValueError("paged_decode needs int64 context lengths")
+    num_seqs, num_heads = q.shape[0], q.shape[1]
+    seqs = np.arange(num_seqs)
+    groups = MemberGroups.of(tables.numpy(), seqs, seqs, context_lens.numpy(), block_size, k_pool.shape[0],
+                             max_members_for(num_heads, k_pool.shape[0]))
     if out is None:
-        out = q.new_empty(num_seqs, num_heads, head_dim)
-    status = library.kvroute_paged_decode(
-        q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
-        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), groups.members.data_ptr(),
-        groups.member_starts.data_ptr(), groups.shared_lens.data_ptr(), groups.items.data_ptr(), groups.items.shape[0],
-        out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
-    )
-    if status != 0:
-        raise ValueError(f"paged_decode does not support heads {num_heads}/{num_kv_heads}, head_dim {head_dim}")
-    return out
+        out = q.new_empty(q.shape)
+    return paged_attention(q, k_pool, v_pool, tables, groups, block_size, scale, out)
 
 
 def max_members_for(num_heads: int, num_kv_heads: int) -> int:

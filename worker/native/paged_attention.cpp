@@ -1,29 +1,32 @@
-// Decode attention read in place from the paged KV pool (CPU, float32).
+// Paged attention read in place from the KV pool (CPU, float32).
 //
-// Decodes come grouped (worker/native/__init__.py, DecodeGroups): members of a group hold their
-// first positions in the same blocks (a cached prefix), which are read once for the query rows of
-// every member; then each member reads its own tail.
+// Every query token ("member": a decode, or one token of a prefill chunk) has a query row, a
+// block table and an end: it attends positions [0, end). Members come in groups
+// (worker/native/__init__.py, MemberGroups) whose tables start with the same blocks (a cached
+// prefix; one prefill chunk's own table): the group's shared positions are read once for the
+// query rows of every member, then each run of members with the same table reads the rest.
+// GQA: the num_heads / num_kv_heads query heads of a KV head are rows of one work item, so each
+// key row is read once for all of them. Work items are (group, KV head) pairs shared among the
+// OpenMP threads of the process (torch's own runtime: the library is loaded after torch, whose
+// libgomp provides the symbols), so the kernel uses torch's thread count.
 //
-// One query token per sequence. For each (sequence, KV head) the kernel walks
-// the sequence's block table, reading keys and values where they lie in the
-// pool (no gather; scratch is one work item's rows: at most 64 x (head_dim + 128) floats
-// of queries, sums and scores per thread, whatever the batch or context), and keeps an online
-// softmax over chunks of at most kChunkKeys positions: per chunk the scores of
-// the head's query group (GQA: num_heads / num_kv_heads query heads share a KV
-// head, so each key row is read once for all of them), one rescale of the
-// running sums, exponentials, and the value accumulation. Work items are
-// (sequence, KV head) pairs shared among the OpenMP threads of the process
-// (torch's own runtime: the library is loaded after torch, whose libgomp
-// provides the symbols), so the kernel uses torch's thread count.
+// Per chunk of at most kChunkKeys positions (chunks start at multiples of kChunkKeys): the
+// scores of the rows, one rescale of each row's running max and sum (online softmax),
+// exponentials, and the value accumulation. Keys and values are read where they lie in the
+// pool: no gather; scratch is one work item's rows (queries, sums, scores: at most
+// MAX_GROUP_ROWS x (2 head_dim + 128) floats per thread), whatever the batch or context.
 //
 // Layout (worker/kv.py): one layer's keys are [kv_heads, pool_blocks,
 // block_size, head_dim] contiguous, values likewise; block b of head h starts
 // at ((h * pool_blocks + b) * block_size) * head_dim.
 //
-// Numerics: float32 throughout; exp by Cody-Waite range reduction and a
-// degree-7 polynomial (within a few ulp of expf); the result matches a dense
-// softmax attention to float32 rounding (tests/worker/test_native_attention.py),
-// not bit for bit: deterministic mode never runs this kernel.
+// Numerics: float32 throughout; exp by Cody-Waite range reduction and a degree-7 polynomial
+// (within a few ulp of expf); the result matches a dense softmax attention to float32 rounding
+// (tests/worker/test_native_attention.py). Batch-invariant: a row's operations, in order, depend
+// only on its query, its end and the keys (chunks aligned to absolute positions; scores, sums and
+// products per row in a fixed order whatever block of rows it is computed in), so a token gets
+// the same bits as a decode or in any prefill chunk, alone or in any batch: deterministic mode
+// runs every token through this kernel.
 //
 // Vector code uses GCC/Clang vector extensions (8 floats), which the compiler
 // maps onto whatever the target has (AVX2 + FMA with -march=native on x86-64,
@@ -199,17 +202,19 @@ inline void accumulate_rows(const float* probs, int prob_stride, int group, int 
 
 struct Args {
   const float* q;
-  int64_t q_seq_stride, q_head_stride;
+  int64_t q_row_stride, q_head_stride;
   const float* k_pool;
   const float* v_pool;
   const int64_t* tables;
   int64_t table_stride;
-  const int64_t* context_lens;
-  const int64_t* members;        // sequences of every group, group after group
-  const int64_t* member_starts;  // [num_groups + 1]: group g is members[member_starts[g] .. member_starts[g + 1])
-  const int64_t* shared_lens;    // [num_groups]: leading positions every member of the group holds in the same blocks
+  const int64_t* member_rows;    // query row (in q and out) of every member, group after group
+  const int64_t* member_tables;  // its block table (a row of `tables`)
+  const int64_t* member_ends;    // it attends positions [0, end)
+  const int64_t* member_starts;  // [num_groups + 1]: group g is members [member_starts[g], member_starts[g + 1])
+  const int64_t* shared_lens;    // [num_groups]: leading positions (a multiple of kChunkKeys) all members
+                                 // of the group attend, held in the same blocks
   float* out;
-  int64_t out_seq_stride, out_head_stride;
+  int64_t out_row_stride, out_head_stride;
   int64_t num_heads, num_kv_heads, head_dim, block_size, pool_blocks;
   float scale;
 };
@@ -282,19 +287,46 @@ void attend_range(const Args& a, RowState& state, int row0, int rows, const int6
   }
 }
 
-// One work item: a group of decodes and one KV head. The group's shared prefix is read once for
-// every member's query rows (members x query heads of the KV head); then each member its own tail.
+// Members [lo, hi) of a group, all reading `table` and sorted by end, attend positions
+// [begin, their end) chunk by chunk (chunks start at multiples of kChunkKeys): in each chunk the
+// members that read all of it go as one block of rows, the others (their end inside the chunk)
+// together with the members of the same end. A row's arithmetic depends only on its query, its
+// end and the keys, never on the block it is computed in.
+void attend_run(const Args& a, RowState& state, int group, int64_t lo, int64_t hi, const int64_t* ends,
+                const int64_t* table, int64_t begin, const float* k_head, const float* v_head) {
+  for (int64_t chunk = begin; lo < hi; chunk += kChunkKeys) {
+    while (lo < hi && ends[lo] <= chunk) ++lo;
+    int64_t full = lo;
+    while (full < hi && ends[full] < chunk + kChunkKeys) ++full;
+    for (int64_t m = lo; m < full;) {
+      int64_t same = m;
+      while (same < full && ends[same] == ends[m]) ++same;
+      attend_range(a, state, static_cast<int>(m * group), static_cast<int>((same - m) * group), table, chunk, ends[m],
+                   k_head, v_head);
+      m = same;
+    }
+    if (full < hi)
+      attend_range(a, state, static_cast<int>(full * group), static_cast<int>((hi - full) * group), table, chunk,
+                   chunk + kChunkKeys, k_head, v_head);
+  }
+}
+
+// One work item: a group of members (query tokens) and one KV head. The group's shared prefix is
+// read once for every member's query rows (members x query heads of the KV head); then each run
+// of members with the same block table reads the rest of its positions.
 void attend_group(const Args& a, int64_t group_index, int64_t kv_head) {
   const int group = static_cast<int>(a.num_heads / a.num_kv_heads);
   const int head_dim = static_cast<int>(a.head_dim);
   const int nv = head_dim / 8;
   const int64_t first = a.member_starts[group_index];
-  const int num_members = static_cast<int>(a.member_starts[group_index + 1] - first);
-  RowState state(num_members * group, head_dim);
-  for (int m = 0; m < num_members; ++m) {
-    const int64_t seq = a.members[first + m];
+  const int64_t num_members = a.member_starts[group_index + 1] - first;
+  const int64_t* rows = a.member_rows + first;
+  const int64_t* tables = a.member_tables + first;
+  const int64_t* ends = a.member_ends + first;
+  RowState state(static_cast<int>(num_members * group), head_dim);
+  for (int64_t m = 0; m < num_members; ++m) {
     for (int g = 0; g < group; ++g) {
-      const float* src = a.q + seq * a.q_seq_stride + (kv_head * group + g) * a.q_head_stride;
+      const float* src = a.q + rows[m] * a.q_row_stride + (kv_head * group + g) * a.q_head_stride;
       float* dst = state.q.data() + static_cast<size_t>(m * group + g) * head_dim;
       for (int i = 0; i < nv; ++i) store8(dst + 8 * i, load8(src + 8 * i) * splat(a.scale));
     }
@@ -302,15 +334,18 @@ void attend_group(const Args& a, int64_t group_index, int64_t kv_head) {
   const float* k_head = a.k_pool + kv_head * a.pool_blocks * a.block_size * head_dim;
   const float* v_head = a.v_pool + kv_head * a.pool_blocks * a.block_size * head_dim;
   const int64_t shared = a.shared_lens[group_index];
-  const int64_t* leader_table = a.tables + a.members[first] * a.table_stride;
-  attend_range(a, state, 0, num_members * group, leader_table, 0, shared, k_head, v_head);
-  for (int m = 0; m < num_members; ++m) {
-    const int64_t seq = a.members[first + m];
-    attend_range(a, state, m * group, group, a.tables + seq * a.table_stride, shared, a.context_lens[seq], k_head,
-                 v_head);
+  attend_range(a, state, 0, static_cast<int>(num_members * group), a.tables + tables[0] * a.table_stride, 0, shared,
+               k_head, v_head);
+  for (int64_t lo = 0; lo < num_members;) {
+    int64_t hi = lo;
+    while (hi < num_members && tables[hi] == tables[lo]) ++hi;
+    attend_run(a, state, group, lo, hi, ends, a.tables + tables[lo] * a.table_stride, shared, k_head, v_head);
+    lo = hi;
+  }
+  for (int64_t m = 0; m < num_members; ++m) {
     for (int g = 0; g < group; ++g) {
-      const int row = m * group + g;
-      float* dst = a.out + seq * a.out_seq_stride + (kv_head * group + g) * a.out_head_stride;
+      const int64_t row = m * group + g;
+      float* dst = a.out + rows[m] * a.out_row_stride + (kv_head * group + g) * a.out_head_stride;
       const v8f inv = splat(state.run_sum[row] > 0.0f ? 1.0f / state.run_sum[row] : 0.0f);
       const float* acc = state.acc.data() + static_cast<size_t>(row) * head_dim;
       for (int i = 0; i < nv; ++i) store8(dst + 8 * i, load8(acc + 8 * i) * inv);
@@ -322,27 +357,26 @@ void attend_group(const Args& a, int64_t group_index, int64_t kv_head) {
 
 extern "C" {
 
-// 0: done; 1: a shape this kernel does not support (nothing written).
-// Decodes come in groups (members / member_starts): the members of a group hold their first
-// shared_lens[g] positions in the same blocks (a cached prefix; a group of one needs nothing in
-// common). Work items are (group, KV head) pairs, `items` [num_items, 2], taken by the threads
-// one at a time (dynamic schedule: groups differ in size).
-int kvroute_paged_decode(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* k_pool,
-                         const float* v_pool, const int64_t* tables, int64_t table_stride,
-                         const int64_t* context_lens, const int64_t* members, const int64_t* member_starts,
-                         const int64_t* shared_lens, const int64_t* items, int64_t num_items, float* out,
-                         int64_t out_seq_stride, int64_t out_head_stride, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, int64_t pool_blocks, float scale) {
+// 0: done; 1: a shape this kernel does not support (nothing written). Query tokens ("members")
+// come in groups; work items are (group, KV head) pairs, `items` [num_items, 2], taken by the
+// threads one at a time (dynamic schedule: groups differ in size).
+int kvroute_paged_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, const float* k_pool,
+                            const float* v_pool, const int64_t* tables, int64_t table_stride,
+                            const int64_t* member_rows, const int64_t* member_tables, const int64_t* member_ends,
+                            const int64_t* member_starts, const int64_t* shared_lens, const int64_t* items,
+                            int64_t num_items, float* out, int64_t out_row_stride, int64_t out_head_stride,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t pool_blocks, float scale) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup) return 1;
   if (head_dim % 8 != 0 || head_dim > kMaxHeadDim || block_size < 1) return 1;
-  const Args a{q, q_seq_stride, q_head_stride, k_pool, v_pool, tables, table_stride, context_lens,
-               members, member_starts, shared_lens, out, out_seq_stride, out_head_stride, num_heads,
+  const Args a{q, q_row_stride, q_head_stride, k_pool, v_pool, tables, table_stride, member_rows, member_tables,
+               member_ends, member_starts, shared_lens, out, out_row_stride, out_head_stride, num_heads,
                num_kv_heads, head_dim, block_size, pool_blocks, scale};
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_items; ++item) attend_group(a, items[2 * item], items[2 * item + 1]);
   return 0;
 }
 
-int kvroute_native_abi_version() { return 3; }
+int kvroute_native_abi_version() { return 4; }
 
 }  // extern "C"
