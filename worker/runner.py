@@ -71,7 +71,7 @@ class ModelRunner:
         )
         self.dtype = getattr(torch, dtype)
         # The native kernel: default mode's decodes, or (deterministic mode) every token.
-        native_fits = attention_kernel in ("auto", "native") and self._native_fits()
+        native_fits = attention_kernel in ("auto", "native") and self._native_fits(deterministic)
         self.native_decode = native_fits and not deterministic
         self.native_all = native_fits and deterministic
         if attention_kernel == "native" and not native_fits:
@@ -110,15 +110,17 @@ class ModelRunner:
             attention_scratch_tokens=config.attention_scratch_tokens, attention_kernel=config.attention_kernel,
         )
 
-    def _native_fits(self) -> bool:
-        """The native decode kernel fits this model and machine: it builds, loads and agrees with
-        dense attention on a self-check of this geometry (worker/native/)."""
+    def _native_fits(self, deterministic: bool) -> bool:
+        """The native kernel fits this model and machine: it builds, loads and agrees with dense
+        attention on a self-check of this geometry (worker/native/), and in deterministic mode
+        gives a token the same bits in any chunk."""
         geometry = self.loaded.geometry
         if not native.supports(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, self.dtype, self.device):
             return False
         if native.load() is None:
             return False
-        return native.self_check(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, block_size=16)
+        shape = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, 16)
+        return native.self_check(*shape) and (not deterministic or native.self_check_invariance(*shape))
 
     @property
     def attention_path(self) -> str:

@@ -179,3 +179,9 @@ def test_grouped_decodes_over_a_shared_prefix_match_dense_attention(max_members)
         v = pool_v[:, table[seq, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
         weights = torch.softmax((k @ q[seq].double()[:, :, None])[..., 0] * 0.25, dim=-1)
         torch.testing.assert_close(got[seq], (weights[:, None, :] @ v)[:, 0].float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 8), (12, 4, 64), (14, 2, 64), (32, 8, 128)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_invariance_self_check_passes_for_supported_geometries(heads, block_size):
+    assert native.self_check_invariance(*heads, block_size)
