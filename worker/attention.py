@@ -22,10 +22,11 @@ keys straight from the step's ``key``/``value`` (causal, no copy) and its
 cached prefix the same way (in place, or gathered where scattered). The
 partial results are merged by log-sum-exp (online softmax) once per layer.
 
-Where the runner chose the native decode kernel (worker/native/: CPU float32,
-built and self-checked at load), the plan carries only the decodes' block
-tables and lengths and one C++ call per layer attends every decode in place;
-prefill chunks still take the path above.
+Where the runner chose the native kernel (worker/native/: CPU float32, built
+and self-checked at load), the plan carries the decodes as its members
+(worker/native_plan.py) and one C++ call per layer attends every decode in
+place; prefill chunks still take the path above (torch's flash attention is
+faster on long chunks).
 
 Merging partial results by log-sum-exp is exact up to float rounding; the
 order of rounds depends on the batch, so this kernel is not batch-invariant

@@ -3,8 +3,11 @@
 torch has no CPU kernel that attends through a block table; the default
 kernel (worker/attention.py) composes one out of ~30 small torch ops per
 layer, and on a decode step those ops, not the arithmetic, are the cost.
-``paged_decode.cpp`` here is one call per layer instead: every decode token's
-attention read in place from the pool (see its header for the algorithm).
+``paged_attention.cpp`` here is one call per layer instead: query tokens'
+attention read in place from the pool, a cached prefix read once for every
+token sharing it, batch-invariant (see its header for the algorithm).
+worker/native_plan.py says which tokens it gets: default mode's decodes,
+deterministic mode's every token.
 
 Build: the first :func:`load` compiles the source with the system C++
 compiler (``c++ -O3 -march=native -fopenmp``) into a per-user cache keyed by
@@ -132,7 +135,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`paged_decode` handles this geometry (CPU float32, GQA group <= 16,
+    """Whether :func:`paged_attention` handles this geometry (CPU float32, GQA group <= 16,
     head_dim a multiple of 8 up to 256)."""
     return (
         torch.device(device).type == "cpu"
