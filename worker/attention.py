@@ -22,11 +22,9 @@ keys straight from the step's ``key``/``value`` (causal, no copy) and its
 cached prefix the same way (in place, or gathered where scattered). The
 partial results are merged by log-sum-exp (online softmax) once per layer.
 
-Where the runner chose the native kernel (worker/native/: CPU float32, built
-and self-checked at load), the plan carries the decodes as its members
-(worker/native_plan.py) and one C++ call per layer attends every decode in
-place; prefill chunks still take the path above (torch's flash attention is
-faster on long chunks).
+Where the native kernel runs (worker/native/: CPU float32, built and
+self-checked at load) the step gets worker/native_plan.py's plan instead, in
+either mode; this kernel is the fallback elsewhere.
 
 Merging partial results by log-sum-exp is exact up to float rounding; the
 order of rounds depends on the batch, so this kernel is not batch-invariant
@@ -112,9 +110,7 @@ def default_attention(q, key, value, pool, layer: int, plan: DefaultPlan, scale:
     num_kv_heads = key.shape[0]
     group = num_heads // num_kv_heads
     out = q.new_empty(num_heads, num_rows, head_dim)
-    if plan.native is not None:  # decodes: one native call writes their rows of out
-        plan.native.attend_into(q.transpose(0, 1), out.transpose(0, 1), pool, layer, scale)
-    elif plan.decode_rows is not None:
+    if plan.decode_rows is not None:
         num_decodes = plan.decode_rows.shape[0]
         qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, heads, D]
         acc_out = qd.new_zeros(num_decodes, num_heads, head_dim)

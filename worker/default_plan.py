@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from worker.chunk_arrays import ChunkArrays
-from worker.native_plan import NativeRows
 
 DECODE_KEY_CHUNK = 128  # positions per gathered decode piece (rounded up to whole blocks)
 DEFAULT_SCRATCH_TOKENS = 32768  # K/V positions one round may gather
@@ -90,8 +89,6 @@ class DefaultPlan:
     prefills: list[PrefillWork]
     key_chunk: int  # positions per gathered decode piece
     merge_pairs: int = 1  # decode partial results held before they are merged
-    # The decodes for the native kernel (worker/native_plan.py); None: the torch kernel's decode path
-    native: NativeRows | None = None
     stats: dict = field(default_factory=dict)  # positions read in place / gathered (tests, profiling)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool, layer: int, scale: float):
@@ -127,14 +124,11 @@ def segments(tables: np.ndarray, ends: np.ndarray, block_size: int, counts_of=No
 
 def build_default_plan(
     chunks: ChunkArrays, device: torch.device, scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
-    min_in_place_tokens: int | None = None, native_decode: bool = False, native_max_members: int = 1,
+    min_in_place_tokens: int | None = None,
 ) -> DefaultPlan:
     """``scratch_tokens``: most K/V positions gathered at once (at least one piece);
     ``min_in_place_tokens``: shortest segment read in place (None: :data:`MIN_IN_PLACE_TOKENS`,
-    read at call time; :data:`NEVER_IN_PLACE`: none, the gather-only kernel); ``native_decode``:
-    decodes go to the native kernel (worker/native/: the caller checked it loads and fits the
-    geometry), which needs only their block tables and lengths, grouped by shared prefix in groups
-    of at most ``native_max_members`` decodes."""
+    read at call time; :data:`NEVER_IN_PLACE`: none, the gather-only kernel)."""
     if min_in_place_tokens is None:
         min_in_place_tokens = MIN_IN_PLACE_TOKENS
     bs = chunks.block_size
@@ -144,11 +138,7 @@ def build_default_plan(
     plan = DefaultPlan(None, None, [], [], [], key_chunk, stats={"in_place": 0, "gathered": 0})
     if len(decode):
         plan.decode_rows = torch.from_numpy(chunks.offsets[decode]).to(device)
-        if native_decode:
-            plan.native = NativeRows.of(chunks, decode, native_max_members, device)
-            plan.stats["in_place"] += int(chunks.ends[decode].sum())
-        else:
-            _plan_decodes(plan, chunks, decode, scratch_tokens, min_in_place_tokens, device)
+        _plan_decodes(plan, chunks, decode, scratch_tokens, min_in_place_tokens, device)
     heads = np.arange(chunks.num_kv_heads)[:, None]
     step_tokens = max(bs, scratch_tokens)
     for index in np.flatnonzero(~is_decode):

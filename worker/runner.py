@@ -51,8 +51,8 @@ class ModelRunner:
     ) -> None:
         """``gemm``: "auto" (the packed kernel where :func:`choose_gemm` picks it), "packed" or "plain";
         ``attention_scratch_tokens``: K/V positions the default attention kernel gathers at once;
-        ``attention_kernel``: default mode's kernel, "auto" (FlashInfer on CUDA where it imports; on CPU
-        float32 the native decode kernel where it builds and passes its self-check; else torch), "torch",
+        ``attention_kernel``: "auto" (on CPU float32 the native kernel, both modes, where it builds and
+        passes its self-checks; FlashInfer on CUDA in default mode where it imports; else torch's), "torch",
         "native" (an error where it cannot run) or "flashinfer"; ``lean``: None (the lean forward where the load-time probe
         finds it equal to transformers' forward), False (always transformers' forward)."""
         if attention_kernel not in ("auto", "torch", "native", "flashinfer"):
@@ -70,11 +70,9 @@ class ModelRunner:
             or (attention_kernel == "auto" and self.device.type == "cuda" and flashinfer_available())
         )
         self.dtype = getattr(torch, dtype)
-        # The native kernel: default mode's decodes, or (deterministic mode) every token.
-        native_fits = attention_kernel in ("auto", "native") and self._native_fits(deterministic)
-        self.native_decode = native_fits and not deterministic
-        self.native_all = native_fits and deterministic
-        if attention_kernel == "native" and not native_fits:
+        # The native kernel attends every token where it runs (both modes; else torch's kernels).
+        self.native = attention_kernel in ("auto", "native") and self._native_fits(deterministic)
+        if attention_kernel == "native" and not self.native:
             raise ValueError("attention_kernel 'native' cannot run here (default mode on CPU float32, a"
                              " supported geometry and a C++ compiler; see the log)")
         self.max_positions = max_positions or self.loaded.max_position_embeddings
@@ -124,9 +122,9 @@ class ModelRunner:
 
     @property
     def attention_path(self) -> str:
-        """Decode attention: ``"native"`` (worker/native/; in deterministic mode for every token),
+        """The attention kernel: ``"native"`` (worker/native/, every token, both modes),
         ``"flashinfer"``, ``"torch"`` or, deterministic mode without the native kernel, ``"tiled"``."""
-        if self.native_decode or self.native_all:
+        if self.native:
             return "native"
         if self.deterministic:
             return "tiled"
@@ -168,7 +166,7 @@ class ModelRunner:
             chunks, pool, deterministic=self.deterministic,
             pad_token_id=self.loaded.pad_token_id, num_heads=self.geometry.num_heads,
             tile_rows=self.tile_rows, scratch_tokens=self.attention_scratch_tokens, flashinfer=self.flashinfer,
-            share_rows=self.share_rows, native_decode=self.native_decode, native_all=self.native_all,
+            share_rows=self.share_rows, native=self.native,
         )
 
     @torch.inference_mode()

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker import native
 from worker.attention import DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan
 from worker.chunk_arrays import ChunkArrays
 from worker.gpu_attention import FlashInferPlan, build_flashinfer_plan
 from worker.kv import KVPool
+from worker.native import max_members_for
 from worker.native_plan import NativePlan, build_native_plan
 from worker.numerics import pad_rows
 from worker.tiled_attention import TiledPlan, build_tiled_plan
@@ -60,15 +60,14 @@ def build_step(
     scratch_tokens: int = DEFAULT_SCRATCH_TOKENS,
     flashinfer: bool = False,
     share_rows: int = 0,
-    native_decode: bool = False,
-    native_all: bool = False,
+    native: bool = False,
 ) -> StepBatch:
     """``tile_rows``: (decode, prefill) tile rows of the batch-invariant kernel;
     ``scratch_tokens``: K/V positions the default kernel gathers at once;
     ``flashinfer``: default mode plans for FlashInfer's paged kernel (CUDA);
     ``share_rows``: the batch-invariant kernel's shared-key products' row limit (0: no sharing);
-    ``native_decode``: default mode's decodes run the native kernel (worker/native/);
-    ``native_all``: every token runs it (deterministic mode: batch-invariant, worker/native_plan.py)."""
+    ``native``: every token runs the native kernel (worker/native/, worker/native_plan.py; batch-invariant,
+    so in either mode)."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     device = pool.data.device
@@ -108,9 +107,8 @@ def build_step(
     wants = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=len(chunks))
     logits_rows = (offsets + lengths - 1)[wants]
 
-    max_members = native.max_members_for(num_heads, num_kv_heads)
-    if native_all:
-        plan = build_native_plan(arrays, max_members, device)
+    if native:
+        plan = build_native_plan(arrays, max_members_for(num_heads, num_kv_heads), device)
     elif deterministic:
         plan = build_tiled_plan(
             arrays, num_rows, num_heads // num_kv_heads, device,
@@ -120,10 +118,7 @@ def build_step(
     elif flashinfer:
         plan = build_flashinfer_plan(arrays, num_heads, pool.geometry.head_dim, pool.data.dtype, device)
     else:
-        plan = build_default_plan(
-            arrays, device, scratch_tokens, native_decode=native_decode,
-            native_max_members=max_members,
-        )
+        plan = build_default_plan(arrays, device, scratch_tokens)
     return StepBatch(
         pool=pool,
         input_ids=torch.from_numpy(input_ids).to(device),

@@ -29,7 +29,7 @@ def naive(q_all, k_all, v_all, scale):
 
 
 def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_tokens=32768, num_blocks=64,
-        share_rows=0, plans=None, native_decode=False, native_all=False, keys_of=None):
+        share_rows=0, plans=None, native=False, keys_of=None):
     """chunk_specs: (start, n, table) or (start, n, table, q_seed) per sequence. A sequence's
     q, k, v depend only on its own spec (seeded by it), so the same sequence in two batches
     sees equal inputs; with a q_seed, q is drawn from it instead (k, v still from (start, n):
@@ -59,7 +59,7 @@ def run(chunk_specs, deterministic, tile_rows=(16, 16), block_size=4, scratch_to
     chunks = [SeqChunk([5] * n, s, t, True) for s, n, t, *_ in chunk_specs]
     step = build_step(
         chunks, pool, deterministic=deterministic, pad_token_id=0, num_heads=4, tile_rows=tile_rows,
-        scratch_tokens=scratch_tokens, share_rows=share_rows, native_decode=native_decode, native_all=native_all,
+        scratch_tokens=scratch_tokens, share_rows=share_rows, native=native,
     )
     if plans is not None:
         plans.append(step.plan)

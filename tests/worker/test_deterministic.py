@@ -24,15 +24,21 @@ def random_workload(rng: random.Random, num_requests: int):
 
 
 @pytest.mark.parametrize(
-    ("seed", "block_size", "max_batch_tokens", "max_num_seqs", "kv_pool_tokens"),
-    [(0, 16, 64, 8, 1600), (1, 4, 16, 3, 1600), (2, 32, 37, 5, 1600), (3, 8, 128, 16, 1600), (4, 16, 96, 12, 320)],
+    ("seed", "block_size", "max_batch_tokens", "max_num_seqs", "kv_pool_tokens", "attention_kernel"),
+    [(0, 16, 64, 8, 1600, "auto"), (1, 4, 16, 3, 1600, "auto"), (2, 32, 37, 5, 1600, "auto"),
+     (3, 8, 128, 16, 1600, "auto"), (4, 16, 96, 12, 320, "auto"),
+     # the tiled torch kernel, where the native one cannot run
+     (1, 4, 16, 3, 1600, "torch"), (4, 16, 96, 12, 320, "torch")],
 )
-def test_random_workloads_equal_the_reference(make_engine, seed, block_size, max_batch_tokens, max_num_seqs, kv_pool_tokens):
+def test_random_workloads_equal_the_reference(make_engine, seed, block_size, max_batch_tokens, max_num_seqs,
+                                              kv_pool_tokens, attention_kernel):
     rng = random.Random(seed)
     engine = make_engine(
         block_size=block_size, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
         cache_budget_tokens=min(600, kv_pool_tokens // 4), kv_pool_tokens=kv_pool_tokens,
+        attention_kernel=attention_kernel,
     )
+    assert engine.runner.attention_path in (("tiled",) if attention_kernel == "torch" else ("native", "tiled"))
     pending = random_workload(rng, 24)
     expected = {}
     results = {}

@@ -15,27 +15,20 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C++ compiler: 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_native_decodes_beside_prefills_match_dense_attention(block_size):
-    """Decodes at every block/chunk boundary beside prefill chunks (which stay on torch)."""
+    """Default mode: decodes at every block/chunk boundary beside prefill chunks."""
     specs, num_blocks = _tables(EDGES, block_size)
-    out, expected = run(specs, False, block_size=block_size, num_blocks=num_blocks, native_decode=True)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_native_decodes_of_a_decode_only_step_match_dense_attention():
-    """Every row a decode: the native call writes all of out, the torch decode path plans nothing."""
-    decodes = [spec for spec in SPECS if spec[1] == 1]
     plans = []
-    out, expected = run(decodes, False, plans=plans, native_decode=True)
-    assert plans[0].native is not None and not plans[0].in_place and not plans[0].decode_rounds
+    out, expected = run(specs, False, block_size=block_size, num_blocks=num_blocks, native=True, plans=plans)
+    assert isinstance(plans[0], NativePlan)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_native_plan_attends_every_token_causally(block_size):
-    """Deterministic mode's plan: prefill chunks and decodes all through the native kernel."""
+    """Deterministic mode (padded rows): prefill chunks and decodes all through the native kernel."""
     specs, num_blocks = _tables(EDGES, block_size)
     plans = []
-    out, expected = run(specs, True, block_size=block_size, num_blocks=num_blocks, plans=plans, native_all=True)
+    out, expected = run(specs, True, block_size=block_size, num_blocks=num_blocks, plans=plans, native=True)
     assert isinstance(plans[0], NativePlan)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
@@ -53,7 +46,7 @@ def test_native_plan_gives_a_token_the_same_bits_in_any_batch_or_chunk():
         ([(0, 300, table)], 299),
         ([(5, 3, [97, 98]), (130, 170, table)], 3 + 169),
     ):
-        out, _ = run(specs, True, block_size=block_size, num_blocks=128, native_all=True, keys_of=(0, 300))
+        out, _ = run(specs, True, block_size=block_size, num_blocks=128, native=True, keys_of=(0, 300))
         outs.append(out[row])
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
@@ -64,7 +57,7 @@ def test_native_and_torch_kernels_agree_on_a_shared_prefix():
     the helper writes the same keys there for each) with queries and tails of their own."""
     prefix = list(range(8))
     specs = [(40, 1, prefix + [8, 9, 10], 1), (40, 1, prefix + [11, 12, 13], 2), (40, 1, prefix + [14, 15, 16], 3)]
-    native_out, expected = run(specs, False, native_decode=True)
+    native_out, expected = run(specs, False, native=True)
     torch_out, _ = run(specs, False)
     torch.testing.assert_close(native_out, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(native_out, torch_out, rtol=1e-4, atol=1e-5)
@@ -118,6 +111,7 @@ def test_runner_chooses_the_native_kernel_where_it_runs():
     assert ModelRunner.from_config(EngineConfig()).attention_path == "native"
     assert ModelRunner.from_config(EngineConfig(attention_kernel="torch")).attention_path == "torch"
     assert ModelRunner.from_config(EngineConfig(deterministic=True)).attention_path == "native"
+    assert ModelRunner.from_config(EngineConfig(attention_kernel="native")).attention_path == "native"
     assert ModelRunner.from_config(EngineConfig(deterministic=True, attention_kernel="torch")).attention_path == "tiled"
     with pytest.raises(ValueError, match="attention_kernel"):
         EngineConfig(attention_kernel="fast")
