@@ -179,3 +179,4 @@ def test_grouped_decodes_over_a_shared_prefix_match_dense_attention(max_members)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_invariance_self_check_passes_for_supported_geometries(heads, block_size):
     assert native.self_check_invariance(*heads, block_size)
+

@@ -18,7 +18,9 @@ torch path: nothing here is required for correctness.
 
 The library is linked against ``libgomp.so.1`` only by name; torch is
 imported first and has loaded its own, so the kernel's OpenMP threads are
-torch's (``torch.set_num_threads`` applies). No torch headers are needed.
+torch's pool, and each call asks for ``torch.get_num_threads()`` of them
+(OpenMP's own default is per calling thread, which an engine thread would
+not share with ``torch.set_num_threads``). No torch headers are needed.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_GROUP_ROWS = 64  # query rows (members x query heads per KV head) one work item attends together
 
 _lock = threading.Lock()
@@ -126,7 +128,7 @@ def load() -> ctypes.CDLL | None:
             fn = library.kvroute_paged_attention
             fn.restype = ctypes.c_int
             fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
-                           _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32]
+                           _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, ctypes.c_int]
             _library = library
         except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
             logger.warning("native kernels unavailable, using the torch path: %s", exc)
@@ -219,6 +221,7 @@ def paged_attention(
         tables.stride(0), groups.rows.data_ptr(), groups.tables.data_ptr(), groups.ends.data_ptr(),
         groups.starts.data_ptr(), groups.shared_lens.data_ptr(), groups.items.data_ptr(), groups.items.shape[0],
         out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size, pool_blocks, scale,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"paged_attention does not support heads {num_heads}/{num_kv_heads}, head_dim {head_dim}")

@@ -359,24 +359,25 @@ extern "C" {
 
 // 0: done; 1: a shape this kernel does not support (nothing written). Query tokens ("members")
 // come in groups; work items are (group, KV head) pairs, `items` [num_items, 2], taken by the
-// threads one at a time (dynamic schedule: groups differ in size).
+// threads one at a time (dynamic schedule: groups differ in size); `num_threads`: torch's count
+// (OpenMP's own default is per calling thread: an engine thread would not see torch.set_num_threads).
 int kvroute_paged_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, const float* k_pool,
                             const float* v_pool, const int64_t* tables, int64_t table_stride,
                             const int64_t* member_rows, const int64_t* member_tables, const int64_t* member_ends,
                             const int64_t* member_starts, const int64_t* shared_lens, const int64_t* items,
                             int64_t num_items, float* out, int64_t out_row_stride, int64_t out_head_stride,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t pool_blocks, float scale) {
+                            int64_t pool_blocks, float scale, int num_threads) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup) return 1;
   if (head_dim % 8 != 0 || head_dim > kMaxHeadDim || block_size < 1) return 1;
   const Args a{q, q_row_stride, q_head_stride, k_pool, v_pool, tables, table_stride, member_rows, member_tables,
                member_ends, member_starts, shared_lens, out, out_row_stride, out_head_stride, num_heads,
                num_kv_heads, head_dim, block_size, pool_blocks, scale};
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t item = 0; item < num_items; ++item) attend_group(a, items[2 * item], items[2 * item + 1]);
   return 0;
 }
 
-int kvroute_native_abi_version() { return 4; }
+int kvroute_native_abi_version() { return 5; }
 
 }  // extern "C"
