@@ -13,22 +13,14 @@ from worker.runner import ModelRunner
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C++ compiler: the torch path is used")
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_native_decodes_beside_prefills_match_dense_attention(block_size):
-    """Default mode: decodes at every block/chunk boundary beside prefill chunks."""
+def test_native_plan_attends_every_token_causally(block_size, deterministic):
+    """Decodes and prefill chunks at every block/chunk boundary, all through the native kernel;
+    deterministic mode pads the step's rows (the padding rows hold no token)."""
     specs, num_blocks = _tables(EDGES, block_size)
     plans = []
-    out, expected = run(specs, False, block_size=block_size, num_blocks=num_blocks, native=True, plans=plans)
-    assert isinstance(plans[0], NativePlan)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_native_plan_attends_every_token_causally(block_size):
-    """Deterministic mode (padded rows): prefill chunks and decodes all through the native kernel."""
-    specs, num_blocks = _tables(EDGES, block_size)
-    plans = []
-    out, expected = run(specs, True, block_size=block_size, num_blocks=num_blocks, plans=plans, native=True)
+    out, expected = run(specs, deterministic, block_size=block_size, num_blocks=num_blocks, native=True, plans=plans)
     assert isinstance(plans[0], NativePlan)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
