@@ -28,14 +28,11 @@ either mode; this kernel is the fallback elsewhere.
 
 Merging partial results by log-sum-exp is exact up to float rounding; the
 order of rounds depends on the batch, so this kernel is not batch-invariant
-(deterministic mode uses the tiled kernel).
+(deterministic mode uses the native kernel, or else the tiled one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from worker.default_plan import DECODE_KEY_CHUNK, DEFAULT_SCRATCH_TOKENS, DefaultPlan, build_default_plan

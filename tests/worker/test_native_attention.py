@@ -4,7 +4,7 @@ plan and on its own, and how the runner chooses it."""
 import pytest
 import torch
 
-from tests.worker.test_attention import EDGES, SPECS, _tables, run
+from tests.worker.test_attention import EDGES, _tables, run
 from worker import native
 from worker.config import EngineConfig
 from worker.native_plan import NativePlan
