@@ -6,8 +6,7 @@ layer, and on a decode step those ops, not the arithmetic, are the cost.
 ``paged_attention.cpp`` here is one call per layer instead: query tokens'
 attention read in place from the pool, a cached prefix read once for every
 token sharing it, batch-invariant (see its header for the algorithm).
-worker/native_plan.py says which tokens it gets: default mode's decodes,
-deterministic mode's every token.
+worker/native_plan.py hands it every token of a step, in either mode.
 
 Build: the first :func:`load` compiles the source with the system C++
 compiler (``c++ -O3 -march=native -fopenmp``) into a per-user cache keyed by
@@ -16,11 +15,15 @@ the source, the flags, the compiler and the CPU, then loads it; later loads
 build or an unsupported shape → ``None`` / ``False``, and callers keep the
 torch path: nothing here is required for correctness.
 
+On the machine: a C++ compiler (g++ or clang++) with OpenMP; the library
+needs no torch headers. ``-march=native`` code never moves between CPUs:
+the cache key holds the CPU's feature flags.
+
 The library is linked against ``libgomp.so.1`` only by name; torch is
 imported first and has loaded its own, so the kernel's OpenMP threads are
 torch's pool, and each call asks for ``torch.get_num_threads()`` of them
 (OpenMP's own default is per calling thread, which an engine thread would
-not share with ``torch.set_num_threads``). No torch headers are needed.
+not share with ``torch.set_num_threads``).
 """
 
 from __future__ import annotations
