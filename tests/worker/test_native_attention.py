@@ -13,6 +13,18 @@ from worker.runner import ModelRunner
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C++ compiler: the torch path is used")
 
 
+def dense_decode(q, k_pool, v_pool, table, length, block_size, scale):
+    """Plain float64 softmax attention of one token's ``q [heads, D]`` over positions ``< length``
+    of a paged context (``k_pool``/``v_pool [kv_heads, blocks, block_size, D]``) → ``[heads, D]``."""
+    positions = torch.arange(length)
+    blocks, offsets = table[positions // block_size], positions % block_size
+    group = q.shape[0] // k_pool.shape[0]
+    k = k_pool[:, blocks, offsets].double().repeat_interleave(group, 0)  # [heads, n, D]
+    v = v_pool[:, blocks, offsets].double().repeat_interleave(group, 0)
+    weights = torch.softmax((k @ q.double()[:, :, None])[..., 0] * scale, dim=-1)  # [heads, n]
+    return (weights[:, None, :] @ v)[:, 0].float()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_native_plan_attends_every_token_causally(block_size, deterministic):
@@ -85,11 +97,8 @@ def test_a_large_context_in_a_long_sequence_of_chunks_stays_accurate():
     table = torch.randperm(length // block_size, generator=generator)[None].contiguous()
     q = torch.randn(1, 6, 64, generator=generator) * 3  # peaked scores
     got = native.paged_decode(q, pool_k, pool_v, table, torch.tensor([length]), block_size, 0.125)
-    positions = torch.arange(length)
-    k = pool_k[:, table[0, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
-    v = pool_v[:, table[0, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
-    weights = torch.softmax((k @ q[0].double()[:, :, None])[..., 0] * 0.125, dim=-1)
-    torch.testing.assert_close(got[0], (weights[:, None, :] @ v)[:, 0].float(), rtol=1e-4, atol=1e-5)
+    expected = dense_decode(q[0], pool_k, pool_v, table[0], length, block_size, 0.125)
+    torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_build_reuses_the_cached_library(tmp_path):
@@ -160,11 +169,8 @@ def test_grouped_decodes_over_a_shared_prefix_match_dense_attention(max_members)
     groups = native.MemberGroups.of(table.numpy(), seqs, seqs, np.array(lens), block_size, num_kv_heads, max_members)
     got = native.paged_attention(q, pool_k, pool_v, table, groups, block_size, 0.25, torch.empty_like(q))
     for seq, length in enumerate(lens):
-        positions = torch.arange(length)
-        k = pool_k[:, table[seq, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
-        v = pool_v[:, table[seq, positions // block_size], positions % block_size].double().repeat_interleave(3, 0)
-        weights = torch.softmax((k @ q[seq].double()[:, :, None])[..., 0] * 0.25, dim=-1)
-        torch.testing.assert_close(got[seq], (weights[:, None, :] @ v)[:, 0].float(), rtol=1e-4, atol=1e-5)
+        expected = dense_decode(q[seq], pool_k, pool_v, table[seq], length, block_size, 0.25)
+        torch.testing.assert_close(got[seq], expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads", [(4, 2, 8), (12, 4, 64), (14, 2, 64), (32, 8, 128)])

@@ -210,7 +210,7 @@ def paged_attention(
     ``k_pool``/``v_pool`` one layer's ``[kv_heads, pool_blocks, block_size, D]`` contiguous
     (``KVPool.data[layer, 0]``); ``tables [num_tables, max_blocks]`` int64 block ids covering
     each member's positions. The caller checks :func:`supports`; the library must have loaded."""
-    library = load()
+    library = _library or load()  # once per layer per step: skip load()'s lock once loaded
     if library is None:
         raise RuntimeError("native kernels are not available")
     num_heads, head_dim = q.shape[1], q.shape[2]
