@@ -1,0 +1,199 @@
+"""What any dispatcher could reach on FIFO replicas: TTFT floors with queueing.
+
+``simulate.cache_bound`` gives the *no-queue* floor (every request starts
+on arrival, every prefix cached). Two tighter references for the ``fifo``
+replica model, each with one cache shared by the whole fleet (a global LRU
+of the fleet's budget, or unbounded) — more than any partitioned fleet has:
+
+- :func:`pooled_fifo` — one first-come-first-served queue in front of all
+  N replicas (late binding: a request waits at the router until a replica
+  frees). With exact service times, sending each request on arrival to the
+  replica with the least work left is the same schedule, request for
+  request: the classic reference for dispatching to FIFO servers, here
+  with an oracle of every request's output length. (It is not a proof of
+  optimality: a dispatcher that reorders short jobs can wait less.)
+- :func:`honest_dispatch` — immediate dispatch to the replica with the
+  least *estimated* work left, knowing only what a live router can: when it
+  sent each request, when each completed (FIFO: a replica's oldest
+  unfinished request is the one running) and the output lengths of
+  completed requests. ``estimate="mean"`` prices every unfinished output at
+  the mean of finished ones; ``"residual"`` prices a request already
+  decoding for ``k`` tokens at the mean of finished outputs longer than
+  ``k``, less ``k`` (heavy-tailed outputs: the longer one has run, the
+  longer it is likely to run on); ``"oracle"`` uses the true lengths and
+  reproduces :func:`pooled_fifo`.
+
+Both are references, not policies, and both are generous: the cache is
+shared (no affinity to trade against load) and nothing lags. ``"oracle"``
+reproducing :func:`pooled_fifo` is tested. ``python -m router.floors``
+prints them beside the no-queue floor for a trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import sys
+from collections.abc import Sequence
+
+from cache import RadixCache
+from harness.loadstats import percentile
+from router.cluster import CostModel
+from router.workload import SimRequest, Workload
+
+ESTIMATES = ("oracle", "mean", "residual")
+
+
+def _shared_cache(workload: Workload, budget_units: int | None) -> RadixCache:
+    if budget_units is None:
+        budget_units = sum(len(r.cache_units) for r in workload.requests) + 1
+    return RadixCache(budget_units, block_size=1)
+
+
+def pooled_fifo(workload: Workload, num_replicas: int, cost: CostModel,
+                budget_units: int | None = None) -> tuple[float, list[float]]:
+    """``(hit rate, TTFTs in arrival order)`` of one FCFS queue feeding
+    ``num_replicas`` FIFO replicas over one shared LRU cache of
+    ``budget_units`` (None: unbounded); a request's hit is read when it
+    starts, and its ``cache_units`` inserted then (as optimistic as the
+    no-queue floor)."""
+    if num_replicas < 1:
+        raise ValueError("num_replicas must be >= 1")
+    cache = _shared_cache(workload, budget_units)
+    free_at = [0.0] * num_replicas
+    ttfts: list[float] = []
+    cached = total = 0
+    for request in workload.requests:
+        start = max(heapq.heappop(free_at), request.arrival_s)
+        hit = request.cached_tokens(cache.match(request.units).num_tokens)
+        computed = request.num_prompt_tokens - hit
+        cached += hit
+        total += request.num_prompt_tokens
+        ttfts.append(start - request.arrival_s + cost.prefill_s(computed, hit))
+        heapq.heappush(free_at, start + cost.service_s(computed, request.num_output_tokens))
+        cache.insert(request.cache_units)
+    return cached / max(total, 1), ttfts
+
+
+class _OutputLengths:
+    """Output lengths of completed requests, sorted; the estimates read them."""
+
+    def __init__(self, prior_tokens: float) -> None:
+        self._sorted: list[int] = []
+        self._sum = 0
+        self._prior = prior_tokens
+
+    def add(self, num_tokens: int) -> None:
+        bisect.insort(self._sorted, num_tokens)
+        self._sum += num_tokens
+
+    def mean(self) -> float:
+        return self._sum / len(self._sorted) if self._sorted else self._prior
+
+    def residual(self, decoded: float) -> float:
+        """Mean of finished outputs longer than ``decoded``, less ``decoded``
+        (the prior when none was that long)."""
+        longer = self._sorted[bisect.bisect_right(self._sorted, decoded):]
+        return sum(longer) / len(longer) - decoded if longer else self._prior
+
+
+class _Job:
+    __slots__ = ("start_s", "end_s", "prefill_s", "output_tokens")
+
+    def __init__(self, start_s: float, end_s: float, prefill_s: float, output_tokens: int) -> None:
+        self.start_s, self.end_s, self.prefill_s, self.output_tokens = start_s, end_s, prefill_s, output_tokens
+
+
+def _work_left(jobs: Sequence[_Job], now: float, cost: CostModel, lengths: _OutputLengths, estimate: str) -> float:
+    """Seconds of work a replica's unfinished ``jobs`` (FIFO order) still need, as estimated."""
+    decode_s = cost.decode_s_per_token
+    left = 0.0
+    for job in jobs:
+        if estimate == "oracle":
+            left += max(job.end_s - max(now, job.start_s), 0.0)
+            continue
+        elapsed = now - job.start_s
+        if elapsed < job.prefill_s:  # queued (elapsed < 0) or still in prefill
+            left += job.prefill_s - max(elapsed, 0.0) + lengths.mean() * decode_s
+        elif estimate == "mean":
+            left += max(lengths.mean() * decode_s - (elapsed - job.prefill_s), 0.0)
+        else:
+            left += lengths.residual((elapsed - job.prefill_s) / decode_s) * decode_s
+    return left
+
+
+def honest_dispatch(workload: Workload, num_replicas: int, cost: CostModel, budget_units: int | None = None,
+                    estimate: str = "residual", prior_output_tokens: float = 256) -> list[float]:
+    """TTFTs (arrival order) of immediate dispatch to the replica with the
+    least estimated work left (ties: the lowest index), over one shared
+    LRU cache as in :func:`pooled_fifo`. A replica's job start times follow
+    from what the router saw: FIFO, each starts when it was sent or when the
+    one before it completed."""
+    if estimate not in ESTIMATES:
+        raise ValueError(f"estimate must be one of {ESTIMATES}, not {estimate!r}")
+    cache = _shared_cache(workload, budget_units)
+    queues: list[list[_Job]] = [[] for _ in range(num_replicas)]
+    completions: list[tuple[float, int]] = []  # (end_s, output tokens): heard when end_s passes
+    lengths = _OutputLengths(prior_output_tokens)
+    ttfts: list[float] = []
+    for request in workload.requests:
+        now = request.arrival_s
+        while completions and completions[0][0] <= now:
+            lengths.add(heapq.heappop(completions)[1])
+        for jobs in queues:
+            while jobs and jobs[0].end_s <= now:
+                jobs.pop(0)
+        target = min(range(num_replicas), key=lambda i: (_work_left(queues[i], now, cost, lengths, estimate), i))
+        jobs = queues[target]
+        hit = request.cached_tokens(cache.match(request.units).num_tokens)
+        computed = request.num_prompt_tokens - hit
+        start = max(jobs[-1].end_s if jobs else now, now)
+        prefill_s = cost.prefill_s(computed, hit)
+        end = start + cost.service_s(computed, request.num_output_tokens)
+        jobs.append(_Job(start, end, prefill_s, request.num_output_tokens))
+        heapq.heappush(completions, (end, request.num_output_tokens))
+        ttfts.append(start - now + prefill_s)
+        cache.insert(request.cache_units)
+    return ttfts
+
+
+def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units: int) -> dict:
+    """Every reference at ``budget_units`` per replica (shared: × replicas) and unbounded."""
+    result = {}
+    for label, budget in (("global_lru", budget_units * num_replicas), ("unbounded", None)):
+        hit, pooled = pooled_fifo(workload, num_replicas, cost, budget)
+        result[label] = {"hit_rate": hit, "pooled_ttft_p99_s": percentile(sorted(pooled), 99)}
+        for estimate in ("mean", "residual"):
+            ttfts = sorted(honest_dispatch(workload, num_replicas, cost, budget, estimate))
+            result[label][f"honest_{estimate}_ttft_p99_s"] = percentile(ttfts, 99)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from router.simulate import SimConfig, arrival_scale, cache_bound  # the simulator's own scaling and floor
+    from router.workload import load_mooncake, scale_arrivals
+
+    parser = argparse.ArgumentParser(prog="python -m router.floors", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--replicas", type=int, required=True)
+    parser.add_argument("--budget-tokens", type=int, required=True, help="cache budget per replica")
+    parser.add_argument("--utilisation", type=float, default=0.9)
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
+    parser.add_argument("--decode-s-per-token", type=float, default=0.002)
+    args = parser.parse_args(argv)
+    workload = load_mooncake(args.trace)
+    config = SimConfig(num_replicas=args.replicas, budget_tokens=args.budget_tokens, utilisation=args.utilisation,
+                       cost=CostModel(args.prefill_tokens_per_s, args.decode_s_per_token))
+    scaled = scale_arrivals(workload, arrival_scale(workload, config))
+    _, no_queue = cache_bound(scaled, None, config.cost)
+    print(f"no-queue floor (unbounded cache): TTFT p99 {no_queue:.3f} s")
+    for label, figures in floors(scaled, args.replicas, config.cost, args.budget_tokens // workload.unit_tokens).items():
+        print(f"{label:>10}: hit {figures['hit_rate']:.4f}  pooled FCFS p99 {figures['pooled_ttft_p99_s']:.3f} s  "
+              f"honest dispatch p99 (mean) {figures['honest_mean_ttft_p99_s']:.3f} s  "
+              f"(residual) {figures['honest_residual_ttft_p99_s']:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""router.floors: the pooled-queue and honest-dispatch TTFT references."""
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from router.cluster import CostModel
+from router.floors import _OutputLengths, floors, honest_dispatch, main, pooled_fifo
+from router.workload import SimRequest, Workload
+
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head400.jsonl"
+
+
+def request(arrival_s, tokens, num_output_tokens):
+    return SimRequest(arrival_s, tuple(tokens), 1, len(tokens), num_output_tokens, (), tuple(tokens))
+
+
+def random_workload(seed, num_requests=300, mean_gap_s=0.05):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(20, 200))] for _ in range(6)]
+    now, requests = 0.0, []
+    for _ in range(num_requests):
+        now += rng.expovariate(1 / mean_gap_s)
+        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 60))]
+        requests.append(request(now, prompt, int(rng.paretovariate(1.2) * 8)))
+    return Workload(tuple(requests), 1, 16, "random")
+
+
+def test_one_replica_is_a_fifo_queue_with_a_shared_cache():
+    cost = CostModel(prefill_tokens_per_s=100.0, decode_s_per_token=0.5)
+    workload = Workload((request(0.0, range(100), 2), request(0.5, range(100), 2), request(10.0, range(50), 1)),
+                        1, 16, "hand")
+    hit_rate, ttfts = pooled_fifo(workload, 1, cost)
+    # First: 1 s of prefill. Second waits until 2.0 s, reuses 99 tokens: 0.01 s. Third starts on arrival, all cached.
+    assert ttfts == pytest.approx([1.0, 1.5 + 0.01, 0.01])
+    assert hit_rate == pytest.approx((99 + 49) / 250)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dispatch_with_exact_work_is_the_pooled_queue(seed):
+    """Least work left with true output lengths = one FCFS queue, request for request."""
+    workload = random_workload(seed)
+    cost = CostModel(prefill_tokens_per_s=2000.0, decode_s_per_token=0.01)
+    for budget in (None, 400):
+        _, pooled = pooled_fifo(workload, 4, cost, budget)
+        assert honest_dispatch(workload, 4, cost, budget, estimate="oracle") == pytest.approx(pooled)
+
+
+@pytest.mark.parametrize("estimate", ["mean", "residual"])
+def test_estimated_dispatch_queues_where_the_oracle_does_not(estimate):
+    """Each request's TTFT is at least its own prefill (the hits are the
+    shared cache's in both); estimating outputs queues some requests behind
+    long decodes that exact work would have avoided."""
+    workload = random_workload(3, num_requests=600, mean_gap_s=0.03)
+    cost = CostModel(prefill_tokens_per_s=2000.0, decode_s_per_token=0.01)
+    _, pooled = pooled_fifo(workload, 4, cost)
+    _, own_prefill = pooled_fifo(Workload(tuple(replace(r, arrival_s=1e3 * i) for i, r in enumerate(workload.requests)),
+                                          1, 16, "spaced"), 4, cost)  # nobody waits
+    honest = honest_dispatch(workload, 4, cost, estimate=estimate)
+    assert all(h >= own - 1e-9 for h, own in zip(honest, own_prefill))
+    assert all(p >= own - 1e-9 for p, own in zip(pooled, own_prefill))
+    assert sum(h - own for h, own in zip(honest, own_prefill)) > sum(p - own for p, own in zip(pooled, own_prefill))
+
+
+def test_residual_output_is_the_mean_of_longer_finished_outputs_less_the_decoded():
+    lengths = _OutputLengths(prior_tokens=256)
+    assert lengths.mean() == 256 and lengths.residual(10) == 256
+    for n in (4, 8, 100, 300):
+        lengths.add(n)
+    assert lengths.mean() == pytest.approx(103)
+    assert lengths.residual(0) == pytest.approx(103)
+    assert lengths.residual(8) == pytest.approx(200 - 8)  # 100 and 300 are longer than 8
+    assert lengths.residual(300) == 256  # none longer: the prior
+
+
+def test_bad_arguments_raise_value_error():
+    workload = random_workload(0, num_requests=5)
+    with pytest.raises(ValueError):
+        honest_dispatch(workload, 2, CostModel(), estimate="psychic")
+    with pytest.raises(ValueError):
+        pooled_fifo(workload, 0, CostModel())
+
+
+def test_floors_order_and_cli(capsys):
+    from router.simulate import SimConfig, arrival_scale
+    from router.workload import load_mooncake, scale_arrivals
+
+    workload = load_mooncake(TRACE)
+    config = SimConfig(num_replicas=4, budget_tokens=200_000, utilisation=0.9, cost=CostModel())
+    scaled = scale_arrivals(workload, arrival_scale(workload, config))
+    figures = floors(scaled, 4, config.cost, 200_000 // workload.unit_tokens)
+    assert figures["unbounded"]["hit_rate"] >= figures["global_lru"]["hit_rate"]
+    for label in ("unbounded", "global_lru"):
+        pooled = figures[label]["pooled_ttft_p99_s"]
+        assert figures[label]["honest_mean_ttft_p99_s"] >= pooled - 1e-9
+    assert main(["--trace", str(TRACE), "--replicas", "4", "--budget-tokens", "200000"]) == 0
+    out = capsys.readouterr().out
+    assert "no-queue floor" in out and "pooled FCFS p99" in out and "honest dispatch p99" in out
