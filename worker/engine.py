@@ -266,7 +266,7 @@ class Engine:
         self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None
     ) -> tuple[tuple[int, ...], torch.Tensor] | None:
         """The part of an export that needs the engine: ``(the cached prefix's
-        token ids, a CPU copy of its rows [layers, 2, num_tokens, kv_heads,
+        token ids, a CPU copy of its rows [layers, 2, kv_heads, num_tokens,
         head_dim])``, or ``None``. A pure read of the tree (no LRU touch, no
         stats); the path is locked while its rows are copied, one copy of that
         many positions, so the engine is held for a bounded copy only."""
@@ -335,7 +335,7 @@ class Engine:
             if reservation.copy is not None:
                 self.pool.copy_blocks([reservation.copy])
             start = reservation.num_cached_tokens
-            scatter_rows(self.pool, self.kv_cache.block_table(import_id), start, bundle.rows[:, :, start:])
+            scatter_rows(self.pool, self.kv_cache.block_table(import_id), start, bundle.rows[:, :, :, start:])
         except BaseException:
             self.kv_cache.release(import_id)
             raise

@@ -2,9 +2,10 @@
 
 :class:`KVBundle` is what crosses the process boundary (Ray's object store
 in the cluster): the token ids and salt it was cached under, the model and KV
-geometry it belongs to, its rows in one contiguous CPU tensor and a checksum
-over all of that. It is token-exact and independent of block layout: the
-importer may use another ``block_size``.
+geometry it belongs to, its rows in one contiguous CPU tensor (laid out as
+:data:`BUNDLE_FORMAT` says) and a checksum over all of that. It is
+token-exact and independent of block layout: the importer may use another
+``block_size``.
 
 :func:`gather_rows` / :func:`scatter_rows` move rows between a
 :class:`~worker.kv.KVPool` and a bundle's layout; the engine decides which
@@ -22,17 +23,26 @@ import xxhash
 
 from worker.kv import KVPool
 
+BUNDLE_FORMAT = 2
+"""The rows' layout, carried by every bundle and checked on import (a bundle of
+another format is refused, never reinterpreted). 1: ``[num_layers, 2,
+num_tokens, num_kv_heads, head_dim]`` (token-major; bundles of 1 predate the
+field, see :func:`_bundle_from_wire`); 2: ``[num_layers, 2, num_kv_heads,
+num_tokens, head_dim]``, the pool's head-major order, copied block-wise
+without a transpose."""
+
 
 @dataclass(frozen=True, slots=True, eq=False)  # eq would compare tensors elementwise
 class KVBundle:
     """The KV of ``token_ids`` cached under ``salt`` on a replica of ``model_id``.
 
     Invariants (checked by :meth:`check`, which an importer calls before
-    touching its pool): ``rows`` is a contiguous CPU tensor of ``dtype``
-    shaped ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (axis 1:
-    0 keys, 1 values; ``rows[:, :, p]`` is position ``p``), ``num_tokens ==
-    len(token_ids) >= 1`` and ``checksum == bundle_checksum(...)`` of the
-    other fields. ``block_size`` is the exporter's (information only).
+    touching its pool): ``format_version == BUNDLE_FORMAT``; ``rows`` is a
+    contiguous CPU tensor of ``dtype`` shaped ``[num_layers, 2, num_kv_heads,
+    num_tokens, head_dim]`` (axis 1: 0 keys, 1 values; ``rows[:, :, :, p]`` is
+    position ``p``), ``num_tokens == len(token_ids) >= 1`` and ``checksum ==
+    bundle_checksum(...)`` of the other fields. ``block_size`` is the
+    exporter's (information only).
     ``weights_fingerprint``: :func:`weights_fingerprint` of the exporter's
     model; an importer whose weights differ (same name, other checkpoint or
     seed) refuses the bundle, since its KV would be wrong for them.
@@ -47,8 +57,9 @@ class KVBundle:
     weights_fingerprint: int
     token_ids: tuple[int, ...]
     salt: str | None
-    rows: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim], CPU, contiguous
+    rows: torch.Tensor  # [num_layers, 2, num_kv_heads, num_tokens, head_dim], CPU, contiguous
     checksum: int  # xxh3-64 over the header and the rows' bytes
+    format_version: int  # BUNDLE_FORMAT of the exporter; last, so format 1's wire tuple is a prefix
 
     @property
     def num_tokens(self) -> int:
@@ -88,14 +99,18 @@ class KVBundle:
         dtype = dtype_name(rows.dtype)
         token_ids = tuple(int(t) for t in token_ids)
         checksum = bundle_checksum(model_id, dtype, num_layers, num_kv_heads, head_dim, weights_fingerprint,
-                                   token_ids, salt, rows)
+                                   token_ids, salt, rows, BUNDLE_FORMAT)
         return cls(model_id, dtype, num_layers, num_kv_heads, head_dim, block_size, weights_fingerprint,
-                   token_ids, salt, rows, checksum)
+                   token_ids, salt, rows, checksum, BUNDLE_FORMAT)
 
     def check(self, *, model_id: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
               weights_fingerprint: int) -> None:
         """Raise ValueError (naming the mismatch) unless this bundle fits a pool
-        of that model, weights, dtype and geometry and its checksum holds."""
+        of that model, weights, dtype and geometry, in this code's
+        :data:`BUNDLE_FORMAT`, and its checksum holds."""
+        if self.format_version != BUNDLE_FORMAT:
+            raise ValueError(f"bundle rows are in format {self.format_version!r}, this engine reads format"
+                             f" {BUNDLE_FORMAT} (an exporter of another kvroute version)")
         if not isinstance(self.rows, torch.Tensor):
             raise ValueError(f"bundle rows must be a torch.Tensor, got {type(self.rows).__name__}")
         if self.model_id != model_id:
@@ -115,26 +130,30 @@ class KVBundle:
             raise ValueError(f"bundle salt must be a str or None, got {type(self.salt).__name__}")
         if self.num_tokens < 1:
             raise ValueError("bundle holds no tokens")
-        shape = (num_layers, 2, self.num_tokens, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_kv_heads, self.num_tokens, head_dim)
         if tuple(self.rows.shape) != shape:
             raise ValueError(f"bundle rows are shaped {tuple(self.rows.shape)}, expected {shape}")
         if self.rows.device.type != "cpu" or not self.rows.is_contiguous():
             raise ValueError("bundle rows must be a contiguous CPU tensor")
         expected = bundle_checksum(
             self.model_id, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim,
-            self.weights_fingerprint, self.token_ids, self.salt, self.rows,
+            self.weights_fingerprint, self.token_ids, self.salt, self.rows, self.format_version,
         )
         if self.checksum != expected:
             raise ValueError(f"bundle checksum {self.checksum:#x} does not match its contents ({expected:#x})")
 
 
 def _bundle_from_wire(fields: tuple, raw, dtype: str, shape: tuple[int, ...]) -> KVBundle:
-    """:meth:`KVBundle.__reduce__` undone: the rows a view of ``raw`` (no copy)."""
+    """:meth:`KVBundle.__reduce__` undone: the rows a view of ``raw`` (no copy).
+    ``fields`` one short is a format-1 exporter's (no ``format_version`` yet):
+    it arrives as format 1, which :meth:`KVBundle.check` refuses."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only buffer from the object store
         flat = torch.from_numpy(raw)
     rows = flat.view(getattr(torch, dtype)).view(shape)
     names = [name for name in KVBundle.__slots__ if name != "rows"]
+    if len(fields) == len(names) - 1:
+        fields = (*fields, 1)
     values = dict(zip(names, fields, strict=True))
     return KVBundle(**values, rows=rows)
 
@@ -154,10 +173,11 @@ def bundle_checksum(
     token_ids: Sequence[int],
     salt: str | None,
     rows: torch.Tensor,
+    format_version: int,
 ) -> int:
-    """xxh3-64 over a header (model, dtype, geometry, weights, salt, token ids) and the rows' raw bytes."""
+    """xxh3-64 over a header (format, model, dtype, geometry, weights, salt, token ids) and the rows' raw bytes."""
     digest = xxhash.xxh3_64()
-    header = (f"{model_id}\x00{dtype}\x00{num_layers}\x00{num_kv_heads}\x00{head_dim}\x00"
+    header = (f"kvbundle{format_version}\x00{model_id}\x00{dtype}\x00{num_layers}\x00{num_kv_heads}\x00{head_dim}\x00"
               f"{weights_fingerprint}\x00{salt!r}\x00")
     digest.update(header.encode("utf-8", "surrogatepass"))
     digest.update(",".join(map(str, token_ids)).encode())
@@ -190,33 +210,61 @@ def weights_fingerprint(model: torch.nn.Module) -> int:
     return digest.intdigest()
 
 
-def _slots(block_table: Sequence[int], start_pos: int, end_pos: int, block_size: int, device) -> tuple:
-    positions = torch.arange(start_pos, end_pos)
-    blocks = torch.tensor(list(block_table), dtype=torch.long)[positions // block_size]
-    return blocks.to(device), (positions % block_size).to(device)
+def _block_ids(block_table: Sequence[int], first: int, stop: int, device) -> torch.Tensor:
+    return torch.tensor(list(block_table[first:stop]), dtype=torch.long, device=device)
 
 
 def gather_rows(pool: KVPool, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
     """A CPU copy of positions ``[0, num_tokens)`` held by ``block_table``:
-    ``[num_layers, 2, num_tokens, kv_heads, head_dim]``. One bounded copy."""
-    if len(block_table) * pool.block_size < num_tokens:
+    ``[num_layers, 2, kv_heads, num_tokens, head_dim]`` (the pool's head-major
+    order, so no transpose). One bounded copy, block-wise: the full blocks
+    with one index over the pool's block axis (each a contiguous ``block_size
+    × head_dim`` run per layer, kind and head), the partial last block sliced."""
+    block_size = pool.block_size
+    if len(block_table) * block_size < num_tokens:
         raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} positions")
-    blocks, offsets = _slots(block_table, 0, num_tokens, pool.block_size, pool.data.device)
-    # pool.data: [layers, 2, kv_heads, blocks, block_size, head_dim]; indexed → [layers, 2, kv_heads, num_tokens, hd]
-    picked = pool.data[:, :, :, blocks, offsets, :]
-    return picked.transpose(2, 3).to("cpu").contiguous()
+    num_full, num_tail = divmod(num_tokens, block_size)
+    layers, _, kv_heads, _, _, head_dim = pool.data.shape
+    # pool.data: [layers, 2, kv_heads, num_blocks + 1, block_size, head_dim]
+    out = torch.empty(layers, 2, kv_heads, num_tokens, head_dim, dtype=pool.data.dtype, device=pool.data.device)
+    if num_full:
+        blocks = _block_ids(block_table, 0, num_full, pool.data.device)
+        full = out[:, :, :, : num_full * block_size].view(layers, 2, kv_heads, num_full, block_size, head_dim)
+        torch.index_select(pool.data, 3, blocks, out=full)  # straight into out's (strided) full-block part
+    if num_tail:
+        out[:, :, :, num_full * block_size:] = pool.data[:, :, :, block_table[num_full], :num_tail]
+    return out.to("cpu")  # no copy when the pool is on the CPU; else one transfer
 
 
 def scatter_rows(pool: KVPool, block_table: Sequence[int], start_pos: int, rows: torch.Tensor) -> None:
-    """Write ``rows`` (``[num_layers, 2, n, kv_heads, head_dim]``) as positions
-    ``[start_pos, start_pos + n)`` of ``block_table``; the caller holds those
-    blocks alone (nothing the tree names is written)."""
-    num_rows = rows.shape[2]
+    """Write ``rows`` (``[num_layers, 2, kv_heads, n, head_dim]``, any strides)
+    as positions ``[start_pos, start_pos + n)`` of ``block_table``; the caller
+    holds those blocks alone (nothing the tree names is written). Block-wise:
+    the rest of the block ``start_pos`` falls in (an import over a partly
+    cached block starts there) and a partial last block by slicing, the full
+    blocks between with one index over the block axis."""
+    block_size = pool.block_size
+    num_rows = rows.shape[3]
     end_pos = start_pos + num_rows
-    if len(block_table) * pool.block_size < end_pos:
+    if start_pos < 0:
+        raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+    if len(block_table) * block_size < end_pos:
         raise ValueError(f"{len(block_table)} blocks cannot hold positions up to {end_pos}")
     if num_rows == 0:
         return
-    blocks, offsets = _slots(block_table, start_pos, end_pos, pool.block_size, pool.data.device)
-    values = rows.to(pool.data.device, pool.data.dtype).transpose(2, 3)  # [layers, 2, kv_heads, num_rows, hd]
-    pool.data[:, :, :, blocks, offsets, :] = values
+    rows = rows.to(pool.data.device, pool.data.dtype)  # [layers, 2, kv_heads, num_rows, head_dim]
+    layers, _, kv_heads, _, head_dim = rows.shape
+    done = 0  # rows written so far
+    offset = start_pos % block_size
+    if offset:  # the rest of the block start_pos falls in
+        done = min(block_size - offset, num_rows)
+        pool.data[:, :, :, block_table[start_pos // block_size], offset: offset + done] = rows[:, :, :, :done]
+    first = (start_pos + done) // block_size
+    num_full = (num_rows - done) // block_size
+    if num_full:
+        blocks = _block_ids(block_table, first, first + num_full, pool.data.device)
+        full = rows[:, :, :, done: done + num_full * block_size]
+        pool.data.index_copy_(3, blocks, full.reshape(layers, 2, kv_heads, num_full, block_size, head_dim))
+        done += num_full * block_size
+    if done < num_rows:  # a partial last block
+        pool.data[:, :, :, block_table[first + num_full], : num_rows - done] = rows[:, :, :, done:]

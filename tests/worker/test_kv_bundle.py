@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker import reference
-from worker.kv_bundle import KVBundle
+from worker.kv_bundle import BUNDLE_FORMAT, KVBundle
 
 
 def prefilled(engine, fn):
@@ -49,12 +49,12 @@ def test_export_is_token_exact_with_the_partial_last_block(make_engine, tokens):
     bundle = engine.export_prefix(prompt + tokens(5))
     assert bundle.token_ids == tuple(prompt) and bundle.num_tokens == 37
     geometry = engine.runner.geometry
-    assert tuple(bundle.rows.shape) == (geometry.num_layers, 2, 37, geometry.num_kv_heads, geometry.head_dim)
+    assert tuple(bundle.rows.shape) == (geometry.num_layers, 2, geometry.num_kv_heads, 37, geometry.head_dim)
     assert bundle.num_bytes == 37 * engine.bytes_per_token
     table = engine.cache.match(prompt, touch=False).block_ids
     keys, values = engine.pool.read_block(1, table[2])
-    assert torch.equal(bundle.rows[1, 0, 32:37], keys[:, :5].transpose(0, 1))
-    assert torch.equal(bundle.rows[1, 1, 32:37], values[:, :5].transpose(0, 1))
+    assert torch.equal(bundle.rows[1, 0, :, 32:37], keys[:, :5])
+    assert torch.equal(bundle.rows[1, 1, :, 32:37], values[:, :5])
     assert snapshot(engine) == before  # a pure read
     assert engine.export_prefix(prompt, max_tokens=10).num_tokens == 10
     assert_clean(engine)
@@ -125,7 +125,7 @@ def test_bad_bundles_raise_and_change_nothing(pair, tokens):
     b.generate(tokens(30), 1)
     before = snapshot(b)
     flipped = bundle.rows.clone()
-    flipped[0, 1, 3, 0, 0] += 1.0
+    flipped[0, 1, 0, 3, 0] += 1.0
     bad = {
         "checksum": tampered(bundle, checksum=bundle.checksum ^ 1),
         "rows": tampered(bundle, rows=flipped),
@@ -134,12 +134,12 @@ def test_bad_bundles_raise_and_change_nothing(pair, tokens):
         "model": tampered(bundle, model_id="some/other-model"),
         "weights": tampered(bundle, weights_fingerprint=bundle.weights_fingerprint ^ 1),
         "geometry": tampered(bundle, num_kv_heads=bundle.num_kv_heads + 1),
-        "shape": tampered(bundle, rows=bundle.rows[:, :, :-1].contiguous()),
+        "shape": tampered(bundle, rows=bundle.rows[:, :, :, :-1].contiguous()),
         "dtype": tampered(bundle, rows=bundle.rows.to(torch.float64), dtype="float64"),
         "vocab": KVBundle.build(
             model_id=bundle.model_id, num_layers=bundle.num_layers, num_kv_heads=bundle.num_kv_heads,
             head_dim=bundle.head_dim, block_size=16, weights_fingerprint=bundle.weights_fingerprint,
-            token_ids=(10**6,), salt=None, rows=bundle.rows[:, :, :1],
+            token_ids=(10**6,), salt=None, rows=bundle.rows[:, :, :, :1],
         ),
     }
     for name, candidate in bad.items():
@@ -241,11 +241,95 @@ def test_async_engines_export_and_import_between_steps_and_audit_clean(make_asyn
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bundle_checksum_covers_every_dtype_and_field(dtype):
-    rows = torch.arange(2 * 2 * 3 * 1 * 4, dtype=torch.float32).view(2, 2, 3, 1, 4).to(dtype)
+    rows = torch.arange(2 * 2 * 1 * 3 * 4, dtype=torch.float32).view(2, 2, 1, 3, 4).to(dtype)
     geometry = dict(num_layers=2, num_kv_heads=1, head_dim=4, weights_fingerprint=99)
     bundle = KVBundle.build(model_id="m", block_size=16, token_ids=[5, 6, 7], salt="s", rows=rows, **geometry)
     bundle.check(model_id="m", dtype=dtype, **geometry)
     assert bundle.dtype == str(dtype).removeprefix("torch.") and bundle.num_bytes == rows.numel() * rows.element_size()
-    for changed in (dict(salt=None), dict(token_ids=(5, 6, 8)), dict(model_id="n"), dict(weights_fingerprint=98)):
+    for changed in (dict(salt=None), dict(token_ids=(5, 6, 8)), dict(model_id="n"), dict(weights_fingerprint=98),
+                    dict(format_version=BUNDLE_FORMAT + 1)):
         with pytest.raises(ValueError):
             dataclasses.replace(bundle, **changed).check(model_id=changed.get("model_id", "m"), dtype=dtype, **geometry)
+
+
+def bits(tensor):
+    """``tensor`` as integers of its width: equal iff bitwise equal (NaN payloads included)."""
+    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
+
+
+def random_pool(block_size, dtype, seed):
+    from worker.kv import KVPool
+    from worker.model import KVGeometry
+
+    pool = KVPool(KVGeometry(num_layers=2, num_kv_heads=3, head_dim=5, num_heads=6), num_blocks=24,
+                  block_size=block_size, dtype=dtype, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-2**15, 2**15, pool.data.shape, dtype=torch.int32, generator=generator)
+    pool.data.copy_(raw.to(torch.int16).view(dtype) if pool.data.element_size() == 2 else raw.view(dtype))
+    return pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 16, 17, 37])
+def test_gather_then_scatter_round_trips_bitwise(dtype, block_size, num_tokens):
+    """Whole prompts, partial last blocks and one-block prompts, written back
+    from every start position (inside a block or on its edge) into another
+    pool's scattered blocks: the rows are the pool's, bit for bit, and nothing
+    outside ``[start_pos, num_tokens)`` of the table is touched."""
+    from worker.kv_bundle import gather_rows, scatter_rows
+
+    source, target = random_pool(block_size, dtype, 1), random_pool(block_size, dtype, 2)
+    num_blocks = -(-num_tokens // block_size)
+    source_table = [(7 * i + 3) % 24 for i in range(num_blocks)]  # neither ordered nor consecutive
+    target_table = [(5 * i + 11) % 24 for i in range(num_blocks)]
+    positions = torch.arange(num_tokens)
+
+    def per_position(pool, table):  # [layers, 2, kv_heads, positions, head_dim]
+        blocks = torch.tensor(table)[positions // block_size]
+        return pool.data[:, :, :, blocks, positions % block_size, :]
+
+    rows = gather_rows(source, source_table, num_tokens)
+    assert rows.is_contiguous() and rows.shape == (2, 2, 3, num_tokens, 5)
+    assert torch.equal(bits(rows), bits(per_position(source, source_table)))
+    for start_pos in sorted({0, 1, block_size - 1, block_size, block_size + 1, num_tokens - 1, num_tokens} & set(
+            range(num_tokens + 1))):
+        pool = random_pool(block_size, dtype, 2)
+        expected = pool.data.clone()
+        blocks = torch.tensor(target_table)[positions[start_pos:] // block_size]
+        expected[:, :, :, blocks, positions[start_pos:] % block_size, :] = rows[:, :, :, start_pos:]
+        scatter_rows(pool, target_table, start_pos, rows[:, :, :, start_pos:])
+        assert torch.equal(bits(pool.data), bits(expected)), start_pos
+        assert torch.equal(bits(per_position(pool, target_table)[:, :, :, start_pos:]), bits(rows[:, :, :, start_pos:]))
+    with pytest.raises(ValueError):
+        gather_rows(source, source_table, num_blocks * block_size + 1)
+    with pytest.raises(ValueError):
+        scatter_rows(target, target_table, num_blocks * block_size - num_tokens + 1, rows)  # one past the table
+
+
+def test_a_bundle_of_the_old_token_major_format_is_refused(pair, tokens):
+    """A format-1 exporter (rows ``[layers, 2, tokens, kv_heads, head_dim]``,
+    no ``format_version`` on the wire) is refused by name, even when its
+    rows' shape happens to equal this format's (tokens == kv_heads)."""
+    import pickle
+
+    from worker.kv_bundle import _bundle_from_wire
+
+    a, b = pair
+    num_kv_heads = a.runner.geometry.num_kv_heads
+    prompt = tokens(num_kv_heads)
+    a.generate(prompt, 1)
+    bundle = a.export_prefix(prompt)
+    assert bundle.format_version == BUNDLE_FORMAT == 2
+    arrived = pickle.loads(pickle.dumps(bundle))
+    assert arrived.format_version == BUNDLE_FORMAT and torch.equal(arrived.rows, bundle.rows)
+    old_rows = bundle.rows.transpose(2, 3).contiguous()  # what a format-1 exporter sent
+    _, (fields, _, dtype, _) = bundle.__reduce__()
+    old = _bundle_from_wire(fields[:-1], old_rows.view(-1).view(torch.uint8).numpy(), dtype, tuple(old_rows.shape))
+    assert old.format_version == 1 and old.rows.shape == bundle.rows.shape
+    before = snapshot(b)
+    for candidate in (old, tampered(bundle, format_version=1)):
+        with pytest.raises(ValueError, match="format 1"):
+            b.import_prefix(candidate)
+        assert snapshot(b) == before
+    assert_clean(b)
