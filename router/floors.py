@@ -172,17 +172,26 @@ def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units:
 
 def main(argv: list[str] | None = None) -> int:
     from router.simulate import SimConfig, arrival_scale, cache_bound  # the simulator's own scaling and floor
-    from router.workload import load_mooncake, scale_arrivals
+    from router.workload import load_mooncake, multi_turn, scale_arrivals, shared_prefix
 
     parser = argparse.ArgumentParser(prog="python -m router.floors", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--trace", help="Mooncake-format JSONL trace")
+    parser.add_argument("--workload", choices=("shared-prefix", "multi-turn"),
+                        help="a generated workload instead of a trace (as router.simulate builds it)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--budget-tokens", type=int, required=True, help="cache budget per replica")
     parser.add_argument("--utilisation", type=float, default=0.9)
     parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
     parser.add_argument("--decode-s-per-token", type=float, default=0.002)
     args = parser.parse_args(argv)
-    workload = load_mooncake(args.trace)
+    if (args.trace is None) == (args.workload is None):
+        parser.error("give exactly one of --trace FILE and --workload NAME")
+    if args.trace:
+        workload = load_mooncake(args.trace)
+    else:
+        build = shared_prefix if args.workload == "shared-prefix" else multi_turn
+        workload = build(block_tokens=64, seed=args.seed)
     config = SimConfig(num_replicas=args.replicas, budget_tokens=args.budget_tokens, utilisation=args.utilisation,
                        cost=CostModel(args.prefill_tokens_per_s, args.decode_s_per_token))
     scaled = scale_arrivals(workload, arrival_scale(workload, config))

@@ -98,3 +98,12 @@ def test_floors_order_and_cli(capsys):
     assert main(["--trace", str(TRACE), "--replicas", "4", "--budget-tokens", "200000"]) == 0
     out = capsys.readouterr().out
     assert "no-queue floor" in out and "pooled FCFS p99" in out and "honest dispatch p99" in out
+
+
+def test_cli_takes_a_generated_workload_and_exactly_one_source(capsys):
+    assert main(["--workload", "shared-prefix", "--replicas", "8", "--budget-tokens", "8000"]) == 0
+    assert "pooled FCFS p99" in capsys.readouterr().out
+    for argv in (["--replicas", "8", "--budget-tokens", "8000"],
+                 ["--trace", str(TRACE), "--workload", "multi-turn", "--replicas", "8", "--budget-tokens", "8000"]):
+        with pytest.raises(SystemExit):
+            main(argv)
