@@ -359,7 +359,9 @@ class Engine:
         sum of the results' per-request ``cached_tokens``); ``cache_num_tokens``
         is what the radix tree holds now (<= ``cache_budget_tokens``);
         ``kv_exported_tokens`` / ``kv_imported_tokens`` count positions copied
-        out in bundles and newly cached from imported ones."""
+        out in bundles and newly cached from imported ones. ``attention_path``
+        and ``forward_path`` say which kernels this replica runs
+        (:class:`~worker.runner.ModelRunner`; strings, so /metrics skips them)."""
         c = self.scheduler.counters
         lookups = c.hits + c.misses
         return {
@@ -387,6 +389,8 @@ class Engine:
             "kv_imported_tokens": self.num_imported_tokens,
             "deterministic": self.config.deterministic,
             "model_id": self.model_id,
+            "attention_path": self.runner.attention_path,
+            "forward_path": self.runner.forward_path,
         }
 
     def load(self) -> dict:

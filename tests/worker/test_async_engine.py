@@ -194,6 +194,8 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
                     "kv_blocks_free", "kv_blocks_total", "cache_num_tokens", "num_running", "num_waiting"):
             assert key in stats
         assert "cached_tokens" not in stats
+        assert stats["attention_path"] == engine.engine.runner.attention_path in ("native", "tiled", "torch")
+        assert stats["forward_path"] == engine.engine.runner.forward_path in ("lean", "transformers")
         assert stats["prefill_tokens"] == len(prompt) and stats["misses"] == 1
         hashes = engine.cache_block_hashes(16)
         assert hashes == cached_block_hashes(engine.cache, 16) and len(hashes) == (len(prompt) + 2) // 16
