@@ -16,6 +16,7 @@ from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
 from router.policy_config import PolicyConfig
 from router.prefix_index import PrefixIndex
+from router.queue_priced import QueuePricedWork
 from router.request import RoutingRequest
 from router.reported_work import ReportedWork
 from router.ring import HashRing
@@ -62,8 +63,10 @@ class PrefixAffinityPolicy:
        its cache is saves that prefill for every later turn too, while a
        near-cold match (a few shared blocks) is placed by load. The balance
        term (recent work in busy-time units, ``decode_token_cost`` per output
-       token) pulls cold and lightly cached requests towards replicas whose
-       share of recent work is below the mean: a replica whose prefixes are
+       token; ``balance_output_price`` "queue": at ``queue_decode_token_cost``,
+       scaled to busy-time units) pulls cold and lightly cached requests
+       towards replicas whose share of recent work is below the mean: a
+       replica whose prefixes are
        unpopular would otherwise idle (with output lengths only estimated, a
        replica serving short-output applications got 40 % less work on the
        Mooncake trace). Ties (idle
@@ -157,6 +160,7 @@ class PrefixAffinityPolicy:
                                       self.config.queue_token_cost)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._share = RouterShare(self.config.load_window_s)
+        self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -186,12 +190,14 @@ class PrefixAffinityPolicy:
     def add_replica(self, replica_id: str) -> None:
         self._ring.add(replica_id)
         self._loads.add_replica(replica_id)
+        self._queue_priced.add_replica(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget ``replica_id``: off the ring, out of the index, its load dropped."""
         self._ring.remove(replica_id)
         self._index.remove_replica(replica_id)
         self._loads.remove_replica(replica_id)
+        self._queue_priced.remove_replica(replica_id)
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
@@ -297,6 +303,8 @@ class PrefixAffinityPolicy:
             return  # it left while we decided
         if not self._loads.confirm(request_id, replica_id):
             self._count(request, replica_id, request_id, reserve=False)
+        else:
+            self._queue_priced.confirm(request_id, replica_id)
 
     def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
                num_fetched_tokens: int = 0, found: Candidates | None = None) -> None:
@@ -304,12 +312,14 @@ class PrefixAffinityPolicy:
         (nothing changed since), whose within-block match is reused."""
         now = self._clock()
         if reserve and self._loads.refresh(request_id, replica_id, now):
+            self._queue_priced.refresh(request_id, replica_id, now)
             return  # asked again (Ray retries): keep the work counted the first time
         add = self._loads.reserve if reserve else self._loads.on_routed
         try:
             routing = RoutingRequest.from_object(request)
         except ValueError:  # unknown size: count it as a typical request
             add(request_id, replica_id, self._typical_work, now)
+            self._queue_priced.book(request_id, replica_id, self._typical_work, now, reserve)
             return
         hashes = routing.block_hashes
         depth = self._index.depth(replica_id, hashes)
@@ -324,6 +334,7 @@ class PrefixAffinityPolicy:
         queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
         self._typical_work += (work - self._typical_work) / 64  # moving average
         add(request_id, replica_id, queued, now, work)
+        self._queue_priced.book(request_id, replica_id, queued, now, reserve)
         self._reported.on_routed(replica_id, queued)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:
@@ -331,6 +342,7 @@ class PrefixAffinityPolicy:
             self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
 
     def on_completed(self, request_id: str) -> None:
+        self._queue_priced.on_completed(request_id)
         if self._loads.on_completed(request_id):
             self._share.on_completed(self._clock())
 
@@ -371,15 +383,17 @@ class PrefixAffinityPolicy:
                    or config.bound_fleet_scale else 1.0)
         peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
+        priced = None if shared else self._queue_priced.view(now, mean_recent, len(ring))
+        balance_work = (lambda r: self._reported.value(r, now)) if shared else (priced[0] if priced else None)
         return Scoring(
             config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
             one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
             balance=config.balance_weight * (routers if config.balance_fleet_scale else 1.0),
-            mean_balance=self._reported.mean(ring.nodes, now) if shared else mean_recent,
+            mean_balance=self._reported.mean(ring.nodes, now) if shared else (priced[1] if priced else mean_recent),
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
-            balance_work=(lambda r: self._reported.value(r, now)) if shared else None)
+            balance_work=balance_work)
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
                     ranked: list[str], now: float) -> list[str]:
@@ -438,6 +452,7 @@ class PrefixAffinityPolicy:
             self._partial.check_invariants()
         nodes = self._ring.nodes
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
+        self._queue_priced.check_invariants(nodes)
         assert set(self._index.replica_ids) <= nodes, "index knows a replica off the ring"
         assert self._intake.replica_ids <= nodes, "summary version of a replica off the ring"
         self._intake.check_invariants()

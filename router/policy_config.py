@@ -8,11 +8,28 @@ from dataclasses import dataclass
 from router.cold_home import COLD_HOME_MODES
 from router.fetch import CREDIT_SCOPES
 
+BALANCE_OUTPUT_PRICES = ("busy", "queue")
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """Knobs of :class:`PrefixAffinityPolicy` (the rule, defaults and reasons
     are in its docstring). Token counts are in tokens, times in seconds.
+
+    ``balance_output_price`` = "busy" (issue 14, item 4; BENCHMARKS.md
+    "Cache turnover under batching"): the balance term prices an expected
+    output token at ``decode_token_cost``, the busy time it costs. "queue"
+    prices it at ``queue_token_cost`` — what it takes from the other
+    requests on its replica — scaled back to work units, so under batching
+    the term balances the prompt tokens each replica computes (its cache
+    turnover) and the bound alone holds busy time. Under FIFO the prices
+    are equal and "queue" changes nothing. Measured with ``load_factor``
+    1.1 (at 1.25 busy-time imbalance drifted to 1.13-1.18): Mooncake 1.25M
+    batching hit 0.5689 -> 0.5740 (mean over summary periods 0.9/1.0/1.1 s;
+    llm-d 0.5727), imbalance <= 1.07; FIFO identical; but multi-turn
+    batching imbalance 1.087 -> 1.148 (workload seeds 0-2: 1.115 -> 1.146
+    mean), where busy time is nearly all decode and a queue-priced balance
+    no longer sees it. Not the default for that reason.
 
     Fetch knobs: ``fetch_min_tokens`` = 256 (four 64-token blocks) because a
     fetch has a fixed cost whatever its size (a round trip to the owner, its
@@ -71,6 +88,7 @@ class PolicyConfig:
     max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
     num_ranked: int = 3  # replicas returned, best first
     balance_weight: float = 0.1  # beta: cost per token of recent work above the mean (below: a credit)
+    balance_output_price: str = "busy"  # an output token in the balance term: busy (decode_token_cost) | queue
     balance_from_reports: bool = False  # balance on the replicas' reported work counters (shared; measured worse: they lag)
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
@@ -116,6 +134,9 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if self.balance_output_price not in BALANCE_OUTPUT_PRICES:
+            raise ValueError(f"balance_output_price must be one of {BALANCE_OUTPUT_PRICES}, "
+                             f"got {self.balance_output_price!r}")
         if self.cold_home not in COLD_HOME_MODES:
             raise ValueError(f"cold_home must be one of {COLD_HOME_MODES}, got {self.cold_home!r}")
         if self.fetch_credit_scope not in CREDIT_SCOPES:

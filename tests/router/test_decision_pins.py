@@ -129,6 +129,7 @@ CONFIGS = {
     "cold_home_bounded": {"cold_home": "bounded", "load_peer_estimate": True, "drain_foreign_load": True,
                           "bound_fleet_scale": True},
     "cold_home_ring": {"cold_home": "ring", "sub_block_tokens": 0, "num_ranked": 5},
+    "queue_price": {"balance_output_price": "queue", "load_factor": 1.1, "queue_decode_token_cost": 4.0},
     "wide": {"max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
              "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
 }
@@ -145,6 +146,8 @@ PINS: dict[tuple[str, int], str] = {
     ("fetch_always", 1): "442ffaebd072d47f14fb",
     ("fetch_over_bound", 0): "54040be4a7d3189e518f",
     ("fetch_over_bound", 1): "661bd26856dd541d8c9b",
+    ("queue_price", 0): "fcee698863ea778338a8",  # recorded when the knob was added (issue 14, item 4)
+    ("queue_price", 1): "6d7fab6696682f9e92b0",
     ("small_index", 0): "85f96b9a685473ebaea6",
     ("small_index", 1): "4d79adb72c1f1b343578",
     ("ties_and_reports", 0): "427aeaa7acf1793a4be6",

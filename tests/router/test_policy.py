@@ -168,6 +168,47 @@ def test_a_cold_prompt_gets_no_chance_slack():
     assert policy.rank(request(hot + [2, 2, 2, 2]))[0] == home
 
 
+def _decode_heavy_and_prefill_heavy(price, queue_decode_token_cost):
+    """Two replicas with the same recent work at the busy price (40 per
+    output token): ``decoder`` did 100 outputs on 32-token prompts,
+    ``prefiller`` 4,032-token prompts with no output; all completed. Returns
+    the policy, them, and a cold prompt whose ring home is ``prefiller``."""
+    clock = Clock()
+    policy = make_policy(clock, replicas=REPLICAS[:2], decode_token_cost=40.0, balance_output_price=price,
+                         queue_decode_token_cost=queue_decode_token_cost)
+    decoder, prefiller = REPLICAS[:2]
+    for i in range(4):
+        for replica_id, num_prompt, num_output in ((decoder, 32, 100), (prefiller, 4032, 0)):
+            tokens = prompt(500 + 2 * i + (replica_id == prefiller), num_prompt)
+            policy.on_routed(request(tokens, num_output_tokens=num_output), replica_id, f"{replica_id}{i}")
+            policy.on_completed(f"{replica_id}{i}")
+    policy.check_invariants()
+    cold = next(request(prompt(seed)) for seed in range(100, 200)
+                if policy.ring.lookup(request(prompt(seed)).block_hashes[0]) == prefiller)
+    return policy, decoder, prefiller, cold
+
+
+def test_the_balance_term_prices_an_output_token_at_its_queue_price():
+    """Under batching (queue price 4 < busy price 40) a decode-heavy
+    replica's recent work weighs less in the balance term, so a cold prompt
+    goes there rather than to the replica that computed long prompts (whose
+    cache turned over); at the busy price both look alike and the ring
+    decides."""
+    policy, decoder, prefiller, cold = _decode_heavy_and_prefill_heavy("queue", 4.0)
+    assert policy.loads.recent_work(decoder, 0.0) == pytest.approx(policy.loads.recent_work(prefiller, 0.0))
+    assert policy.rank(cold)[0] == decoder
+    policy, decoder, prefiller, cold = _decode_heavy_and_prefill_heavy("busy", 4.0)
+    assert policy.rank(cold)[0] == prefiller
+
+
+def test_with_one_price_the_balance_term_reads_recent_work():
+    """FIFO (queue price = busy price): "queue" and "busy" are the same rule."""
+    for price in ("queue", "busy"):
+        policy, decoder, prefiller, cold = _decode_heavy_and_prefill_heavy(price, None)
+        assert policy.rank(cold)[0] == prefiller
+        assert not policy._queue_priced.is_active
+
+
 def test_a_burst_decided_before_any_is_reported_sees_its_own_decisions():
     """Ray reports a request routed only after the replica accepted it: with
     request ids, decisions reserve at once, so a burst of cold prefixes splits
@@ -389,7 +430,7 @@ def test_tenants_do_not_share_affinity():
 
 @pytest.mark.parametrize("field, value", [
     ("block_size", 0), ("load_factor", 0.5), ("affinity_weight", 0.0), ("load_window_s", 0),
-    ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("num_ranked", 1.5), ("load_factor", True),
+    ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("balance_output_price", "free"), ("num_ranked", 1.5), ("load_factor", True),
     ("load_slack_sd", -1.0), ("reservation_timeout_s", 0),
 ])
 def test_bad_config_raises_value_error_naming_the_field(field, value):
