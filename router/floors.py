@@ -40,7 +40,8 @@ from collections.abc import Sequence
 from cache import RadixCache
 from harness.loadstats import percentile
 from router.cluster import CostModel
-from router.workload import SimRequest, Workload
+from router.simulate import SimConfig, arrival_scale, cache_bound
+from router.workload import Workload, load_mooncake, multi_turn, scale_arrivals, shared_prefix
 
 ESTIMATES = ("oracle", "mean", "residual")
 
@@ -171,9 +172,6 @@ def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from router.simulate import SimConfig, arrival_scale, cache_bound  # the simulator's own scaling and floor
-    from router.workload import load_mooncake, multi_turn, scale_arrivals, shared_prefix
-
     parser = argparse.ArgumentParser(prog="python -m router.floors", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", help="Mooncake-format JSONL trace")
     parser.add_argument("--workload", choices=("shared-prefix", "multi-turn"),
@@ -197,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     scaled = scale_arrivals(workload, arrival_scale(workload, config))
     _, no_queue = cache_bound(scaled, None, config.cost)
     print(f"no-queue floor (unbounded cache): TTFT p99 {no_queue:.3f} s")
-    for label, figures in floors(scaled, args.replicas, config.cost, args.budget_tokens // workload.unit_tokens).items():
+    budget_units = args.budget_tokens // workload.unit_tokens
+    for label, figures in floors(scaled, args.replicas, config.cost, budget_units).items():
         print(f"{label:>10}: hit {figures['hit_rate']:.4f}  pooled FCFS p99 {figures['pooled_ttft_p99_s']:.3f} s  "
               f"honest dispatch p99 (mean) {figures['honest_mean_ttft_p99_s']:.3f} s  "
               f"(residual) {figures['honest_residual_ttft_p99_s']:.3f} s")

@@ -66,10 +66,9 @@ class PrefixAffinityPolicy:
        token; ``balance_output_price`` "queue": at ``queue_decode_token_cost``,
        scaled to busy-time units) pulls cold and lightly cached requests
        towards replicas whose share of recent work is below the mean: a
-       replica whose prefixes are
-       unpopular would otherwise idle (with output lengths only estimated, a
-       replica serving short-output applications got 40 % less work on the
-       Mooncake trace). Ties (idle
+       replica whose prefixes are unpopular would otherwise idle (with output
+       lengths only estimated, a replica serving short-output applications
+       got 40 % less work on the Mooncake trace). Ties (idle
        replicas for a cold prompt) go in ring order from ``k`` (a pure
        function of the replica set, so every router homes a cold prefix on the
        same replica and cold prefixes spread by hash), then by a rendezvous
@@ -383,13 +382,15 @@ class PrefixAffinityPolicy:
                    or config.bound_fleet_scale else 1.0)
         peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
         shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
-        priced = None if shared else self._queue_priced.view(now, mean_recent, len(ring))
-        balance_work = (lambda r: self._reported.value(r, now)) if shared else (priced[0] if priced else None)
+        if shared:
+            balance_work, mean_balance = (lambda r: self._reported.value(r, now)), self._reported.mean(ring.nodes, now)
+        else:  # None: the balance term reads recent work itself
+            balance_work, mean_balance = self._queue_priced.view(now, mean_recent, len(ring)), mean_recent
         return Scoring(
             config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
             one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
             balance=config.balance_weight * (routers if config.balance_fleet_scale else 1.0),
-            mean_balance=self._reported.mean(ring.nodes, now) if shared else (priced[1] if priced else mean_recent),
+            mean_balance=mean_balance,
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,

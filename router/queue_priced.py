@@ -65,11 +65,11 @@ class QueuePricedWork:
         if self._tracker is not None:
             self._tracker.on_completed(request_id)
 
-    def view(self, now: float, mean_recent: float, num_replicas: int) -> tuple[Callable[[str], float], float] | None:
-        """``(work(replica), mean)``: recent queue-priced work scaled to
-        ``mean_recent`` (the mean of recent work at the busy price), so its
+    def view(self, now: float, mean_recent: float, num_replicas: int) -> Callable[[str], float] | None:
+        """Each replica's recent queue-priced work scaled so its mean is
+        ``mean_recent`` (the mean of recent work at the busy price): its
         deviations are in work units and ``balance_weight`` keeps its
-        strength (unscaled, multi-turn batching imbalance went 1.15 -> 1.42);
+        strength (unscaled, multi-turn batching imbalance went 1.15 -> 1.42).
         None when inactive or before any booking."""
         if self._tracker is None:
             return None
@@ -77,7 +77,7 @@ class QueuePricedWork:
         if not mean_priced > 0:
             return None
         recent, scale = self._tracker.recent_view(now), mean_recent / mean_priced
-        return (lambda replica_id: recent(replica_id) * scale), mean_recent
+        return lambda replica_id: recent(replica_id) * scale
 
     def check_invariants(self, replica_ids: Collection[str]) -> None:
         if self._tracker is not None:
