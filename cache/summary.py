@@ -124,7 +124,15 @@ class CacheSummary:
     where a field left out is 0 (empty for hashes, "" for the epoch): a
     summary's fixed cost is what changes, not ~350 bytes of names and zeros
     (at 64 replicas of a trace that fills caches only partly, that was most
-    of a delta). :meth:`from_dict` also reads v1 (``to_dict(compact=False)``)::
+    of a delta).
+
+    A delta of a stream sent by reference also carries ``"bref"``
+    (:data:`BASE_REF_KEY`): an opaque handle, put there by the worker's
+    adapter (a Ray ``ObjectRef``), to :func:`pack_block_hashes` of the
+    state at ``bv``; :meth:`from_dict` ignores it, the router's adapter
+    fetches it when it does not hold that state.
+
+    :meth:`from_dict` also reads v1 (``to_dict(compact=False)``)::
 
         {"format": "kvroute.cache_summary.v1", "replica_id": str,
          "version": int, "timestamp_s": float, "block_size": int,
@@ -317,6 +325,27 @@ class CacheSummary:
             base_version=data.get("base_version", 0),
             removed_hashes=frozenset(removed),
         )
+
+
+BASE_REF_KEY = "bref"  # a delta's out-of-band handle to its base (``SummaryStream(by_reference=True)``)
+
+
+def pack_block_hashes(hashes: frozenset[int] | set[int]) -> bytes:
+    """A block set as bytes: the sorted hashes as little-endian uint64 (what a base by reference holds)."""
+    return _pack(frozenset(hashes)).tobytes()
+
+
+def unpack_block_hashes(raw: object) -> frozenset[int]:
+    """The inverse of :func:`pack_block_hashes`; ``ValueError`` unless ``raw`` is bytes of a multiple of 8."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a packed block set must be bytes, got {type(raw).__name__}")
+    if len(raw) % 8:
+        raise ValueError(f"a packed block set holds {len(raw)} bytes, not a multiple of 8")
+    hashes = array("Q")
+    hashes.frombytes(bytes(raw))
+    if sys.byteorder != "little":
+        hashes.byteswap()
+    return frozenset(hashes)
 
 
 def _number(value: object, name: str) -> float:

@@ -51,7 +51,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=config.routing_stats_period_s,
         ),
-    ).bind(engine_config, config.router_block_size, config.stats_period_s, fetch_config)
+    ).bind(engine_config, config.router_block_size, config.stats_period_s, fetch_config, config.summary_mode)
     return Ingress.bind(worker, config)
 
 

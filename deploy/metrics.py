@@ -52,6 +52,11 @@ _REPLICA_METRICS = {
                             "Fetch hints ignored (fetch off, the hint named this replica, the prefix was held)", True),
     "fetch_joined": ("kvroute_fetch_joined", "Fetch-hinted requests that waited for a fetch of the same prefix in flight", True),
     "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
+    # routing summaries (issue 14, item 5): what each Worker sent through Serve's routing stats
+    "summary_messages": ("kvroute_summary_messages", "Cache summaries sent to the routers", True),
+    "summary_bytes": ("kvroute_summary_bytes", "Wire bytes of the cache summaries sent (JSON; an object ref counted at 254)", True),
+    "summary_snapshots": ("kvroute_summary_snapshots", "Cache summaries sent whole (every cached block)", True),
+    "summary_bases_put": ("kvroute_summary_bases_put", "Summary bases put in Ray's object store for routers that missed them", True),
 }
 
 

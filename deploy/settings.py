@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from worker.summary_sender import SUMMARY_MODES
+
 ROUTERS = {
     "kvroute": "router.serve:KVRouteRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
@@ -59,6 +61,10 @@ class AppConfig:
     the owner's bundle before recomputing; ``fetch_min_speedup``: fetch only
     when recomputing is estimated to take that many times the transfer (0:
     every hinted fetch).
+    ``summary_mode``: how each Worker sends its cache summary through Serve's
+    routing stats: ``"stream"`` (a snapshot, then deltas naming their base in
+    Ray's object store; issue 14, item 5) or ``"full"`` (every cached block
+    each period).
     """
 
     model: str = "tiny-llama"
@@ -80,6 +86,7 @@ class AppConfig:
     fetch_enabled: bool = True
     fetch_timeout_s: float = 2.0
     fetch_min_speedup: float = 1.0
+    summary_mode: str = "stream"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -103,6 +110,8 @@ class AppConfig:
         for name in ("metrics_require_key", "vllm_metrics", "fetch_enabled"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.summary_mode not in SUMMARY_MODES:
+            raise ValueError(f"summary_mode must be one of {SUMMARY_MODES}, got {self.summary_mode!r}")
         if type(self.max_in_flight_per_worker) is not int or self.max_in_flight_per_worker < 0:
             raise ValueError(f"max_in_flight_per_worker must be an int >= 0, got {self.max_in_flight_per_worker!r}")
 

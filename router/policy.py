@@ -253,6 +253,30 @@ class PrefixAffinityPolicy:
             summary = dataclasses.replace(summary, replica_id=replica_id)
         return self.on_summary(summary)
 
+    def missing_base(self, replica_id: str, stats: object) -> tuple[str, int] | None:
+        """``(epoch, base_version)`` when :meth:`on_routing_stats` refused
+        ``stats`` only because it is a delta against a state this router
+        does not hold; the caller may fetch that state (the stream sent it by
+        reference) and hand it to :meth:`on_base`. Never raises."""
+        if replica_id not in self._ring or not isinstance(stats, dict) or not stats:
+            return None
+        try:
+            summary = dataclasses.replace(CacheSummary.from_dict(stats), replica_id=replica_id)
+        except ValueError:
+            return None
+        if summary.block_size != self.config.block_size or not self._intake.missing_base(summary):
+            return None
+        return summary.epoch, summary.base_version
+
+    def on_base(self, replica_id: str, epoch: str, version: int, hashes: Iterable[int]) -> bool:
+        """Hold a replica's full block set at ``version`` of ``epoch``, fetched
+        out of band, for the deltas taken against it (then re-apply the
+        replica's latest stats). False if the replica is not on the ring."""
+        if replica_id not in self._ring:
+            return False
+        self._intake.install_base(replica_id, epoch, version, frozenset(hashes))
+        return True
+
     # ------------------------------------------------------------------ routing
     def rank(self, request: object, candidate_ids: Collection[str] | None = None,
              request_id: str | None = None) -> list[str]:

@@ -3,7 +3,9 @@
 Configure the Worker deployment with ``RequestRouterConfig(request_router_class=
 "router.serve:KVRouteRouter", request_router_kwargs={...PolicyConfig fields...},
 request_routing_stats_period_s=...)``; each worker's ``record_routing_stats``
-returns ``cache.summary.CacheSummary(...).to_dict()``. No logic lives here.
+returns ``cache.summary.CacheSummary(...).to_dict()``, whole or as a stream
+whose deltas name their base by an ``ObjectRef`` (``worker.summary_sender``);
+``router.base_fetch`` fetches a base this router missed. No logic lives here.
 
 Two things ride on the request object (``pending_request.args[0]``):
 
@@ -30,6 +32,7 @@ import time
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
+from router.base_fetch import BaseFetcher
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 
 
@@ -64,16 +67,18 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         self._policy = PrefixAffinityPolicy(PolicyConfig(**kwargs), clock=time.monotonic)
+        self._summaries = BaseFetcher(self._policy, lambda fetch: self._event_loop.create_task(fetch))
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
         self._policy.set_replicas(_key(r.replica_id) for r in replicas)
         for replica in replicas:
-            self._policy.on_routing_stats(_key(replica.replica_id), replica.routing_stats)
+            self._summaries.on_routing_stats(_key(replica.replica_id), replica.routing_stats)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         self._policy.remove_replica(_key(replica_id))
+        self._summaries.forget(_key(replica_id))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         request = _request(pending_request)

@@ -3,8 +3,9 @@
 A thin adapter over ``worker.AsyncEngine``, ``worker.replica_core`` (stats,
 cache summaries, drain), ``worker.stats_publisher`` and ``worker.kv_fetch``
 (a hinted request first fetches its prefix from the owner; ``export_prefix``
-is the owner's side, reached through ``worker.kv_transport``): it names them
-for Serve.
+is the owner's side, reached through ``worker.kv_transport``) and
+``worker.summary_sender`` (the routing stats, bases put with ``ray.put``):
+it names them for Serve.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 from worker import AsyncEngine, EngineConfig
@@ -26,6 +28,7 @@ from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
 from worker.stats_board import RayBoard
 from worker.replica_core import ReplicaReporter, drain_and_shutdown
 from worker.stats_publisher import StatsPublisher
+from worker.summary_sender import SummarySender
 
 DRAIN_TIMEOUT_S = 20.0  # __del__ waits this long for work Serve's drain left behind
 
@@ -33,7 +36,7 @@ DRAIN_TIMEOUT_S = 20.0  # __del__ waits this long for work Serve's drain left be
 @serve.deployment(name="Worker")
 class Worker:
     def __init__(self, engine_config: EngineConfig, router_block_size: int, stats_period_s: float,
-                 fetch_config: FetchConfig | None = None) -> None:
+                 fetch_config: FetchConfig | None = None, summary_mode: str = "stream") -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()
         self.engine = AsyncEngine(engine_config)
@@ -41,8 +44,9 @@ class Worker:
         transport = ServePeerTransport(context.app_name, context.deployment)
         bandwidth = probe_bandwidth(fetch_config.probe_bytes) if fetch_config.enabled else None
         self._fetcher = PrefixFetcher(self.engine, self.replica_id, fetch_config, transport, bandwidth_bytes_per_s=bandwidth)
+        self._summaries = SummarySender(self.replica_id, summary_mode, put=ray.put)
         self._reporter = ReplicaReporter(self.engine, self.replica_id, router_block_size, clock=time.time, pid=os.getpid(),
-                                         extra_stats=self._fetcher.stats)
+                                         extra_stats=lambda: {**self._fetcher.stats(), **self._summaries.stats()})
         self._publisher = StatsPublisher(self.replica_id, stats_period_s, self._reporter.stats_with_audit, lambda: RayBoard(context.app_name))
         self._publisher.start()
 
@@ -72,7 +76,8 @@ class Worker:
         return self._reporter.stats()
 
     async def record_routing_stats(self) -> dict:
-        return (await self._reporter.routing_summary()).to_dict()
+        """The cache summary for Serve's routing stats: whole, or a stream's delta (``worker.summary_sender``)."""
+        return self._summaries.encode(await self._reporter.routing_summary())
 
     def check_health(self) -> None:
         self.engine.check_health()

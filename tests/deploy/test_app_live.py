@@ -126,6 +126,23 @@ def test_prometheus_metrics_per_replica(live_app):
     assert text.count('kvroute_cache_hit_requests_total{replica="SERVE_REPLICA::') == 2
 
 
+def test_workers_stream_their_cache_summaries(live_app):
+    """deploy/config.yaml's summary_mode: stream: a whole summary per Worker while
+    its cache is young or churns, else deltas (each naming a base in the object
+    store), counted in /stats and /metrics."""
+    post(live_app, "/generate", {"prompt_token_ids": tokens(9, 300), "max_new_tokens": 2})
+    deadline = time.time() + 20
+    while True:
+        replicas = httpx.get(live_app.url + "/stats", trust_env=False).json()["replicas"].values()
+        if all(r.get("summary_messages", 0) >= 4 for r in replicas) or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    for replica in replicas:
+        assert replica["summary_messages"] - replica["summary_snapshots"] >= 3  # deltas
+        assert replica["summary_bases_put"] >= 1 and replica["summary_bytes"] > 0
+    assert "kvroute_summary_bytes_total{replica=" in httpx.get(live_app.url + "/metrics", trust_env=False).text
+
+
 # ------------------------------------------------------------- shutdown (last)
 def test_zz_clean_shutdown_leaves_no_ray_processes(live_app):
     assert live_app.ray_pids(), "expected this test's Ray processes to be found while running"

@@ -63,3 +63,95 @@ def test_stats_of_a_new_epoch_are_not_skipped_as_seen():
     assert policy.on_routing_stats("r0", SummaryStream("r0@1").encode(full(9, [1, 2])).to_dict())
     assert policy.on_routing_stats("r0", SummaryStream("r0@2").encode(full(1, [3])).to_dict())
     assert policy.index.holds("r0", 3) and not policy.index.holds("r0", 1)
+
+
+# ---------------------------------------------------------------- by reference
+
+
+def _states(n, seed=0):
+    """A replica's block sets over ``n`` periods: a slow churn."""
+    import random
+
+    rng = random.Random(seed)
+    state = set(range(200))
+    out = []
+    for _ in range(n):
+        state -= set(rng.sample(sorted(state), 3))
+        state |= {rng.randrange(10_000, 20_000) for _ in range(4)}
+        out.append(frozenset(state))
+    return out
+
+
+def test_a_stream_by_reference_rebases_on_a_state_it_sent_and_never_snapshots_again():
+    stream = SummaryStream("r0@1", max_periods=4, cumulative=True, by_reference=True)
+    states = _states(30)
+    sent_versions = []
+    for version, state in enumerate(states, start=1):
+        sent = stream.encode(full(version, state))
+        if version == 1:
+            assert not sent.is_delta
+        else:
+            assert sent.is_delta and sent.base_version == stream.base_version
+            assert sent.base_version in sent_versions  # a state this stream sent before
+            assert stream.base_hashes == states[sent.base_version - 1]
+            assert version - sent.base_version <= 4
+        sent_versions.append(version)
+
+
+def test_by_reference_needs_cumulative_deltas():
+    with pytest.raises(ValueError, match="cumulative"):
+        SummaryStream("r0@1", by_reference=True)
+
+
+def test_a_router_following_a_stream_by_reference_never_needs_a_base():
+    stream = SummaryStream("r0@1", max_periods=3, cumulative=True, by_reference=True)
+    policy = make_policy(lambda: 0.0)
+    for version, state in enumerate(_states(20), start=1):
+        wire = stream.encode(full(version, state)).to_dict()
+        assert policy.on_routing_stats("r0", wire)
+        assert policy.missing_base("r0", wire) is None
+        assert {h for h in range(20_000) if policy.index.holds("r0", h)} == state
+        policy.check_invariants()
+
+
+def test_a_router_that_missed_the_base_applies_the_next_delta_once_it_has_the_base():
+    stream = SummaryStream("r0@1", max_periods=3, cumulative=True, by_reference=True)
+    states = _states(9)
+    wires = [stream.encode(full(v, s)).to_dict() for v, s in enumerate(states, start=1)]
+    late = make_policy(lambda: 0.0)  # a router that sees only the last summary
+    assert not late.on_routing_stats("r0", wires[-1])
+    epoch, base_version = late.missing_base("r0", wires[-1])
+    assert (epoch, base_version) == ("r0@1", stream.base_version)
+    assert late.on_base("r0", epoch, base_version, states[base_version - 1])
+    assert late.on_routing_stats("r0", wires[-1])
+    assert {h for h in range(20_000) if late.index.holds("r0", h)} == states[-1]
+    assert late.missing_base("r0", wires[-1]) is None  # seen: nothing to fetch
+    late.check_invariants()
+
+
+def test_a_fetched_base_of_another_epoch_or_version_applies_nothing():
+    stream = SummaryStream("r0@1", max_periods=3, cumulative=True, by_reference=True)
+    states = _states(5)
+    wires = [stream.encode(full(v, s)).to_dict() for v, s in enumerate(states, start=1)]
+    policy = make_policy(lambda: 0.0)
+    policy.on_base("r0", "r0@0", stream.base_version, states[stream.base_version - 1])  # an older process
+    assert not policy.on_routing_stats("r0", wires[-1])
+    policy.on_base("r0", "r0@1", stream.base_version + 1, states[0])  # a version it is not against
+    assert not policy.on_routing_stats("r0", wires[-1])
+    assert not policy.on_base("r9", "r0@1", 1, states[0])  # not on the ring
+    policy.check_invariants()
+
+
+def test_a_restarted_replica_streaming_by_reference_replaces_its_entries_from_a_fetched_base():
+    now = [0.0]
+    policy = make_policy(lambda: now[0])
+    old = SummaryStream("r0@1", cumulative=True, by_reference=True)
+    policy.on_routing_stats("r0", old.encode(full(50, range(100))).to_dict())
+    restarted = SummaryStream("r0@2", cumulative=True, by_reference=True)
+    wires = [restarted.encode(full(v, {7, 8, v + 1000})).to_dict() for v in (1, 2, 3)]
+    assert not policy.on_routing_stats("r0", wires[-1])  # the new epoch's snapshot was missed
+    assert policy.missing_base("r0", wires[-1]) == ("r0@2", 1)
+    policy.on_base("r0", "r0@2", 1, {7, 8, 1001})
+    assert policy.on_routing_stats("r0", wires[-1])
+    assert {h for h in range(2000) if policy.index.holds("r0", h)} == {7, 8, 1003}
+    policy.check_invariants()
