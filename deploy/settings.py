@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from worker.summary_sender import SUMMARY_MODES
+from cache.summary_sender import SUMMARY_MODES
 
 ROUTERS = {
     "kvroute": "router.serve:KVRouteRouter",

@@ -1,7 +1,7 @@
 """A router's out-of-band fetch of a replica's summary base (issue 14, item 5).
 
 A replica streaming its summary *by reference* (``cache.summary.SummaryStream``,
-``worker.summary_sender``) sends deltas against a base it sent earlier, each
+``cache.summary_sender``) sends deltas against a base it sent earlier, each
 naming the base with an awaitable handle (a Ray ``ObjectRef``; opaque here).
 A router that saw the base applies the delta at once. One that did not (it
 started later, or Serve's latest-value channel skipped that summary) fetches

@@ -206,9 +206,11 @@ class PrefixAffinityPolicy:
     def on_summary(self, summary: CacheSummary) -> bool:
         """Apply a replica's report; False if stale, unknown, at another block
         size, or a delta against a snapshot this router does not hold (it
-        waits for the next snapshot; its own decisions keep routing). A new
-        epoch (the replica restarted) is applied whatever its version, and
-        drops even the entries this router learned within the grace period."""
+        waits for the next snapshot, or fetches the base; its own decisions
+        keep routing). A new epoch (the replica restarted) is applied whatever
+        its version, and drops even the entries this router learned within
+        the grace period; a delta of a new epoch whose base this router does
+        not hold drops them too, before anything new is known."""
         replica_id = summary.replica_id
         if replica_id not in self._ring:
             return False
@@ -217,10 +219,13 @@ class PrefixAffinityPolicy:
                            replica_id, summary.block_size, self.config.block_size)
             return False
         accepted = self._intake.accept(summary)
+        capacity = summary.budget_tokens // summary.block_size or None
         if accepted is None:
+            if self._intake.is_restart(summary):
+                # a restarted replica's delta whose base this router lacks: what it held before is gone
+                self._index.apply_summary(replica_id, frozenset(), self._clock(), capacity, keep_learned=False)
             return False
         hashes, keep_learned = accepted
-        capacity = summary.budget_tokens // summary.block_size or None
         self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
         reported_work = self._reported_work(summary)

@@ -4,7 +4,7 @@ Configure the Worker deployment with ``RequestRouterConfig(request_router_class=
 "router.serve:KVRouteRouter", request_router_kwargs={...PolicyConfig fields...},
 request_routing_stats_period_s=...)``; each worker's ``record_routing_stats``
 returns ``cache.summary.CacheSummary(...).to_dict()``, whole or as a stream
-whose deltas name their base by an ``ObjectRef`` (``worker.summary_sender``);
+whose deltas name their base by an ``ObjectRef`` (``cache.summary_sender``);
 ``router.base_fetch`` fetches a base this router missed. No logic lives here.
 
 Two things ride on the request object (``pending_request.args[0]``):

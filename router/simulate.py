@@ -37,7 +37,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from cache import RadixCache
-from cache.summary import SummaryStream
+from cache.summary import BASE_REF_KEY, CacheSummary, SummaryStream
+from cache.summary_sender import REF_WIRE_BYTES, SummarySender
 from harness.loadstats import percentile
 from router.baselines import (DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RayPrefixTree, RoundRobin,
                               SGLangCacheAware)
@@ -51,6 +52,9 @@ from router.sim_report import plot, replay_figures
 from router.sim_table import print_table
 from router.workload import Workload, load_mooncake, multi_turn, scale_arrivals, shared_prefix
 
+# how replicas send summaries: whole; a snapshot + chained deltas (SummaryStream); or what a live Worker
+# sends, its summary_mode "stream" (cache.summary_sender: deltas naming their base by an object ref)
+SIM_SUMMARY_MODES = ("full", "stream", "reference")
 POLICY_NAMES = ("ours", "ours_nofetch", "round_robin", "pow2", "ray_prefix_affinity", "sglang_cache_aware", "dynamo_kv", "llm_d")
 
 
@@ -75,7 +79,8 @@ class SimConfig:
     max_tokens: int | None = None
     num_routers: int = 1
     decode_token_cost: float | None = None  # ours' price of an output token; None: the timing's
-    summary_mode: str = "full"  # "full": every block each period; "stream": snapshots + cumulative deltas
+    summary_mode: str = "full"  # SIM_SUMMARY_MODES: "full" every block each period; "stream" snapshots + chained
+    # deltas; "reference" what a live Worker sends (cache.summary_sender): deltas naming their base by a handle
     closed_loop: ClosedLoopConfig | None = None  # None: open loop at the workload's (scaled) arrival times
     fetch: FetchModel = field(default_factory=FetchModel)  # KV transfer figures for ours' fetch hints
 
@@ -92,8 +97,8 @@ class SimConfig:
             raise ValueError(f"replica_model must be one of {REPLICA_MODELS}, got {self.replica_model!r}")
         if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be None or a positive int, got {self.max_tokens!r}")
-        if self.summary_mode not in ("full", "stream"):
-            raise ValueError(f"summary_mode must be 'full' or 'stream', got {self.summary_mode!r}")
+        if self.summary_mode not in SIM_SUMMARY_MODES:
+            raise ValueError(f"summary_mode must be one of {SIM_SUMMARY_MODES}, got {self.summary_mode!r}")
         if type(self.num_routers) is not int or self.num_routers <= 0:
             raise ValueError(f"num_routers must be a positive int, got {self.num_routers!r}")
 
@@ -226,6 +231,7 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     version = 0
     decision_us = []
     streams = {r.replica_id: SummaryStream(f"{r.replica_id}@0") for r in replicas}
+    senders = {r.replica_id: SummarySender(r.replica_id, put=lambda data: "ref") for r in replicas}
     summary_bytes, summary_cpu_s = 0, 0.0
     summary_bytes_v1 = 0  # the same summaries in the long-keyed v1 wire, for comparison
 
@@ -248,6 +254,10 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
                     summary = replica.summary(version, next_summary_s, workload.unit_tokens, workload.units_per_block)
                     if config.summary_mode == "stream":
                         summary = streams[replica.replica_id].encode(summary)
+                    elif config.summary_mode == "reference":
+                        wire = senders[replica.replica_id].encode(summary)
+                        summary_bytes += REF_WIRE_BYTES * (wire.pop(BASE_REF_KEY, None) is not None)
+                        summary = CacheSummary.from_dict(wire)
                     summary_bytes += len(json.dumps(summary.to_dict()))
                     summary_bytes_v1 += len(json.dumps(summary.to_dict(compact=False)))
                     started = time.thread_time()
@@ -399,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_tokens of every request, all a router knows of its output "
                              "(default: 2048 for a trace, the output length for generated workloads)")
     parser.add_argument("--routers", type=int, default=1, help="independent routers for ours")
-    parser.add_argument("--summary-mode", choices=("full", "stream"), default="full",
-                        help="full: every cached block each period; stream: snapshots + cumulative deltas")
+    parser.add_argument("--summary-mode", choices=SIM_SUMMARY_MODES, default="full",
+                        help="full: every cached block each period; stream: snapshots + chained deltas; "
+                             "reference: a live Worker's stream (deltas naming their base by an object ref)")
     parser.add_argument("--decode-token-cost", type=float, default=None,
                         help="ours' prefill-token price of an output token (default: from the cost model/profile)")
     parser.add_argument("--arrivals", choices=("open", "closed"), default="open",

@@ -74,12 +74,15 @@ class SummaryIntake:
             return fetched[2]
         return None
 
+    def is_restart(self, summary: CacheSummary) -> bool:
+        """True if ``summary`` is of another epoch than the one applied last for its replica."""
+        return summary.replica_id in self._epochs and summary.epoch != self._epochs[summary.replica_id]
+
     def missing_base(self, summary: CacheSummary) -> bool:
         """True if ``summary`` is new here and a delta whose base this router
         does not hold (what :meth:`install_base` would let it apply)."""
-        replica_id = summary.replica_id
-        is_new_epoch = replica_id in self._epochs and summary.epoch != self._epochs[replica_id]
-        if not is_new_epoch and summary.version <= self._versions.get(replica_id, -1):
+        is_new_epoch = self.is_restart(summary)
+        if not is_new_epoch and summary.version <= self._versions.get(summary.replica_id, -1):
             return False
         return summary.is_delta and self._base_for(summary, is_new_epoch) is None
 

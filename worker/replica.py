@@ -4,7 +4,7 @@ A thin adapter over ``worker.AsyncEngine``, ``worker.replica_core`` (stats,
 cache summaries, drain), ``worker.stats_publisher`` and ``worker.kv_fetch``
 (a hinted request first fetches its prefix from the owner; ``export_prefix``
 is the owner's side, reached through ``worker.kv_transport``) and
-``worker.summary_sender`` (the routing stats, bases put with ``ray.put``):
+``cache.summary_sender`` (the routing stats, bases put with ``ray.put``):
 it names them for Serve.
 """
 
@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
+from cache.summary_sender import SummarySender
 from worker import AsyncEngine, EngineConfig
 from worker.config import FetchConfig
 from worker.kv_fetch import PrefixFetcher
@@ -28,7 +29,6 @@ from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
 from worker.stats_board import RayBoard
 from worker.replica_core import ReplicaReporter, drain_and_shutdown
 from worker.stats_publisher import StatsPublisher
-from worker.summary_sender import SummarySender
 
 DRAIN_TIMEOUT_S = 20.0  # __del__ waits this long for work Serve's drain left behind
 
@@ -76,7 +76,7 @@ class Worker:
         return self._reporter.stats()
 
     async def record_routing_stats(self) -> dict:
-        """The cache summary for Serve's routing stats: whole, or a stream's delta (``worker.summary_sender``)."""
+        """The cache summary for Serve's routing stats: whole, or a stream's delta (``cache.summary_sender``)."""
         return self._summaries.encode(await self._reporter.routing_summary())
 
     def check_health(self) -> None:

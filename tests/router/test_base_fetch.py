@@ -34,7 +34,7 @@ class Handle:
 
 
 def _stream_wires(states, handle_for):
-    """Routing-stats dicts as ``worker.summary_sender`` makes them: each delta names its base."""
+    """Routing-stats dicts as ``cache.summary_sender`` makes them: each delta names its base."""
     stream = SummaryStream("r0@1", max_periods=3, cumulative=True, by_reference=True)
     wires = []
     for version, state in enumerate(states, start=1):

@@ -155,3 +155,18 @@ def test_a_restarted_replica_streaming_by_reference_replaces_its_entries_from_a_
     assert policy.on_routing_stats("r0", wires[-1])
     assert {h for h in range(2000) if policy.index.holds("r0", h)} == {7, 8, 1003}
     policy.check_invariants()
+
+
+def test_a_restart_whose_snapshot_was_missed_drops_the_old_entries_at_its_first_delta():
+    """Serve's channel may skip a restarted replica's snapshot: its next summary is
+    a delta of the new epoch that this router cannot rebuild (no base named yet);
+    the entries from before the restart leave the index at once all the same."""
+    now = [0.0]
+    policy = make_policy(lambda: now[0])
+    policy.on_routing_stats("r0", SummaryStream("r0@1").encode(full(50, range(100))).to_dict())
+    policy.on_routed(RoutingRequest(tuple(range(1000, 1004)), 16), "r0", "q1")  # learned within the grace period
+    restarted = SummaryStream("r0@2", cumulative=True, by_reference=True)
+    wires = [restarted.encode(full(v, {7, 8, v + 1000})).to_dict() for v in (1, 2)]
+    assert not policy.on_routing_stats("r0", wires[1])
+    assert not any(policy.index.holds("r0", h) for h in range(2000))
+    policy.check_invariants()
