@@ -24,7 +24,10 @@ starts a second Ray node on this machine with one Worker per node, so the
 KV crosses two object stores. Every run reports, from the replicas' own
 /stats counters before and after it (harness/replica_counters.py), the
 prompt tokens computed, reused and fetched, and the bandwidth the workers
-measured.
+measured. ``--compare-summaries`` runs our router with the Workers'
+``summary_mode`` stream and full (issue 14, item 5: the replicas' counters
+give the summaries' bytes per message; the hit rates and TTFTs show what
+streaming costs the routing).
 """
 
 from __future__ import annotations
@@ -236,6 +239,12 @@ def fetch_arms(args) -> list[Arm]:
             for state in ("on", "off")]
 
 
+def summary_arms(args) -> list[Arm]:
+    """``--compare-summaries``: our router with the Workers' ``summary_mode`` stream, then full."""
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    return [Arm(f"summary-{mode}", "kvroute", kvroute_kwargs, {"summary_mode": mode}) for mode in ("stream", "full")]
+
+
 def app_for(args):
     """The ServeApp every arm deploys on: ``--nodes``, the engine as the
     config has it with ``--engine-args`` and ``--tiny-llama-shape`` applied."""
@@ -293,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--compare-routers", default=None, help="comma list, e.g. pow2,prefix_affinity,kvroute")
     parser.add_argument("--compare-fetch", action="store_true", help="our router with fetch_enabled on and off")
+    parser.add_argument("--compare-summaries", action="store_true",
+                        help="our router with the Workers' summary_mode stream and full")
     parser.add_argument("--nodes", type=int, default=1, help="comparisons: Ray nodes on this machine, one Worker each")
     parser.add_argument("--object-store-mb", type=int, default=None, help="comparisons: object store per node (MiB)")
     parser.add_argument("--engine-args", default="{}", help='comparisons: JSON engine changes, e.g. {"max_batch_tokens": 256}')
@@ -325,12 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"workload": args.workload, "scale": args.scale, "mode": args.mode, "concurrency": args.concurrency,
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
-    if args.compare_routers and args.compare_fetch:
-        parser.error("--compare-routers and --compare-fetch are separate comparisons: pick one")
-    if args.compare_routers or args.compare_fetch:
+    comparisons = [flag for flag in ("compare_routers", "compare_fetch", "compare_summaries") if getattr(args, flag)]
+    if len(comparisons) > 1:
+        parser.error("--compare-routers, --compare-fetch and --compare-summaries are separate comparisons: pick one")
+    if comparisons:
         meta.update(rounds=args.rounds, nodes=args.nodes, engine_args=json.loads(args.engine_args),
                     tiny_llama_shape=args.tiny_llama_shape)
-        arms = router_arms(args) if args.compare_routers else fetch_arms(args)
+        arms = {"compare_routers": router_arms, "compare_fetch": fetch_arms,
+                "compare_summaries": summary_arms}[comparisons[0]](args)
         results = compare_arms(args, options, sessions, slo, arms)
     else:
         warm_up(options, args.warmup_requests, args.seed)

@@ -1,6 +1,7 @@
 """What the replicas' own ``/stats`` counters say about one load-test run:
 prompt tokens computed, reused from the local cache, and fetched from
-another replica (issue 13), with the fetch bandwidth the workers measured.
+another replica (issue 13), with the fetch bandwidth the workers measured,
+and the routing summaries they sent (issue 14, item 5).
 
 The counters are cumulative since each replica started, so a run's figures
 are the difference of two ``GET /stats`` snapshots taken around it (after
@@ -13,7 +14,8 @@ fetch) read as absent, never as zero: ``missing`` names them.
 from __future__ import annotations
 
 COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "fetch_tokens", "fetch_bytes",
-            "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes", "fetch_hints", "fetch_hints_ignored")
+            "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes", "fetch_hints", "fetch_hints_ignored",
+            "summary_messages", "summary_bytes", "summary_snapshots", "summary_bases_put")
 # Where the fetches' seconds went (since 269ab21; absent before, and then left out, not "missing"):
 # the receivers' call to the owner and import, the owners' wait for their cache lock and copy.
 PHASE_COUNTERS = ("fetch_call_seconds", "fetch_import_seconds", "fetch_export_wait_seconds",
@@ -91,10 +93,23 @@ def run_counters(before: dict, after: dict) -> dict:
         "estimated_overhead_s": {r: row["fetch_overhead_s"] for r, row in deltas.items()
                                  if _is_number(row.get("fetch_overhead_s"))},
         "fetch_enabled": sorted({row["fetch_enabled"] for row in deltas.values() if "fetch_enabled" in row}),
+        **_summary_figures(totals),
         "per_replica": deltas,
         "missing": sorted(key for key, value in totals.items() if value is None),
         "replicas_not_in_both": sorted(start ^ end),
     }
+
+
+SUMMARY_TOTALS = ("summary_messages", "summary_bytes", "summary_snapshots", "summary_bases_put")
+
+
+def _summary_figures(totals: dict) -> dict:
+    """The routing summaries the replicas sent (issue 14, item 5): counts, and
+    wire bytes per summary (÷ the routing-stats period: bytes/s per replica)."""
+    figures = {key: totals.get(key) for key in SUMMARY_TOTALS}
+    messages, sent = figures["summary_messages"], figures["summary_bytes"]
+    figures["summary_bytes_per_message"] = sent / messages if messages and sent is not None else None
+    return figures
 
 
 def pool_counters(runs: list[dict]) -> dict:
@@ -108,8 +123,9 @@ def pool_counters(runs: list[dict]) -> dict:
 
     keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_hints", "num_hints_ignored",
             "num_fetches", "num_joined", "num_exports",
-            "fetched_bytes", "fetch_seconds", "num_fallbacks")
+            "fetched_bytes", "fetch_seconds", "num_fallbacks", *SUMMARY_TOTALS)
     pooled = {key: total(key) for key in keys}
+    pooled.update(_summary_figures(pooled))
     fallbacks: dict[str, int] = {}
     for run in runs:
         for reason, count in run.get("fallbacks", {}).items():

@@ -14,7 +14,8 @@ def snapshot(**replicas) -> dict:
 BEFORE = snapshot(
     a={"prefill_tokens": 100, "tokens_saved": 0, "hits": 0, "misses": 2, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 0, "fetch_fallback_slower": 0,
-       "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 1e9, "fetch_enabled": True, "fetch_hints": 1},
+       "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 1e9, "fetch_enabled": True, "fetch_hints": 1,
+       "summary_messages": 10, "summary_bytes": 1000, "summary_snapshots": 1, "summary_bases_put": 2},
     b={"prefill_tokens": 50, "tokens_saved": 10, "hits": 1, "misses": 1, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 0, "fetch_fallback_slower": 0,
        "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 2e9, "fetch_enabled": True},
@@ -24,7 +25,8 @@ AFTER = snapshot(
     a={"prefill_tokens": 1100, "tokens_saved": 3000, "hits": 4, "misses": 3, "fetch_count": 2, "fetch_tokens": 2048,
        "fetch_bytes": 2048 * 1024, "fetch_seconds": 0.5, "fetch_exports": 0, "fetch_fallback_slower": 0,
        "fetch_fallback_timeout": 1, "fetch_bandwidth_bytes_per_s": 5e8, "fetch_overhead_s": 0.04,
-       "fetch_enabled": True, "fetch_hints": 4},
+       "fetch_enabled": True, "fetch_hints": 4,
+       "summary_messages": 20, "summary_bytes": 5000, "summary_snapshots": 1, "summary_bases_put": 5},
     b={"prefill_tokens": 2050, "tokens_saved": 1010, "hits": 2, "misses": 3, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 2, "fetch_fallback_slower": 3,
        "fetch_fallback_timeout": 0, "fetch_bandwidth_bytes_per_s": 2e9, "fetch_enabled": True},
@@ -49,6 +51,8 @@ def test_the_run_splits_prompt_tokens_into_computed_fetched_and_reused_and_names
     assert run["fetch_bandwidth_bytes_per_s"] == pytest.approx(2048 * 1024 / 0.5)
     assert run["estimated_bandwidth_bytes_per_s"] == {"a": 5e8, "b": 2e9} and run["estimated_overhead_s"] == {"a": 0.04}
     assert run["fetch_enabled"] == [True] and run["missing"] == ["fetch_exported_bytes", "fetch_hints_ignored", "fetch_joined"]
+    assert (run["summary_messages"], run["summary_bytes"], run["summary_snapshots"], run["summary_bases_put"]) == (10, 4000, 0, 3)
+    assert run["summary_bytes_per_message"] == 400
     assert run["num_hints"] == 3 and run["num_hints_ignored"] is None
     assert run["replicas_not_in_both"] == ["gone", "new"]
 
@@ -75,6 +79,8 @@ def test_pooled_runs_sum_their_counts_and_pool_the_bandwidth_over_bytes_and_seco
     assert pooled["estimated_bandwidth_bytes_per_s"] == [[5e8, 2e9], [5e8, 2e9], []]
     assert pooled["estimated_overhead_s"] == [[0.04], [0.04], []] and pooled["num_joined"] is None
     assert pool_counters([bare])["fetched_tokens"] is None
+    assert pooled["summary_bytes"] == 8000 and pooled["summary_bytes_per_message"] == 400
+    assert pool_counters([bare])["summary_bytes_per_message"] is None
 
 
 def test_where_the_fetch_seconds_went_is_summed_where_reported_and_pooled():
