@@ -34,10 +34,11 @@ class SummaryStream:
     router that saw that summary holds already, and the delta is taken
     against it. A router that did not see it fetches the base's block set
     out of band (:attr:`base_version`, :attr:`base_hashes`: the adapter
-    publishes them, e.g. in Ray's object store, and names them in every
-    delta), so one summary is always enough to rebuild the full set. An
-    inline snapshot still goes out when even the delta against the last
-    state sent would exceed ``max_delta_ratio`` of it.
+    publishes them, e.g. in Ray's object store, and names them in the
+    deltas), so one summary naming its base is enough to rebuild the full
+    set. An inline snapshot still goes out when the delta against the last
+    state sent would change more blocks than the snapshot holds (it would
+    be the larger message).
 
     Invariant: every delta's ``base_version`` is the version of a summary
     this stream sent before it, or of the snapshot it sent; with
@@ -93,7 +94,7 @@ class SummaryStream:
                 return delta
         if self.is_by_reference and self._last_sent is not None:
             version, hashes = self._last_sent
-            delta = self._delta(full, version, hashes, size=len(hashes))
+            delta = self._delta(full, version, hashes, limit=len(full.block_hashes))  # else the snapshot is smaller
             if delta is not None:
                 self._base, self._base_version, self._periods = hashes, version, 1
                 self._snapshot_size = len(hashes)
@@ -103,11 +104,13 @@ class SummaryStream:
         return replace(full, epoch=self.epoch, base_version=full.version)
 
     def _delta(self, full: CacheSummary, base_version: int, base: frozenset[int],
-               size: int | None = None) -> CacheSummary | None:
-        """``full`` as a delta against ``base``, or None if it would exceed the ratio."""
+               limit: float | None = None) -> CacheSummary | None:
+        """``full`` as a delta against ``base``, or None if its changes would exceed
+        ``limit`` (default: ``max_delta_ratio`` of the snapshot's size)."""
         added = full.block_hashes - base
         removed = base - full.block_hashes
-        limit = self.max_delta_ratio * max(self._snapshot_size if size is None else size, 64)
+        if limit is None:
+            limit = self.max_delta_ratio * max(self._snapshot_size, 64)
         if len(added) + len(removed) > limit:
             return None
         return replace(full, epoch=self.epoch, base_version=base_version,

@@ -170,3 +170,11 @@ def test_a_restart_whose_snapshot_was_missed_drops_the_old_entries_at_its_first_
     assert not policy.on_routing_stats("r0", wires[1])
     assert not any(policy.index.holds("r0", h) for h in range(2000))
     policy.check_invariants()
+
+
+def test_by_reference_a_growing_cache_gets_deltas_and_a_wholesale_change_a_snapshot():
+    stream = SummaryStream("r0@1", cumulative=True, by_reference=True, max_periods=1)
+    sent = [stream.encode(full(v, range(100 * v))) for v in range(1, 8)]  # +100 blocks a period: +100 %, +50 %, ...
+    assert [s.is_delta for s in sent] == [False] + [True] * 6
+    replaced = stream.encode(full(8, range(5000, 5050)))  # 700 dropped + 50 added > the 50 it holds
+    assert not replaced.is_delta and replaced.block_hashes == frozenset(range(5000, 5050))
