@@ -35,8 +35,8 @@ class SummarySender:
     periods later, and is whole again. A base is put only for a delta that
     names it (once), and its handle kept until the next one is put (a
     handle nobody keeps may be freed). On the Mooncake replay
-    (BENCHMARKS, "Summaries that scale") these defaults send 11.6 × fewer
-    bytes than full summaries at 64 replicas and 45 × fewer at 8; a larger
+    (BENCHMARKS, "Summaries that scale") these defaults send 13.3 × fewer
+    bytes than full summaries at 64 replicas and 47 × fewer at 8; a larger
     ``max_periods`` (cumulative deltas, fewer puts) costs bytes.
 
     Counters (:meth:`stats`): messages, their wire bytes (JSON of the dict,

@@ -5,106 +5,29 @@ reports it through ``record_routing_stats``; requests go through a handle
 whose request router is ours.
 """
 
-import socket
-import tempfile
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from ray.serve.config import RequestRouterConfig  # noqa: E402
 
 from cache import block_hashes  # noqa: E402
-from router import RoutingRequest  # noqa: E402
+from tests.router.serve_app import (BLOCK, all_replicas, request_router, routed_app, routing_request,  # noqa: E402
+                                    serve_running, wait_until)
 
 pytestmark = pytest.mark.ray
 
-BLOCK = 4
 APP = "kvroute-router-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cache_worker():
-    """The deployment class, built inside a function so Ray pickles it by value."""
-    from ray import serve as _serve
-
-    @_serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
-    class CacheWorker:
-        def __init__(self, preload: int):
-            import random
-
-            from cache import RadixCache
-
-            self.replica_id = _serve.get_replica_context().replica_id.to_full_id_str()
-            self.cache = RadixCache(10_000, BLOCK)
-            rng = random.Random(self.replica_id)
-            # A prefix only this replica holds, which no router has ever routed.
-            self.preloaded = [rng.randrange(1000, 2000) for _ in range(preload)]
-            self.cache.insert(self.preloaded)
-            self.version = 0
-
-        def info(self, request=None):
-            return self.replica_id, self.preloaded
-
-        def __call__(self, request, tokens):
-            hit = self.cache.match(tokens).num_tokens
-            self.cache.insert(tokens)
-            return self.replica_id, hit
-
-        def record_routing_stats(self):
-            from cache.summary import CacheSummary
-
-            self.version += 1
-            return CacheSummary.from_radix(
-                self.cache, BLOCK, replica_id=self.replica_id, version=self.version, timestamp_s=time.time()
-            ).to_dict()
-
-    return CacheWorker
-
-
-def _routed_app(num_replicas: int):
-    """The cache worker behind our router, as the app's config wires it."""
-    return _cache_worker().options(
-        num_replicas=num_replicas,
-        request_router_config=RequestRouterConfig(
-            request_router_class="router.serve:KVRouteRouter",
-            request_router_kwargs={"block_size": BLOCK},
-            request_routing_stats_period_s=0.2,
-        ),
-    ).bind(64)
-
-
-def _request(tokens):
-    return RoutingRequest(tuple(block_hashes(tokens, BLOCK)), len(tokens), None, ""), tokens
 
 
 @pytest.fixture(scope="module")
 def handle():
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(
-            num_cpus=2,
-            namespace=f"kvroute-router-test-{time.time_ns()}",
-            include_dashboard=False,
-            _temp_dir=tempfile.mkdtemp(prefix="kvr"),
-            logging_level="ERROR",
-        )
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
-    yield serve.run(_routed_app(num_replicas=3), name=APP, route_prefix=None)
-    serve.delete(APP)
-    if started_ray:
-        serve.shutdown()
-        ray.shutdown()
+    with serve_running("kvroute-router-test"):
+        yield serve.run(routed_app(num_replicas=3), name=APP, route_prefix=None)
+        serve.delete(APP)
 
 
 def _call(handle, tokens):
-    request, tokens = _request(tokens)
+    request, tokens = routing_request(tokens)
     return handle.remote(request, tokens).result(timeout_s=30)
 
 
@@ -126,7 +49,7 @@ def test_a_concurrent_burst_keeps_each_prefix_on_one_replica(handle):
     responses = []
     for question in range(4):
         for number, prefix in enumerate(prefixes):
-            request, tokens = _request(prefix + [question, number, 9, 9])
+            request, tokens = routing_request(prefix + [question, number, 9, 9])
             responses.append((number, handle.remote(request, tokens)))
     landed: dict[int, set[str]] = {}
     for number, response in responses:
@@ -140,21 +63,8 @@ def test_cold_prefixes_spread_over_replicas(handle):
     assert len(seen) >= 2
 
 
-def _all_replicas(handle, expected, seed=0):
-    """``{replica_id: preloaded tokens}``, reached with cold routed requests
-    (each adds real work, so the choice rotates over the replicas)."""
-    found = {}
-    deadline = time.monotonic() + 60
-    while len(found) < expected and time.monotonic() < deadline:
-        seed += 1
-        request, _ = _request([70_000 + 64 * seed + j for j in range(64)])
-        replica_id, tokens = handle.info.remote(request).result(timeout_s=30)
-        found[replica_id] = tokens
-    return found
-
-
 def test_requests_without_routing_attributes_still_get_served(handle, caplog):
-    replicas = set(_all_replicas(handle, 3))
+    replicas = set(all_replicas(handle, 3))
     with caplog.at_level("WARNING", logger="router.policy"):
         for _ in range(6):
             replica_id, preloaded = handle.info.remote().result(timeout_s=30)
@@ -163,31 +73,16 @@ def test_requests_without_routing_attributes_still_get_served(handle, caplog):
 
 
 def _policy_of(handle):
-    """The policy inside ``handle``'s KVRouteRouter (a handle's router runs in
-    this process), or None before its first request created it."""
-    request_router = handle._router._asyncio_router._request_router
-    return request_router._policy if request_router is not None else None
-
-
-def _wait_until(condition, timeout_s=30.0):
-    """Poll ``condition`` until true or ``timeout_s`` passes (then the test's
-    own assertions report what is wrong)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except RuntimeError:  # a dict the router's thread is changing; look again
-            pass
-        time.sleep(0.05)
+    router = request_router(handle)
+    return router._policy if router is not None else None
 
 
 def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
-    preloaded = _all_replicas(handle, 3, seed=1000)
+    preloaded = all_replicas(handle, 3, seed=1000)
     assert len(preloaded) == 3
     policy = _policy_of(handle)  # wait until each replica's summary says what it holds
-    _wait_until(lambda: all(policy.index.depth(r, tuple(block_hashes(t, BLOCK))) >= len(t) // BLOCK
-                            for r, t in preloaded.items()))
+    wait_until(lambda: all(policy.index.depth(r, tuple(block_hashes(t, BLOCK))) >= len(t) // BLOCK
+                           for r, t in preloaded.items()))
     for replica_id, tokens in preloaded.items():
         landed, hit = _call(handle, tokens + [7, 7, 7, 7])
         assert landed == replica_id  # only its summary could have said so
@@ -195,9 +90,9 @@ def test_replica_summaries_steer_requests_to_what_a_replica_reports(handle):
 
 
 def test_scaled_down_replica_is_never_chosen(handle):
-    small = serve.run(_routed_app(num_replicas=2), name=APP, route_prefix=None)
-    live = set(_all_replicas(small, 2, seed=2000))
-    _wait_until(lambda: 0 < len(_policy_of(small).replica_ids) and _policy_of(small).replica_ids <= live)
+    small = serve.run(routed_app(num_replicas=2), name=APP, route_prefix=None)
+    live = set(all_replicas(small, 2, seed=2000))
+    wait_until(lambda: 0 < len(_policy_of(small).replica_ids) and _policy_of(small).replica_ids <= live)
     for i in range(20):
         replica_id, _ = _call(small, [9000 + 50 * i + j for j in range(16)])
         assert replica_id in live
