@@ -225,8 +225,11 @@ class PrefixAffinityPolicy:
                 # a restarted replica's delta whose base this router lacks: what it held before is gone
                 self._index.apply_summary(replica_id, frozenset(), self._clock(), capacity, keep_learned=False)
             return False
-        hashes, keep_learned = accepted
-        self._index.apply_summary(replica_id, hashes, self._clock(), capacity, keep_learned=keep_learned)
+        if accepted.changes is not None:  # a chained delta: apply what changed
+            self._index.apply_delta(replica_id, *accepted.changes, accepted.hashes, self._clock(), capacity)
+        else:
+            self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
+                                      keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
         reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,

@@ -32,7 +32,8 @@ class PrefixIndex:
     * :meth:`apply_summary` — a replica's report of what it really holds. A
       fresh summary *replaces* that replica's entries (evictions the router
       could not see disappear), except entries learned within the last
-      ``learned_grace_s``, which the summary may predate.
+      ``learned_grace_s``, which the summary may predate. :meth:`apply_delta`
+      does the same from what changed since the summary before.
 
     Memory: each replica keeps at most ``capacity_blocks(r)`` entries
     (``max_blocks_per_replica``, lowered to the replica's own budget in
@@ -65,7 +66,8 @@ class PrefixIndex:
     depth returned (binary search: whoever holds block ``j`` of a chain holds
     ``0..j``), independent of how many blocks or replicas the index knows;
     :meth:`learn` O(n) mostly in C; :meth:`apply_summary` set operations in
-    C plus O(changed blocks) in Python.
+    C plus O(changed blocks) in Python; :meth:`apply_delta` O(changed blocks
+    + blocks learned since the last summary), independent of the cache size.
     """
 
     def __init__(self, max_blocks_per_replica: int = 1 << 18, learned_grace_s: float = 5.0) -> None:
@@ -84,6 +86,10 @@ class PrefixIndex:
         self._replica_at: list[str | None] = []
         self._tick = 1
         self._tick_times: list[tuple[float, int]] = []  # (time, first tick of a learn), ascending
+        # per replica, for apply_delta: learned entries the last summary did not report (kept within the
+        # grace period), and the tick when that summary was applied (later learns come after it)
+        self._unreported: dict[str, set[int]] = {}
+        self._applied_tick: dict[str, int] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -182,19 +188,76 @@ class PrefixIndex:
         bit = 1 << self._slot_of(replica_id)
         entries = self._entries[replica_id]
         fresh_tick = self._first_tick_after(now - self.learned_grace_s) if keep_learned else self._tick
+        survivors = set()
         for block_hash in entries.keys() - reported:
             if entries[block_hash] < fresh_tick:
                 del entries[block_hash]
                 self._clear_bit(block_hash, bit)
-        added = tuple(reported - entries.keys())
-        entries.update(dict.fromkeys(added, 0))
-        if added:  # each pushed on the left in turn: the last one ends up first
-            self._fifo[replica_id].appendleft((0, added[::-1]))
-            self._fifo_size[replica_id] += len(added)
+            else:
+                survivors.add(block_hash)
+        self._add_reported(replica_id, tuple(reported - entries.keys()), bit)
+        self._unreported[replica_id] = survivors
+        self._applied_tick[replica_id] = self._tick
+        self._maybe_trim(replica_id)
+
+    def apply_delta(self, replica_id: str, added: Collection[int], removed: Collection[int],
+                    reported: Collection[int], now: float, capacity_blocks: int | None = None) -> None:
+        """:meth:`apply_summary` of ``reported`` (what the replica holds now),
+        given that the summary applied to this replica just before reported
+        ``reported - added | removed``: O(changes + blocks learned since then),
+        not O(cached blocks).
+
+        The same entries as :meth:`apply_summary` would leave, but for blocks
+        a summary reported that the index had trimmed for capacity (a full
+        summary adds them back as least recent; a delta names only what
+        changed), and the least-recent order among the added blocks.
+        Learned entries are always kept within the grace period (a restart
+        comes as a full summary).
+        """
+        if replica_id not in self._slot or replica_id not in self._applied_tick:
+            self.apply_summary(replica_id, reported, now, capacity_blocks)
+            return
+        if capacity_blocks is not None:
+            if type(capacity_blocks) is not int or capacity_blocks <= 0:
+                raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
+            self._capacity[replica_id] = min(capacity_blocks, self.max_blocks_per_replica)
+        bit = 1 << self._slot[replica_id]
+        entries = self._entries[replica_id]
+        fresh_tick = self._first_tick_after(now - self.learned_grace_s)
+        candidates = [*removed, *self._unreported.get(replica_id, ()), *self._learned_since(replica_id)]
+        survivors = set()
+        for block_hash in candidates:  # entries the replica may not hold (what apply_summary checks)
+            tick = entries.get(block_hash)
+            if tick is None or block_hash in reported:
+                continue
+            if tick < fresh_tick:
+                del entries[block_hash]
+                self._clear_bit(block_hash, bit)
+            else:
+                survivors.add(block_hash)
+        self._add_reported(replica_id, [h for h in added if h not in entries], bit)
+        self._unreported[replica_id] = survivors
+        self._applied_tick[replica_id] = self._tick
+        self._maybe_trim(replica_id)
+
+    def _learned_since(self, replica_id: str) -> Iterator[int]:
+        """Hashes of the FIFO runs learned since the last summary applied to ``replica_id``."""
+        since = self._applied_tick[replica_id]
+        for first_tick, run in reversed(self._fifo[replica_id]):
+            if first_tick == 0 or first_tick + len(run) <= since:
+                return
+            yield from run
+
+    def _add_reported(self, replica_id: str, added: Sequence[int], bit: int) -> None:
+        """Blocks a summary reported that the index did not know, as least recent."""
+        if not added:
+            return
+        self._entries[replica_id].update(dict.fromkeys(added, 0))
+        self._fifo[replica_id].appendleft((0, tuple(added)[::-1]))  # each pushed on the left in turn
+        self._fifo_size[replica_id] += len(added)
         holders = self._holders
         for block_hash in added:
             holders[block_hash] = holders.get(block_hash, 0) | bit
-        self._maybe_trim(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget everything about ``replica_id`` (it died or left)."""
@@ -206,6 +269,8 @@ class PrefixIndex:
             self._clear_bit(block_hash, bit)
         del self._fifo[replica_id], self._fifo_size[replica_id]
         self._capacity.pop(replica_id, None)
+        self._unreported.pop(replica_id, None)
+        self._applied_tick.pop(replica_id, None)
         self._replica_at[slot] = None
 
     # ----------------------------------------------------------------- private
@@ -272,6 +337,7 @@ class PrefixIndex:
         assert pairs_from_entries == pairs_from_holders, "holders and entries disagree"
         assert all(self._holders.values()), "zero holder mask"
         assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size)
+        assert set(self._unreported) == set(self._applied_tick) <= set(self._entries)
         for replica_id, entries in self._entries.items():
             assert self._replica_at[self._slot[replica_id]] == replica_id
             assert len(entries) <= self.capacity_blocks(replica_id), replica_id

@@ -155,3 +155,49 @@ def _reference(path, naive):
             if path[depth - 1] in held and r not in found:
                 found[r] = depth
     return num_known, found
+
+
+def _state(index):
+    """Everything a decision reads: per replica its entries and their ticks, and who holds what."""
+    return {r: dict(index._entries[r]) for r in index.replica_ids}, dict(index._holders)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_delta_leaves_the_entries_a_full_summary_would(seed):
+    """apply_delta against apply_summary of the same reported sets, with learns
+    (some confirmed later, some never, some dropped by the replica) and the
+    grace period passing between summaries; capacity never binds."""
+    rng = random.Random(seed)
+    full, delta = PrefixIndex(learned_grace_s=2.0), PrefixIndex(learned_grace_s=2.0)
+    reported = {r: set() for r in ("a", "b")}
+    now = 0.0
+    for step in range(60):
+        now += rng.choice([0.3, 1.0, 2.5])
+        replica = rng.choice("ab")
+        if rng.random() < 0.5:
+            chain = [rng.randrange(200) * 1000 + depth for depth in range(rng.randrange(1, 6))]
+            full.learn(replica, chain, now)
+            delta.learn(replica, chain, now)
+            continue
+        before = set(reported[replica])
+        after = set(before)
+        after -= set(rng.sample(sorted(after), min(len(after), rng.randrange(4))))
+        learned = [h for h in full._entries.get(replica, {}) if h not in after]
+        after |= set(rng.sample(learned, min(len(learned), rng.randrange(3))))  # learned blocks confirmed
+        after |= {rng.randrange(10**6, 2 * 10**6) for _ in range(rng.randrange(4))}  # blocks the router never routed
+        reported[replica] = after
+        full.apply_summary(replica, frozenset(after), now)
+        if step == 0 or replica not in delta._applied_tick:
+            delta.apply_summary(replica, frozenset(after), now)
+        else:
+            delta.apply_delta(replica, frozenset(after - before), frozenset(before - after), after, now)
+        assert _state(delta) == _state(full), step
+        delta.check_invariants()
+
+
+def test_a_delta_before_any_summary_is_applied_as_a_full_one():
+    index = PrefixIndex()
+    index.learn("a", [1, 2, 3], 0.0)
+    index.apply_delta("a", frozenset({7}), frozenset(), {7}, 10.0)
+    assert index.holds("a", 7) and not index.holds("a", 1)
+    index.check_invariants()
