@@ -17,7 +17,8 @@ receives Serve's broadcasts here. Over ``--seconds`` it measures:
   Ray's deserialisation of the broadcasts is in it);
 - Serve's controller's CPU (``/proc``), which pulls every replica's stats and
   re-broadcasts them;
-- whether the router's index holds each replica's current blocks at the end.
+- whether the router's index holds each replica's blocks once the churn stops
+  (3 periods after).
 
 Loopback only, bounded in time; it starts and stops its own local Ray.
 """
@@ -59,7 +60,9 @@ def synthetic_worker():
         def __call__(self, request=None):
             return self.replica_id
 
-        def report(self, request=None):
+        def report(self, request=None, freeze=False):
+            if freeze:  # no more churn: the router can catch up with a fixed state
+                self.churn = 0
             return self.replica_id, self.sender.stats(), self.blocks[:]
 
         def record_routing_stats(self):
@@ -69,7 +72,8 @@ def synthetic_worker():
             if self.version > 1:  # what an LRU does: the oldest blocks leave, new ones come
                 self.blocks = self.blocks[self.churn:] + [self.rng.getrandbits(63) for _ in range(self.churn)]
             summary = CacheSummary(self.replica_id, self.version, time.time(), BLOCK, frozenset(self.blocks),
-                                   num_cached_tokens=BLOCK * len(self.blocks), budget_tokens=BLOCK * len(self.blocks))
+                                   num_cached_tokens=BLOCK * len(self.blocks),
+                                   budget_tokens=2 * BLOCK * len(self.blocks))  # room for the bench's own requests
             return self.sender.encode(summary)
 
     return SyntheticCacheWorker
@@ -125,7 +129,8 @@ def run_mode(mode: str, args) -> dict:
             for r in reports_after if r in reports_before}
     messages = {r: reports_after[r][0]["summary_messages"] - reports_before[r][0]["summary_messages"]
                 for r in sent}
-    time.sleep(2 * args.period_s)  # the index catches up with the last blocks reported
+    _reports(handle, args.replicas, freeze=True)
+    time.sleep(3 * args.period_s)  # the index catches up with the frozen caches
     policy = router._policy
     held = [sum(policy.index.holds(r, h) for h in blocks) / max(len(blocks), 1)
             for r, (_, blocks) in _reports(handle, args.replicas).items()]
@@ -145,7 +150,7 @@ def run_mode(mode: str, args) -> dict:
     }
 
 
-def _reports(handle, expected: int) -> dict:
+def _reports(handle, expected: int, freeze: bool = False) -> dict:
     """``{replica_id: (sender stats, blocks)}`` for every replica (calls rotate over them)."""
     from router.request import RoutingRequest
 
@@ -155,7 +160,7 @@ def _reports(handle, expected: int) -> dict:
     while len(found) < expected and time.monotonic() < deadline:
         seed += 1
         request = RoutingRequest((10_000 + seed,), BLOCK, None, "")  # cold: routing spreads them
-        replica_id, stats, blocks = handle.report.remote(request).result(timeout_s=30)
+        replica_id, stats, blocks = handle.report.remote(request, freeze).result(timeout_s=30)
         found[replica_id] = (stats, blocks)
     return found
 
