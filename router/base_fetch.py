@@ -72,6 +72,11 @@ class BaseFetcher:
     def forget(self, replica_id: str) -> None:
         self.latest.pop(replica_id, None)
 
+    def retain(self, replica_ids: set[str]) -> None:
+        """Forget every replica not in ``replica_ids`` (the live set)."""
+        for replica_id in self.latest.keys() - replica_ids:
+            del self.latest[replica_id]
+
     async def _fetch(self, key: tuple[str, str, int], handle: Any) -> None:
         replica_id, epoch, version = key
         try:

@@ -67,11 +67,19 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         self._policy = PrefixAffinityPolicy(PolicyConfig(**kwargs), clock=time.monotonic)
-        self._summaries = BaseFetcher(self._policy, lambda fetch: self._event_loop.create_task(fetch))
+        self._fetches: set = set()  # tasks in flight, referenced until done (the loop keeps only weak ones)
+        self._summaries = BaseFetcher(self._policy, self._spawn)
+
+    def _spawn(self, coroutine) -> None:
+        task = self._event_loop.create_task(coroutine)
+        self._fetches.add(task)
+        task.add_done_callback(self._fetches.discard)
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
-        self._policy.set_replicas(_key(r.replica_id) for r in replicas)
+        keys = {_key(r.replica_id) for r in replicas}
+        self._policy.set_replicas(keys)
+        self._summaries.retain(keys)
         for replica in replicas:
             self._summaries.on_routing_stats(_key(replica.replica_id), replica.routing_stats)
 

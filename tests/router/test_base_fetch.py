@@ -120,3 +120,16 @@ def test_summaries_without_a_handle_never_fetch():
         assert tasks == []
 
     asyncio.run(run())
+
+
+def test_replicas_that_left_are_forgotten():
+    async def run():
+        policy, fetcher, tasks = _setup()
+        for replica_id in ("r0", "r1"):
+            fetcher.on_routing_stats(replica_id, {})
+        fetcher.retain({"r1"})
+        assert set(fetcher.latest) == {"r1"}
+        fetcher.forget("r1")
+        assert fetcher.latest == {}
+
+    asyncio.run(run())
