@@ -18,7 +18,8 @@ receives Serve's broadcasts here. Over ``--seconds`` it measures:
 - Serve's controller's CPU (``/proc``), which pulls every replica's stats and
   re-broadcasts them;
 - whether the router's index holds each replica's blocks once the churn stops
-  (3 periods after).
+  (6 periods after: a router that missed a summary waits up to 4 for a delta
+  naming its base).
 
 Loopback only, bounded in time; it starts and stops its own local Ray.
 """
@@ -130,7 +131,9 @@ def run_mode(mode: str, args) -> dict:
     messages = {r: reports_after[r][0]["summary_messages"] - reports_before[r][0]["summary_messages"]
                 for r in sent}
     _reports(handle, args.replicas, freeze=True)
-    time.sleep(3 * args.period_s)  # the index catches up with the frozen caches
+    # a router that missed a summary is whole again at the next delta naming its base: within
+    # SummarySender's ref_every (4) periods, plus the fetch
+    time.sleep(6 * args.period_s)
     policy = router._policy
     held = [sum(policy.index.holds(r, h) for h in blocks) / max(len(blocks), 1)
             for r, (_, blocks) in _reports(handle, args.replicas).items()]
