@@ -339,13 +339,7 @@ def unpack_block_hashes(raw: object) -> frozenset[int]:
     """The inverse of :func:`pack_block_hashes`; ``ValueError`` unless ``raw`` is bytes of a multiple of 8."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise ValueError(f"a packed block set must be bytes, got {type(raw).__name__}")
-    if len(raw) % 8:
-        raise ValueError(f"a packed block set holds {len(raw)} bytes, not a multiple of 8")
-    hashes = array("Q")
-    hashes.frombytes(bytes(raw))
-    if sys.byteorder != "little":
-        hashes.byteswap()
-    return frozenset(hashes)
+    return frozenset(_from_bytes(bytes(raw), "a packed block set"))
 
 
 def _number(value: object, name: str) -> float:
@@ -370,6 +364,11 @@ def _unpack_any(encoded: object, name: str) -> array:
         raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{name} is not valid base64 ({len(encoded)} chars)") from None
+    return _from_bytes(raw, name)
+
+
+def _from_bytes(raw: bytes, name: str) -> array:
+    """Little-endian uint64 hashes; ``ValueError`` unless ``raw`` is a multiple of 8 bytes."""
     if len(raw) % 8:
         raise ValueError(f"{name} holds {len(raw)} bytes, not a multiple of 8")
     hashes = array("Q")

@@ -268,6 +268,8 @@ class PrefixAffinityPolicy:
         reference) and hand it to :meth:`on_base`. Never raises."""
         if replica_id not in self._ring or not isinstance(stats, dict) or not stats:
             return None
+        if self._intake.has_seen(replica_id, stats.get("version"), stats.get("epoch")):
+            return None  # applied already: Ray re-sends every replica's stats when any one changes
         try:
             summary = dataclasses.replace(CacheSummary.from_dict(stats), replica_id=replica_id)
         except ValueError:

@@ -180,10 +180,7 @@ class PrefixIndex:
         was sent before is cached there).
         Reported blocks the router did not know are added as least recent.
         """
-        if capacity_blocks is not None:
-            if type(capacity_blocks) is not int or capacity_blocks <= 0:
-                raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
-            self._capacity[replica_id] = min(capacity_blocks, self.max_blocks_per_replica)
+        self._set_capacity(replica_id, capacity_blocks)
         reported = block_hashes if isinstance(block_hashes, (set, frozenset)) else frozenset(block_hashes)
         bit = 1 << self._slot_of(replica_id)
         entries = self._entries[replica_id]
@@ -214,13 +211,10 @@ class PrefixIndex:
         Learned entries are always kept within the grace period (a restart
         comes as a full summary).
         """
-        if replica_id not in self._slot or replica_id not in self._applied_tick:
+        if replica_id not in self._applied_tick:  # no summary applied yet (or the replica left since)
             self.apply_summary(replica_id, reported, now, capacity_blocks)
             return
-        if capacity_blocks is not None:
-            if type(capacity_blocks) is not int or capacity_blocks <= 0:
-                raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
-            self._capacity[replica_id] = min(capacity_blocks, self.max_blocks_per_replica)
+        self._set_capacity(replica_id, capacity_blocks)
         bit = 1 << self._slot[replica_id]
         entries = self._entries[replica_id]
         fresh_tick = self._first_tick_after(now - self.learned_grace_s)
@@ -239,6 +233,13 @@ class PrefixIndex:
         self._unreported[replica_id] = survivors
         self._applied_tick[replica_id] = self._tick
         self._maybe_trim(replica_id)
+
+    def _set_capacity(self, replica_id: str, capacity_blocks: int | None) -> None:
+        """Lower ``replica_id``'s capacity to what its summary reports (None: unchanged)."""
+        if capacity_blocks is not None:
+            if type(capacity_blocks) is not int or capacity_blocks <= 0:
+                raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
+            self._capacity[replica_id] = min(capacity_blocks, self.max_blocks_per_replica)
 
     def _learned_since(self, replica_id: str) -> Iterator[int]:
         """Hashes of the FIFO runs learned since the last summary applied to ``replica_id``."""
