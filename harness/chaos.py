@@ -56,11 +56,25 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
     finished: list[Outcome] = []
     victim = ""
 
+    def homes() -> Counter:
+        """How many groups each replica is home to: it answered the group's latest finished request."""
+        latest: dict[int, tuple[float, str]] = {}
+        for outcome in finished:
+            group = pairs[outcome.index][0]
+            if outcome.ok and outcome.final.end_s > latest.get(group, (0.0, ""))[0]:
+                latest[group] = (outcome.final.end_s, outcome.final.replica_id)
+        return Counter(replica for _, replica in latest.values())
+
     async def kill() -> None:
-        nonlocal victim  # the busiest replica so far: home to the most prefixes
+        # The victim is home to the most prefixes at the kill. On a slow machine
+        # nothing may have finished by ``kill_at_s``: the kill then waits for the
+        # first answers (bounded), so that there are prefixes to orphan.
+        nonlocal victim, kill_t
         await asyncio.sleep(max(0.0, kill_t - time.monotonic()))
-        served = Counter(o.final.replica_id for o in finished if o.ok)
-        victim = max(sorted(before), key=lambda replica: served[replica])
+        while not homes() and not done.is_set() and time.monotonic() - kill_t < recovery_timeout_s:
+            await asyncio.sleep(0.05)
+        kill_t, home_counts = time.monotonic(), homes()
+        victim = max(sorted(before), key=lambda replica: home_counts[replica])
         await asyncio.to_thread(faults.kill_replica, app, victim, headers)
         timeline["killed_s"] = time.monotonic() - kill_t  # the SIGKILL itself (after a /stats read)
 
@@ -107,7 +121,7 @@ async def replica_failure(app, *, num_requests: int = 300, rate_rps: float = 20.
 
 def _failure_figures(outcomes: list[Outcome], pairs, victim: str, kill_t: float, rejoin_t: float,
                      killed_t: float | None = None) -> dict:
-    """``kill_t``: when the kill was due; ``killed_t``: when the SIGKILL was sent
+    """``kill_t``: when the kill was decided (the victim chosen); ``killed_t``: when the SIGKILL was sent
     (later by a ``/stats`` read, which under load takes a while)."""
     killed_t = kill_t if killed_t is None else killed_t
     ok = [o for o in outcomes if o.ok]
