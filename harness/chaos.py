@@ -200,12 +200,13 @@ async def _rejoin_probe(url: str, replacement: list[str], headers: dict | None, 
 # ------------------------------------------------------------------- CLI
 def _app(args, **overrides):
     from harness.direct_ingress import INGRESS_ENV, DirectIngressApp
+    from harness.haproxy_ingress import HAProxyApp
     from harness.serving import ServeApp
 
-    if not args.direct_ingress:
+    if not (args.direct_ingress or args.haproxy):
         return ServeApp(args.config, **overrides)
     ingress_env = {**INGRESS_ENV, **dict(item.split("=", 1) for item in args.ingress_env)}
-    return DirectIngressApp(args.config, ingress_env=ingress_env, **overrides)
+    return (HAProxyApp if args.haproxy else DirectIngressApp)(args.config, ingress_env=ingress_env, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--direct-ingress", action="store_true",
                         help="Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the load goes to the Ingress "
                              "replica's own HTTP server, no proxy and no Ray call before kvroute's admission")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1): HAProxy on the app's port forwards "
+                             "to the Ingress replica's own HTTP server (harness/haproxy_ingress.py)")
     parser.add_argument("--ingress-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="with --direct-ingress: an env var for the Ingress replica over harness/direct_ingress.py's "
+                        help="with --direct-ingress or --haproxy: an env var for the Ingress replica over harness/direct_ingress.py's "
                              "INGRESS_ENV, e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1")
     parser.add_argument("--config", default="deploy/config.yaml")
     parser.add_argument("--replicas", type=int, default=3)

@@ -22,12 +22,14 @@ def cpu_s(pids) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-ROLES = (("ProxyActor", "proxy"), (":Ingress", "ingress"), (":Worker", "workers"))
+# Serve's HTTP front: its Python proxy, or HAProxy and the actor managing it (HAProxy ingress)
+ROLES = (("ProxyActor", "proxy"), ("HAProxyManager", "proxy"), ("haproxy", "proxy"), (":Ingress", "ingress"),
+         (":Worker", "workers"))
 
 
 def role_of(pid: int) -> str:
-    """``proxy``, ``ingress``, ``workers`` (Serve replicas by their process
-    title) or ``ray`` (GCS, raylet, controller, dashboard, ...)."""
+    """``proxy`` (Serve's proxy, or HAProxy and its manager), ``ingress``,
+    ``workers`` (Serve replicas by their process title) or ``ray`` (GCS, raylet, controller, dashboard, ...)."""
     try:
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:

@@ -316,10 +316,25 @@ def _alive(pid: int) -> bool:
 
 
 
+def ingress_app_class() -> type[ServeApp]:
+    """:class:`ServeApp`, or the HAProxy-ingress one when ``KVROUTE_INGRESS=haproxy``."""
+    kind = os.environ.get("KVROUTE_INGRESS", "proxy")
+    if kind == "haproxy":
+        from harness.haproxy_ingress import HAProxyApp
+
+        return HAProxyApp
+    if kind != "proxy":
+        raise ValueError(f"KVROUTE_INGRESS must be 'proxy' or 'haproxy', got {kind!r}")
+    return ServeApp
+
+
 def start_app(config_path: str | Path = "deploy/config.yaml", **overrides) -> ServeApp:
     """A started and deployed :class:`ServeApp` (the caller ``__exit__``s it);
-    on failure everything is stopped and the error carries the Serve logs."""
-    app = ServeApp(config_path, **overrides)
+    on failure everything is stopped and the error carries the Serve logs.
+
+    ``KVROUTE_INGRESS=haproxy`` in the environment runs it behind Serve's
+    HAProxy ingress (harness/haproxy_ingress.py) instead of its Python proxy."""
+    app = ingress_app_class()(config_path, **overrides)
     app.__enter__()
     try:
         app.deploy()
