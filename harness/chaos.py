@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="overload: rounds (memory is sampled after each)")
     parser.add_argument("--nice", type=int, default=19,
                         help="overload: the load generator's niceness once the cluster is up (it shares the cores)")
+    parser.add_argument("--generator", choices=["lean", "aiohttp"], default="lean",
+                        help="overload: what sends the open-loop rounds (harness/lean_sender.py, or the aiohttp retry "
+                             "client the figures before 2026-12-02 used); streams always use aiohttp")
     parser.add_argument("--no-access-log", action="store_true",
                         help="overload: Serve's access log off (logging_config.enable_access_log: false)")
     parser.add_argument("--proxy-limit", type=int, default=None, metavar="N",
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 figures = {f"{factor:g}x": asyncio.run(overload(app, factor=factor, duration_s=args.duration_s,
                                                                  stream=args.stream, rounds=args.rounds,
-                                                                 seed=args.seed))
+                                                                 seed=args.seed, generator=args.generator))
                            for factor in args.factor or [8.0]}
     text = json.dumps({"scenario": args.scenario, "args": vars(args), "figures": figures}, indent=2)
     print(text)
