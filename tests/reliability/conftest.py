@@ -11,8 +11,11 @@ shared one (``exclusive``), so no other app competes for the 2 cores.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
+import httpx
 import pytest
 
 from harness.serving import ServeApp, config_engine_args, start_app
@@ -60,3 +63,29 @@ def _stop_shared_app_at_end():
 def tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(32, 127) for _ in range(n)]
+
+
+def assert_burst_is_served_or_refused_as_json(url: str, count: int = 12) -> list[int]:
+    """Send ``count`` requests at once to ``url``/generate of an app admitting
+    2: some are served, the rest get kvroute's JSON 429 ``overloaded`` with
+    ``Retry-After`` (nothing else); then a lone request is admitted again
+    (the admission's counter is back at zero). The statuses, sorted."""
+    body = {"prompt_token_ids": [50, 51, 52], "max_new_tokens": 48, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/generate", json=body, headers=AUTH)
+                                          for _ in range(count)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}, statuses
+    for response in responses:
+        if response.status_code != 429:
+            continue
+        assert response.headers["retry-after"] == "1"
+        assert response.headers["content-type"] == "application/json"
+        error = json.loads(response.content)["error"]
+        assert error["code"] == "overloaded" and error["type"] == "rate_limit_error", error
+    assert httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=60, trust_env=False).status_code == 200
+    return statuses

@@ -10,8 +10,6 @@ The harness's env is the one deploy/config.yaml documents (commented out)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 
 import httpx
 import pytest
@@ -19,7 +17,7 @@ import yaml
 
 from harness.direct_ingress import INGRESS_ENV, DirectIngressApp
 from harness.serving import REPO_ROOT
-from tests.reliability.conftest import API_KEY, AUTH
+from tests.reliability.conftest import API_KEY, AUTH, assert_burst_is_served_or_refused_as_json
 
 
 def test_the_documented_option_is_the_harness_env():
@@ -67,23 +65,5 @@ def test_direct_port_serves_and_the_proxy_still_does(app):
 
 @pytest.mark.ray
 def test_direct_port_refuses_the_excess_with_kvroutes_json_and_retry_after(app):
-    body = {"prompt_token_ids": [50, 51, 52], "max_new_tokens": 48, "ignore_eos": True}
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
-            return await asyncio.gather(*(client.post(f"{app.url}/generate", json=body, headers=AUTH)
-                                          for _ in range(12)))
-
-    responses = asyncio.run(burst())
-    statuses = sorted(r.status_code for r in responses)
+    statuses = assert_burst_is_served_or_refused_as_json(app.url)
     print("FIGURES direct_ingress burst:", statuses)
-    assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}, statuses
-    for response in responses:
-        if response.status_code != 429:
-            continue
-        assert response.headers["retry-after"] == "1"
-        assert response.headers["content-type"] == "application/json"
-        error = json.loads(response.content)["error"]
-        assert error["code"] == "overloaded" and error["type"] == "rate_limit_error", error
-    # the admission's counter is back at zero: a lone request is admitted again
-    assert _post(f"{app.url}/generate", body).status_code == 200
