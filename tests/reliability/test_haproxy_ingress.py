@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from harness.abandon_probe import abandon_streams
 from harness.faults import replica_stats
 from harness.haproxy_ingress import HAProxyApp
 from tests.reliability.conftest import API_KEY, AUTH, assert_burst_is_served_or_refused_as_json
@@ -100,3 +101,11 @@ def test_a_cancelled_stream_through_haproxy_is_aborted_and_frees_its_slot(app):
     while (aborted := sum(s["num_aborted"] for s in replica_stats(app.url, AUTH).values())) < aborted_before + 2:
         assert time.monotonic() < deadline, (aborted_before, aborted)
         time.sleep(0.25)
+
+
+@pytest.mark.ray
+def test_the_abandon_probe_sees_a_hang_up_reach_the_worker(app):
+    """harness/abandon_probe.py, the figures' tool, on this app: a stream left
+    after its first token is aborted on the Worker after a few tokens."""
+    [(aborted, decoded)] = abandon_streams(app.url, tries=1, seed=3, headers=AUTH)
+    assert aborted == 1 and decoded < 400, (aborted, decoded)
