@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from harness.direct_ingress import PORT_RANGE, DirectIngressApp
+from harness.direct_ingress import DirectIngressApp
 from harness.serving import ServeApp, free_port
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -55,5 +55,3 @@ class HAProxyApp(DirectIngressApp):
         ServeApp.wait_ready(self)  # through HAProxy: there is no second port to find
         self.direct_port = None
 
-
-__all__ = ["HAProxyApp", "HAPROXY_ENV", "PORT_RANGE"]

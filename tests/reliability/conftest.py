@@ -27,6 +27,8 @@ CORE_LIMITS = {"max_prompt_tokens": 1024, "max_new_tokens": 64, "max_body_bytes"
 CORE_ENGINE = {"deterministic": True, "kv_pool_tokens": 1024, "cache_budget_tokens": 512, "max_batch_tokens": 256,
                "max_num_seqs": 16, "max_queued_requests": 256}
 BODY_TIMEOUT_S = 2.0
+# An app whose admission takes 1 worker request per Worker: 2 at once on 2 Workers, the rest refused
+ADMIT_TWO_ARGS = {"max_in_flight_per_worker": 1, "api_keys": [API_KEY], "stats_period_s": 0.5}
 
 
 _shared: dict[str, ServeApp] = {}
@@ -65,6 +67,10 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(32, 127) for _ in range(n)]
 
 
+def post_with_key(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url, json=body, headers=AUTH, timeout=60, trust_env=False)
+
+
 def assert_burst_is_served_or_refused_as_json(url: str, count: int = 12) -> list[int]:
     """Send ``count`` requests at once to ``url``/generate of an app admitting
     2: some are served, the rest get kvroute's JSON 429 ``overloaded`` with
@@ -87,5 +93,5 @@ def assert_burst_is_served_or_refused_as_json(url: str, count: int = 12) -> list
         assert response.headers["content-type"] == "application/json"
         error = json.loads(response.content)["error"]
         assert error["code"] == "overloaded" and error["type"] == "rate_limit_error", error
-    assert httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=60, trust_env=False).status_code == 200
+    assert post_with_key(f"{url}/generate", body).status_code == 200
     return statuses

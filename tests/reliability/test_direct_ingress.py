@@ -17,7 +17,9 @@ import yaml
 
 from harness.direct_ingress import INGRESS_ENV, DirectIngressApp
 from harness.serving import REPO_ROOT
-from tests.reliability.conftest import API_KEY, AUTH, assert_burst_is_served_or_refused_as_json
+from tests.reliability.conftest import (
+    ADMIT_TWO_ARGS, assert_burst_is_served_or_refused_as_json, post_with_key,
+)
 
 
 def test_the_documented_option_is_the_harness_env():
@@ -35,16 +37,10 @@ def test_the_documented_option_is_the_harness_env():
 
 @pytest.fixture(scope="module")
 def app(exclusive):
-    # 1 worker request in flight per Worker: 2 admitted at once, the rest refused
-    app = DirectIngressApp(num_cpus=2, args_overrides={"max_in_flight_per_worker": 1, "api_keys": [API_KEY],
-                                                        "stats_period_s": 0.5})
+    app = DirectIngressApp(num_cpus=2, args_overrides=ADMIT_TWO_ARGS)
     with app:
         app.deploy()
         yield app
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, headers=AUTH, timeout=60, trust_env=False)
 
 
 @pytest.mark.ray
@@ -52,10 +48,11 @@ def test_direct_port_serves_and_the_proxy_still_does(app):
     assert app.direct_port is not None and app.url != app.proxy_url
     body = {"prompt_token_ids": [40, 41, 42, 43], "max_new_tokens": 4, "ignore_eos": True}
     for url in (app.url, app.proxy_url):
-        response = _post(f"{url}/generate", body)
+        response = post_with_key(f"{url}/generate", body)
         assert response.status_code == 200, response.text
         assert len(response.json()["token_ids"]) == 4
-    completion = _post(f"{app.url}/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3})
+    completion = post_with_key(f"{app.url}/v1/completions",
+                               {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3})
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
     # kvroute's auth, not Serve's: a bad key is the OpenAI-style 401
     bad = httpx.post(f"{app.url}/generate", json=body, headers={"Authorization": "Bearer nope"}, timeout=30,

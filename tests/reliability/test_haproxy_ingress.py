@@ -20,21 +20,17 @@ import pytest
 from harness.abandon_probe import abandon_streams
 from harness.faults import replica_stats
 from harness.haproxy_ingress import HAProxyApp
-from tests.reliability.conftest import API_KEY, AUTH, assert_burst_is_served_or_refused_as_json
+from tests.reliability.conftest import (
+    ADMIT_TWO_ARGS, AUTH, assert_burst_is_served_or_refused_as_json, post_with_key,
+)
 
 
 @pytest.fixture(scope="module")
 def app(exclusive):
-    # 1 worker request in flight per Worker: 2 admitted at once, the rest refused
-    app = HAProxyApp(num_cpus=2, args_overrides={"max_in_flight_per_worker": 1, "api_keys": [API_KEY],
-                                                  "stats_period_s": 0.5})
+    app = HAProxyApp(num_cpus=2, args_overrides=ADMIT_TWO_ARGS)
     with app:
         app.deploy()
         yield app
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, headers=AUTH, timeout=60, trust_env=False)
 
 
 def _ingress_sessions(app: HAProxyApp) -> dict[str, int]:
@@ -51,10 +47,11 @@ def test_haproxy_answers_the_apps_port_and_forwards_to_the_ingress_replica(app):
     before = _ingress_sessions(app)
     assert len(before) == 1 and all("Ingress" in name for name in before), before  # one Ingress replica, UP
     body = {"prompt_token_ids": [40, 41, 42, 43], "max_new_tokens": 4, "ignore_eos": True}
-    response = _post(f"{app.url}/generate", body)
+    response = post_with_key(f"{app.url}/generate", body)
     assert response.status_code == 200, response.text
     assert len(response.json()["token_ids"]) == 4
-    completion = _post(f"{app.url}/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3})
+    completion = post_with_key(f"{app.url}/v1/completions",
+                               {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3})
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
     # kvroute's auth, not Serve's: a bad key is the OpenAI-style 401
     bad = httpx.post(f"{app.url}/generate", json=body, headers={"Authorization": "Bearer nope"}, timeout=30,
