@@ -28,7 +28,8 @@ from worker.replica import Worker
 class Ingress:
     def __init__(self, worker_handle, config: AppConfig) -> None:
         app_name = serve.get_replica_context().app_name
-        self._client = RayWorkerClient(worker_handle, app_name, config.retry_after_s, 3 * config.stats_period_s + 2)
+        self._client = RayWorkerClient(worker_handle, app_name, config.retry_after_s, 3 * config.stats_period_s + 2,
+                                       config.stream_interval_ms / 1000)
         self._builder = RequestBuilder(config.limits, ModelBounds.from_info(model_info(config.model, config.engine)),
                                        config.router_block_size)
         self._tokenizer = load_tokenizer(config.model)

@@ -51,22 +51,32 @@ class Dispatcher:
 
     async def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
         """Token events as the worker produces them, then the result. Closing
-        the iterator early (client gone, stop string) cancels the request."""
+        the iterator early (client gone, stop string) cancels the request.
+
+        Tokens that arrive together (the worker gathers them for up to
+        ``stream_interval_ms``) share the gap since the ones before: each is
+        observed at that gap over their number, so the inter-token latency
+        histogram shows the generation's pace, not the transport's bursts."""
         start = last = time.monotonic()
         num_events = 0
         for attempt in range(MAX_REPLICA_RETRIES + 1):
-            stream = self.client.stream(request)
+            stream = self.client.stream_chunks(request)
             try:
-                async for item in stream:
+                async for chunk in stream:
                     now = time.monotonic()
+                    tokens = sum(isinstance(item, TokenEvent) for item in chunk)
+                    gap = now - last
                     if num_events == 0:
-                        self.metrics.observe_ttft(item.replica_id or "unknown", now - start)
-                    elif isinstance(item, TokenEvent):
-                        self.metrics.observe_itl(now - last)
-                    last, num_events = now, num_events + 1
-                    if isinstance(item, GenerationResult):
-                        self.metrics.observe_result(item, now - start, ttft_seen=True)
-                    yield item
+                        self.metrics.observe_ttft(chunk[0].replica_id or "unknown", now - start)
+                        tokens -= isinstance(chunk[0], TokenEvent)  # the first token is the TTFT
+                        gap = 0.0  # the rest came with it
+                    for _ in range(tokens):
+                        self.metrics.observe_itl(gap / tokens)
+                    last, num_events = now, num_events + len(chunk)
+                    for item in chunk:
+                        if isinstance(item, GenerationResult):
+                            self.metrics.observe_result(item, now - start, ttft_seen=True)
+                        yield item
                 return
             except ReplicaFailed:
                 if num_events > 0 or attempt == MAX_REPLICA_RETRIES:

@@ -66,8 +66,10 @@ def as_api_error(error: BaseException, retry_after_s: int) -> APIError:
 class RayWorkerClient:
     """``handle``: the Worker deployment; ``app_name``: whose stats board to read."""
 
-    def __init__(self, handle, app_name: str, retry_after_s: int, stats_max_age_s: float) -> None:
+    def __init__(self, handle, app_name: str, retry_after_s: int, stats_max_age_s: float,
+                 stream_interval_s: float = 0.0) -> None:
         self._handle = handle
+        self._stream_interval_s = stream_interval_s
         self._app_name = app_name
         self._stats_max_age_s = stats_max_age_s
         self._to_api_error = functools.partial(as_api_error, retry_after_s=retry_after_s)
@@ -78,8 +80,9 @@ class RayWorkerClient:
     async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]:
         return await await_call(own_call(self._handle.generate_batch, batch), self._to_api_error)
 
-    def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        return relay_stream(lambda: own_call(self._handle.options(stream=True).generate_stream, request), self._to_api_error)
+    def stream_chunks(self, request: WorkerRequest) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
+        method = self._handle.options(stream=True).generate_stream_chunks
+        return relay_stream(lambda: own_call(method, request, self._stream_interval_s), self._to_api_error)
 
     async def stats(self) -> dict[str, ReplicaStats]:
         board = get_board(self._app_name, create=False)

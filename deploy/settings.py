@@ -65,6 +65,11 @@ class AppConfig:
     routing stats: ``"stream"`` (a snapshot, then deltas naming their base in
     Ray's object store; issue 14, item 5) or ``"full"`` (every cached block
     each period).
+    ``stream_interval_ms``: a streamed request's tokens travel from its Worker
+    in messages at most this often (the first token and the result at once;
+    tokens gather in between), so a stream costs the ingress and Serve's
+    proxy one message per interval instead of one per token. 0: one message
+    per engine delivery (still merged when several are waiting).
     """
 
     model: str = "tiny-llama"
@@ -87,6 +92,7 @@ class AppConfig:
     fetch_timeout_s: float = 2.0
     fetch_min_speedup: float = 1.0
     summary_mode: str = "stream"
+    stream_interval_ms: float = 50.0  # as Ray Serve LLM's stream batching
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -110,6 +116,9 @@ class AppConfig:
         for name in ("metrics_require_key", "vllm_metrics", "fetch_enabled"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if (not isinstance(self.stream_interval_ms, (int, float)) or isinstance(self.stream_interval_ms, bool)
+                or not 0 <= self.stream_interval_ms <= 1000):
+            raise ValueError(f"stream_interval_ms must be a number of milliseconds in [0, 1000], got {self.stream_interval_ms!r}")
         if self.summary_mode not in SUMMARY_MODES:
             raise ValueError(f"summary_mode must be one of {SUMMARY_MODES}, got {self.summary_mode!r}")
         if type(self.max_in_flight_per_worker) is not int or self.max_in_flight_per_worker < 0:

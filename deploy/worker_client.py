@@ -30,8 +30,10 @@ logger = logging.getLogger("kvroute.ingress")
 class WorkerClient(Protocol):
     async def generate(self, request: WorkerRequest) -> GenerationResult: ...
 
-    def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """Token events, then the result; closing it early cancels the request."""
+    def stream_chunks(self, request: WorkerRequest) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
+        """Token events, then the result, in non-empty lists as they arrive
+        together (``AsyncEngine.stream_chunks``); closing it early cancels
+        the request."""
         ...
 
     async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]: ...
@@ -87,16 +89,17 @@ async def await_call(response, to_api_error: Callable[[BaseException], APIError]
         raise to_api_error(error) from None
 
 
-async def relay_stream(open_stream: Callable[[], AsyncIterator], to_api_error: Callable[[BaseException], APIError]) -> AsyncIterator[TokenEvent | GenerationResult]:
-    """The items of ``open_stream()`` (a cancellable stream, opened on the first
-    read) up to its result; closed before the result, the stream is cancelled;
-    a failure is raised as ``to_api_error(error)``."""
+async def relay_stream(open_stream: Callable[[], AsyncIterator], to_api_error: Callable[[BaseException], APIError],
+                       ) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
+    """The lists of items of ``open_stream()`` (a cancellable stream, opened
+    on the first read) up to the one ending with the result; closed before
+    that, the stream is cancelled; a failure is raised as ``to_api_error(error)``."""
     generator = open_stream()
     finished = False
     try:
-        async for item in generator:
-            finished = isinstance(item, GenerationResult)
-            yield item
+        async for chunk in generator:
+            finished = isinstance(chunk[-1], GenerationResult)
+            yield chunk
     except Exception as error:  # noqa: BLE001 - every failure gets a definite status
         raise to_api_error(error) from None
     finally:

@@ -17,10 +17,14 @@ from worker.results import GenerationResult, ItemError, ReplicaStats, TokenEvent
 
 
 class EngineClient:
-    def __init__(self, engine: AsyncEngine, replica_id: str = "local", retry_after_s: int = 1) -> None:
+    """``stream_interval_s``: as the app's ``stream_interval_ms`` (seconds)."""
+
+    def __init__(self, engine: AsyncEngine, replica_id: str = "local", retry_after_s: int = 1,
+                 stream_interval_s: float = 0.0) -> None:
         self.engine = engine
         self.replica_id = replica_id
         self.retry_after_s = retry_after_s
+        self.stream_interval_s = stream_interval_s
 
     async def generate(self, request: WorkerRequest) -> GenerationResult:
         try:
@@ -28,11 +32,12 @@ class EngineClient:
         except Exception as error:  # noqa: BLE001 - mapped as the Ray client maps it
             raise engine_error(error, self.retry_after_s) from None
 
-    async def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        items = self.engine.stream(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
+    async def stream_chunks(self, request: WorkerRequest) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
+        items = self.engine.stream_chunks(request.prompt_token_ids, request.params, salt=request.salt,
+                                          request_id=request.request_id, interval_s=self.stream_interval_s)
         try:
-            async for item in items:
-                yield dataclasses.replace(item, replica_id=self.replica_id)
+            async for chunk in items:
+                yield [dataclasses.replace(item, replica_id=self.replica_id) for item in chunk]
         except Exception as error:  # noqa: BLE001
             raise engine_error(error, self.retry_after_s) from None
         finally:

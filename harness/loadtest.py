@@ -27,7 +27,10 @@ prompt tokens computed, reused and fetched, and the bandwidth the workers
 measured. ``--compare-summaries`` runs our router with the Workers'
 ``summary_mode`` stream and full (issue 14, item 5: the replicas' counters
 give the summaries' bytes per message; the hit rates and TTFTs show what
-streaming costs the routing).
+streaming costs the routing). ``--compare-stream-intervals 0,50`` runs our
+router with the app's ``stream_interval_ms`` at each value: tokens per
+second, TTFT and inter-token gaps of streamed requests when each token is
+its own message against tokens gathered for up to that long.
 """
 
 from __future__ import annotations
@@ -245,6 +248,15 @@ def summary_arms(args) -> list[Arm]:
     return [Arm(f"summary-{mode}", "kvroute", kvroute_kwargs, {"summary_mode": mode}) for mode in ("stream", "full")]
 
 
+def stream_interval_arms(args) -> list[Arm]:
+    """``--compare-stream-intervals 0,50``: our router with the app's
+    ``stream_interval_ms`` at each value (how often a stream's tokens leave
+    its Worker)."""
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    intervals = [float(value) for value in args.compare_stream_intervals.split(",")]
+    return [Arm(f"stream-{value:g}ms", "kvroute", kvroute_kwargs, {"stream_interval_ms": value}) for value in intervals]
+
+
 def app_for(args):
     """The ServeApp every arm deploys on: ``--nodes``, the engine as the
     config has it with ``--engine-args`` and ``--tiny-llama-shape`` applied."""
@@ -304,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-fetch", action="store_true", help="our router with fetch_enabled on and off")
     parser.add_argument("--compare-summaries", action="store_true",
                         help="our router with the Workers' summary_mode stream and full")
+    parser.add_argument("--compare-stream-intervals", default=None,
+                        help="our router with the app's stream_interval_ms at each value, e.g. 0,50")
     parser.add_argument("--nodes", type=int, default=1, help="comparisons: Ray nodes on this machine, one Worker each")
     parser.add_argument("--object-store-mb", type=int, default=None, help="comparisons: object store per node (MiB)")
     parser.add_argument("--engine-args", default="{}", help='comparisons: JSON engine changes, e.g. {"max_batch_tokens": 256}')
@@ -336,14 +350,16 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"workload": args.workload, "scale": args.scale, "mode": args.mode, "concurrency": args.concurrency,
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
-    comparisons = [flag for flag in ("compare_routers", "compare_fetch", "compare_summaries") if getattr(args, flag)]
+    flags = ("compare_routers", "compare_fetch", "compare_summaries", "compare_stream_intervals")
+    comparisons = [flag for flag in flags if getattr(args, flag)]
     if len(comparisons) > 1:
-        parser.error("--compare-routers, --compare-fetch and --compare-summaries are separate comparisons: pick one")
+        parser.error("--compare-routers, --compare-fetch, --compare-summaries and --compare-stream-intervals "
+                     "are separate comparisons: pick one")
     if comparisons:
         meta.update(rounds=args.rounds, nodes=args.nodes, engine_args=json.loads(args.engine_args),
                     tiny_llama_shape=args.tiny_llama_shape)
         arms = {"compare_routers": router_arms, "compare_fetch": fetch_arms,
-                "compare_summaries": summary_arms}[comparisons[0]](args)
+                "compare_summaries": summary_arms, "compare_stream_intervals": stream_interval_arms}[comparisons[0]](args)
         results = compare_arms(args, options, sessions, slo, arms)
     else:
         warm_up(options, args.warmup_requests, args.seed)

@@ -11,6 +11,7 @@ it names them for Serve.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -55,12 +56,17 @@ class Worker:
         result = await self.engine.generate(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
         return dataclasses.replace(result, replica_id=self.replica_id)
 
-    async def generate_stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """Each token as it is produced, then the result."""
+    async def generate_stream_chunks(self, request: WorkerRequest, interval_s: float = 0.0,
+                                     ) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
+        """Each token as it is produced, then the result, in lists
+        (``AsyncEngine.stream_chunks``): one Ray message per list, at most one
+        per ``interval_s`` after the first token, the result at once."""
         await self._fetcher.prepare(request.prompt_token_ids, request.salt, request.fetch)
-        stream = self.engine.stream(request.prompt_token_ids, request.params, salt=request.salt, request_id=request.request_id)
-        async for item in stream:
-            yield dataclasses.replace(item, replica_id=self.replica_id)
+        chunks = self.engine.stream_chunks(request.prompt_token_ids, request.params, salt=request.salt,
+                                           request_id=request.request_id, interval_s=interval_s)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield [dataclasses.replace(item, replica_id=self.replica_id) for item in chunk]
 
     async def generate_batch(self, batch: WorkerBatch) -> list[GenerationResult | ItemError]:
         """Results in batch order; a failed item becomes an :class:`ItemError`."""

@@ -2,7 +2,9 @@
 
 - ``serve_in_process(**app_args)``: the real FastAPI app over one real
   engine in this process (deterministic tiny-llama, built once per session)
-  through ``harness.engine_client.EngineClient``; no Ray, milliseconds a route.
+  through ``harness.engine_client.EngineClient`` (streams in lists spaced by
+  the config's ``stream_interval_ms``, as the Worker sends them); no Ray,
+  milliseconds a route.
 - ``live_app``: the app brought up the way the README does (``ray start
   --head``, ``serve run --non-blocking deploy/config.yaml``, then ``serve
   shutdown -y`` and stopping the Ray processes this run started)."""
@@ -42,7 +44,8 @@ def serve_in_process(engine):
     def serve(**app_args) -> TestClient:
         config = AppConfig(engine=IN_PROCESS_ENGINE, **app_args)
         builder = RequestBuilder(config.limits, ModelBounds.from_info(engine.model_info()), config.router_block_size)
-        app = build_http_app(config, EngineClient(engine), load_tokenizer(config.model), builder)
+        client = EngineClient(engine, stream_interval_s=config.stream_interval_ms / 1000)  # as the Ray client
+        app = build_http_app(config, client, load_tokenizer(config.model), builder)
         return TestClient(app, raise_server_exceptions=False)
 
     return serve

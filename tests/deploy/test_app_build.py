@@ -24,6 +24,9 @@ def test_the_router_block_size_and_fetch_switch_default_to_the_apps():
     ({"fetch_timeout_s": 0}, "fetch_timeout_s must be a positive number"),
     ({"fetch_timeout_s": 900}, r"fetch timeout_s must be a number in \(0, 600\]"),
     ({"fetch_enabled": "yes"}, "fetch_enabled must be true or false"),
+    ({"stream_interval_ms": -1}, r"stream_interval_ms must be a number of milliseconds in \[0, 1000\]"),
+    ({"stream_interval_ms": 5000}, "stream_interval_ms must be"),
+    ({"stream_interval_ms": True}, "stream_interval_ms must be"),
 ])
 def test_a_bad_router_config_fails_the_build_with_a_clear_error(args, message):
     with pytest.raises(ValueError, match=message):
@@ -35,5 +38,6 @@ def test_other_routers_get_their_kwargs_unchecked():
 
 
 def test_a_good_config_builds_without_a_cluster():
+    assert AppConfig().stream_interval_ms == 50.0 and AppConfig(stream_interval_ms=0).stream_interval_ms == 0
     app = build_app({"router_kwargs": {"load_factor": 1.5}})
     assert type(app).__name__ == "Application"

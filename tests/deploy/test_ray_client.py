@@ -81,3 +81,54 @@ def test_ray_still_stamps_every_call_with_the_contexts_internal_id():
 def test_handle_options_still_offer_no_per_call_request_id():
     parameters = set(inspect.signature(DeploymentHandle.options).parameters)
     assert not {p for p in parameters if "request_id" in p or p == "request_context"}, parameters
+
+
+class _Stream:
+    """A cancellable stream of prepared messages, as a Ray streaming call is."""
+
+    def __init__(self, messages) -> None:
+        self._messages = list(messages)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._messages:
+            raise StopAsyncIteration
+        message = self._messages.pop(0)
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_worker_stream_is_relayed_in_its_lists_and_cancelled_if_left_before_the_result():
+    import asyncio
+
+    from deploy.worker_client import relay_stream
+    from worker.results import GenerationResult, TokenEvent
+
+    events = [TokenEvent("r", token_id, None, index) for index, token_id in enumerate((7, 8, 9))]
+    result = GenerationResult((7, 8, 9), None, 5, 0, "length", 0.01, request_id="r")
+    to_error = lambda error: as_api_error(error, retry_after_s=1)  # noqa: E731
+
+    async def main():
+        whole = _Stream([[events[0]], [events[1], events[2], result]])
+        assert [chunk async for chunk in relay_stream(lambda: whole, to_error)] == [[events[0]], [*events[1:], result]]
+        assert not whole.cancelled
+        left = _Stream([[events[0]], [events[1]], [events[2], result]])
+        relay = relay_stream(lambda: left, to_error)
+        assert await relay.__anext__() == [events[0]] and await relay.__anext__() == [events[1]]
+        await relay.aclose()  # gone before the result: the worker's stream is cancelled
+        assert left.cancelled
+        failing = _Stream([[events[0]], remote_error(EngineOverloaded("full"))])
+        seen = []
+        with pytest.raises(Busy):
+            async for chunk in relay_stream(lambda: failing, to_error):
+                seen.append(chunk)
+        assert seen == [[events[0]]] and failing.cancelled
+
+    asyncio.run(main())

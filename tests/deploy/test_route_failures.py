@@ -43,14 +43,14 @@ class ScriptedClient:
     async def generate(self, request):
         return self._result(request, self._next())
 
-    async def stream(self, request):
+    async def stream_chunks(self, request):
         replica_id = self._next()
         result = self._result(request, replica_id)
         for index, token_id in enumerate(result.token_ids):
             if index == self.fail_after_tokens:
                 raise ReplicaFailed(1)
-            yield TokenEvent(request.request_id, token_id, None, index, replica_id=replica_id)
-        yield result
+            yield [TokenEvent(request.request_id, token_id, None, index, replica_id=replica_id)]
+        yield [result]
 
     async def generate_batch(self, batch):
         replica_id = self._next()

@@ -77,6 +77,22 @@ def test_streamed_generate_sends_each_token_then_summary(http):
     assert done["done"] is True and done["token_ids"] == [e["token_id"] for e in events[:-1]]
 
 
+def test_a_long_stream_in_lists_sends_every_token_once_in_order(http, sdk):
+    """The worker sends a stream's tokens in lists (``stream_interval_ms``, 50
+    here as in the config): still one SSE event per token, the same tokens as
+    without streaming; the OpenAI SDK's chunks add up to the whole text."""
+    body = {"prompt_token_ids": tokens(9, 30), "max_new_tokens": 64, "ignore_eos": True}
+    whole = http.post("/generate", json=body).json()
+    events = sse_events(http.post("/generate", json={**body, "stream": True}).text)
+    assert events.pop() == DONE
+    assert [e["index"] for e in events[:-1]] == list(range(64))
+    assert [e["token_id"] for e in events[:-1]] == events[-1]["token_ids"] == whole["token_ids"]
+    messages = [{"role": "user", "content": "Tell me a long story"}]
+    text = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0).choices[0].message.content
+    chunks = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
 def test_generate_batch_keeps_input_order_and_reports_bad_items_in_place(http):
     system = tokens(3, 64)
     prompts = [system + tokens(100 + i, 8 + i) for i in range(4)] + [tokens(200, 20), [10**6], tokens(201, 12)]

@@ -111,7 +111,7 @@ class FailingClient(EngineClient):
     async def generate(self, request):
         raise RuntimeError(self.SECRET)
 
-    async def stream(self, request):
+    async def stream_chunks(self, request):
         raise RuntimeError(self.SECRET)
         yield  # pragma: no cover
 

@@ -51,6 +51,92 @@ def test_stream_yields_tokens_then_the_result(make_async_engine):
     asyncio.run(main())
 
 
+def test_stream_chunks_carry_the_streams_items_spaced_by_the_interval(make_async_engine):
+    """Lists of the per-token stream's items, in order, never empty; the first
+    token comes alone and at once; after it, at most one list per interval,
+    so with the engine faster than the interval tokens arrive several a list."""
+    async def main():
+        engine = make_async_engine()
+        prompt = prompts(1, 1)[0]
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        plain = [item async for item in engine.stream(prompt, params, request_id="p")]
+        for interval_s in (0.0, 0.1):
+            loop = asyncio.get_running_loop()
+            chunks, times = [], []
+            async for chunk in engine.stream_chunks(prompt, params, request_id=f"c{interval_s}", interval_s=interval_s):
+                chunks.append(chunk)
+                times.append(loop.time())
+            items = [item for chunk in chunks for item in chunk]
+            assert all(chunks) and isinstance(items[-1], GenerationResult) and items[-1].done
+            assert [(e.index, e.token_id) for e in items[:-1]] == [(e.index, e.token_id) for e in plain[:-1]]
+            assert items[-1].token_ids == plain[-1].token_ids
+            assert len(chunks[0]) == 1 and chunks[0][0].index == 0
+            if interval_s:
+                gaps = [later - earlier for earlier, later in zip(times[1:], times[2:])]
+                assert all(gap >= interval_s * 0.9 for gap in gaps[:-1]), gaps  # the result may come sooner
+                assert len(chunks) < len(items) / 2  # 40 tokens at a few ms each: many per list
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stream_chunks_send_the_result_without_waiting_out_the_interval(make_async_engine):
+    async def main():
+        engine = make_async_engine()
+        started = time.monotonic()
+        chunks = [c async for c in engine.stream_chunks(prompts(5, 1)[0], SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                         interval_s=30.0)]
+        assert time.monotonic() - started < 10.0  # not the 30-s interval
+        assert [len(c) for c in chunks] == [1, 4]  # the first token at once; the rest with the result
+        with pytest.raises(ValueError, match="interval_s"):
+            [c async for c in engine.stream_chunks([5, 6], interval_s=-1.0)]
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_closing_a_chunk_stream_mid_interval_aborts_the_request(make_async_engine):
+    async def main():
+        engine = make_async_engine()
+        chunks = engine.stream_chunks(prompts(6, 1)[0], SamplingParams(max_new_tokens=500, ignore_eos=True),
+                                      request_id="gone", interval_s=30.0)
+        first = await chunks.__anext__()
+        waiting = asyncio.ensure_future(chunks.__anext__())  # held for the interval
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await chunks.aclose()
+        await engine.wait_idle()
+        engine.check_invariants()
+        assert first[0].index == 0 and engine.stats["num_aborted"] == 1
+        assert engine.load()["num_running"] == 0
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_failure_after_tokens_comes_after_them_in_chunks(make_async_engine):
+    async def main():
+        engine = make_async_engine(max_num_seqs=1, max_batch_tokens=16)
+        seen = []
+        async def read():
+            async for chunk in engine.stream_chunks(prompts(7, 1)[0], SamplingParams(max_new_tokens=400, ignore_eos=True),
+                                                    interval_s=0.05):
+                seen.extend(chunk)
+        reader = asyncio.ensure_future(read())
+        deadline = time.monotonic() + 30
+        while len(seen) < 3:
+            assert time.monotonic() < deadline, "no tokens"
+            await asyncio.sleep(0.005)
+        await engine.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            await reader
+        assert [e.index for e in seen] == list(range(len(seen)))  # every token before the failure, in order
+
+    asyncio.run(main())
+
+
 def test_cancellation_leaks_no_blocks_and_disturbs_nobody(make_async_engine):
     async def main():
         engine = make_async_engine(max_batch_tokens=32, max_num_seqs=6)
