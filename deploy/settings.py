@@ -92,7 +92,7 @@ class AppConfig:
     fetch_timeout_s: float = 2.0
     fetch_min_speedup: float = 1.0
     summary_mode: str = "stream"
-    stream_interval_ms: float = 50.0  # as Ray Serve LLM's stream batching
+    stream_interval_ms: float = 100.0  # BENCHMARKS.md, "Streaming: tokens per message"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

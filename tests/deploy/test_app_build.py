@@ -38,6 +38,6 @@ def test_other_routers_get_their_kwargs_unchecked():
 
 
 def test_a_good_config_builds_without_a_cluster():
-    assert AppConfig().stream_interval_ms == 50.0 and AppConfig(stream_interval_ms=0).stream_interval_ms == 0
+    assert AppConfig().stream_interval_ms == 100.0 and AppConfig(stream_interval_ms=0).stream_interval_ms == 0
     app = build_app({"router_kwargs": {"load_factor": 1.5}})
     assert type(app).__name__ == "Application"

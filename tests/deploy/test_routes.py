@@ -78,7 +78,7 @@ def test_streamed_generate_sends_each_token_then_summary(http):
 
 
 def test_a_long_stream_in_lists_sends_every_token_once_in_order(http, sdk):
-    """The worker sends a stream's tokens in lists (``stream_interval_ms``, 50
+    """The worker sends a stream's tokens in lists (``stream_interval_ms``, 100
     here as in the config): still one SSE event per token, the same tokens as
     without streaming; the OpenAI SDK's chunks add up to the whole text."""
     body = {"prompt_token_ids": tokens(9, 30), "max_new_tokens": 64, "ignore_eos": True}
