@@ -111,6 +111,7 @@ class OpenAIRoutes:
                     top_k=max(body.top_k, 0),
                     seed=None if body.seed is None else body.seed + choice,
                     logprobs=True,
+                    ignore_eos=body.ignore_eos,
                 )
                 state = ChoiceState(len(pairs), len(token_ids), TextStream(self.tokenizer.decode, stop))
                 pairs.append((builder.request(token_ids, params, salt), state))

@@ -73,6 +73,7 @@ class CompletionRequest(_OpenAIBody):
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     echo: StrictBool = False
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extra parameter: run to max_tokens (vllm bench serve --ignore-eos)
 
     @field_validator("prompt")
     @classmethod
@@ -121,3 +122,4 @@ class ChatCompletionRequest(_OpenAIBody):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extra parameter: run to max_tokens

@@ -148,6 +148,30 @@ def test_openai_streaming_completions_and_chat(sdk):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
 
 
+def test_openai_ignore_eos_runs_to_max_tokens(sdk):
+    """vLLM's ``ignore_eos`` extra (``vllm bench serve --ignore-eos`` sends it):
+    a sampled completion that ended on EOS runs to ``max_tokens`` with it."""
+    for seed in range(40):
+        ended = sdk.completions.create(model=MODEL, prompt="Once upon", max_tokens=200, temperature=1.0, seed=seed)
+        if ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 200:
+            break
+    else:
+        pytest.fail("no seed ended on EOS before 200 tokens: nothing to test ignore_eos against")
+    for extra in ({"ignore_eos": True}, {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}):
+        out = sdk.completions.create(model=MODEL, prompt="Once upon", max_tokens=200, temperature=1.0, seed=seed,
+                                     extra_body={"ignore_eos": True}, **{k: v for k, v in extra.items() if k != "ignore_eos"})
+        if extra.get("stream"):
+            chunks = list(out)
+            assert chunks[-1].usage.completion_tokens == 200
+            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        else:
+            assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (200, "length")
+            assert out.choices[0].text.startswith(ended.choices[0].text)  # the same draws up to the EOS
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=50,
+                                       temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (50, "length")
+
+
 def test_openai_stop_string_cuts_text(sdk):
     whole = sdk.completions.create(model=MODEL, prompt="Stop test", max_tokens=12, temperature=0).choices[0].text
     assert len(whole) >= 4, f"the model produced too little text to test stop strings: {whole!r}"
