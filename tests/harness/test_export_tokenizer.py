@@ -21,3 +21,17 @@ def test_an_exported_tokenizer_encodes_as_the_server(tmp_path):
     assert exported.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
         served.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert len(exported) == len(served)
+
+
+def test_a_checkpoint_holds_the_engines_weights_and_the_plain_tokenizer(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from worker.model import TinyLlamaSpec, build_tiny_llama
+
+    assert main([str(tmp_path / "ckpt"), "--with-weights"]) == 0
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    model = build_tiny_llama(TinyLlamaSpec(), vocab_size=len(byte_tokenizer()))
+    expected = model.state_dict()
+    assert saved and all(torch.equal(tensor, expected[name]) for name, tensor in saved.items())
+    assert type(AutoTokenizer.from_pretrained(str(tmp_path / "ckpt"))).__name__.startswith("ByT5")
