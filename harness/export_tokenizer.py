@@ -23,13 +23,9 @@ import sys
 
 
 def export_tokenizer(directory: str) -> None:
-    from transformers import ByT5Tokenizer
+    from worker.model import portable_byte_tokenizer
 
-    from worker.model import BYTE_CHAT_TEMPLATE
-
-    tokenizer = ByT5Tokenizer(extra_ids=0)
-    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
+    portable_byte_tokenizer().save_pretrained(directory)
 
 
 def export_checkpoint(directory: str) -> None:
@@ -39,11 +35,7 @@ def export_checkpoint(directory: str) -> None:
     from worker.model import TinyLlamaSpec
     from worker.vllm_peer import save_checkpoint
 
-    path = Path(directory)
-    save_checkpoint(TinyLlamaSpec(), path)
-    for name in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"):
-        (path / name).unlink(missing_ok=True)  # kvroute's own tokenizer class: only kvroute loads it
-    export_tokenizer(directory)
+    save_checkpoint(TinyLlamaSpec(), Path(directory))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,17 @@ def byte_tokenizer():
     return tokenizer
 
 
+def portable_byte_tokenizer():
+    """:func:`byte_tokenizer` as a plain ``ByT5Tokenizer``, for saving where
+    others load it (``AutoTokenizer.from_pretrained`` without kvroute): the
+    same ids and chat template, but encoding appends the EOS id as ByT5 does."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer(extra_ids=0)
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
 def load_tokenizer(name: str, *, trust_remote_code: bool = False):
     """The tokenizer of model ``name`` without loading its weights (for an ingress)."""
     if name == "tiny-llama":

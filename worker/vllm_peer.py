@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from worker.host import OMP_BINDING
-from worker.model import TinyLlamaSpec, build_tiny_llama, byte_tokenizer
+from worker.model import TinyLlamaSpec, build_tiny_llama, byte_tokenizer, portable_byte_tokenizer
 
 DEFAULT_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 RUNNER = Path(__file__).resolve().parent / "vllm_run.py"
@@ -32,11 +32,12 @@ PREFIX = "@kvroute "  # worker/vllm_run.py's protocol lines
 
 
 def save_checkpoint(spec: TinyLlamaSpec, directory: Path) -> None:
-    """The random Llama of ``spec`` (the engine's exact weights) and the byte tokenizer, as a HF checkpoint."""
+    """The random Llama of ``spec`` (the engine's exact weights) and the byte
+    tokenizer (as a plain ByT5 one, which any server loads), as a HF checkpoint."""
     model = build_tiny_llama(spec, vocab_size=spec.vocab_size or len(byte_tokenizer()))
     model.generation_config.eos_token_id = None
     model.save_pretrained(directory, safe_serialization=True)
-    byte_tokenizer().save_pretrained(directory)
+    portable_byte_tokenizer().save_pretrained(directory)
 
 
 class VllmPeer:
