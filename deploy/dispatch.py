@@ -50,12 +50,25 @@ class Dispatcher:
         return result
 
     async def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """Token events as the worker produces them, then the result. Closing
-        the iterator early (client gone, stop string) cancels the request.
+        """Token events as the worker produces them, then the result, one by
+        one (:meth:`stream_lists` flattened)."""
+        lists = self.stream_lists(request)
+        try:
+            async for items in lists:
+                for item in items:
+                    yield item
+        finally:
+            await lists.aclose()
 
-        Tokens that arrive together (the worker gathers them for up to
-        ``stream_interval_ms``) share the gap since the ones before: each is
-        observed at that gap over their number, so the inter-token latency
+    async def stream_lists(self, request: WorkerRequest) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
+        """Token events as the worker produces them, then the result, in the
+        non-empty lists they arrived in (the worker gathers tokens for up to
+        ``stream_interval_ms``), so a route can answer each list with one
+        message. Closing the iterator early (client gone, stop string)
+        cancels the request.
+
+        Tokens that arrive together share the gap since the ones before: each
+        is observed at that gap over their number, so the inter-token latency
         histogram shows the generation's pace, not the transport's bursts."""
         start = last = time.monotonic()
         num_events = 0
@@ -73,10 +86,9 @@ class Dispatcher:
                     for _ in range(tokens):
                         self.metrics.observe_itl(gap / tokens)
                     last, num_events = now, num_events + len(chunk)
-                    for item in chunk:
-                        if isinstance(item, GenerationResult):
-                            self.metrics.observe_result(item, now - start, ttft_seen=True)
-                        yield item
+                    if isinstance(chunk[-1], GenerationResult):
+                        self.metrics.observe_result(chunk[-1], now - start, ttft_seen=True)
+                    yield chunk
                 return
             except ReplicaFailed:
                 if num_events > 0 or attempt == MAX_REPLICA_RETRIES:

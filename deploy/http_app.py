@@ -152,7 +152,7 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         params = _token_params(builder, body)
         request = builder.request(token_ids, params, compose_salt(tenant.namespace, body.cache_salt or x_cache_salt))
         if body.stream:
-            events = await _primed(dispatcher.stream(request))  # overload before any token: a real 429/503
+            events = await _primed(dispatcher.stream_lists(request))  # overload before any token: a real 429/503
             return StreamingResponse(_token_events(events), media_type="text/event-stream", headers=_SSE_HEADERS)
         return _generate_output(await dispatcher.run(request), body.logprobs)
 
@@ -274,11 +274,12 @@ async def _primed(items: AsyncIterator) -> AsyncIterator:
     return replay()
 
 
-async def _token_events(events: AsyncIterator[TokenEvent | GenerationResult]):
-    """SSE for ``/generate`` with ``stream: true``: one event per token, then the summary."""
+async def _token_events(lists: AsyncIterator[list[TokenEvent | GenerationResult]]):
+    """SSE for ``/generate`` with ``stream: true``: one event per token, then
+    the summary; the events of tokens that arrived together in one message."""
     try:
-        async for event in events:
-            yield f"data: {json.dumps({**event.to_dict(), 'replica_id': event.replica_id})}\n\n"
+        async for items in lists:
+            yield "".join(f"data: {json.dumps({**item.to_dict(), 'replica_id': item.replica_id})}\n\n" for item in items)
     except APIError as error:
         yield error.sse_event()
     except asyncio.CancelledError:

@@ -149,7 +149,9 @@ class OpenAIRoutes:
 
     # -------------------------------------------------------------- running
     async def _run_choice(self, request: WorkerRequest, state: ChoiceState, incremental: bool) -> AsyncIterator[Delta]:
-        """Deltas of one choice; the last one has ``finish_reason``."""
+        """Deltas of one choice, one per list of tokens the worker sent
+        together (so one SSE event per list, as vLLM's ``--stream-interval``
+        merges its deltas); the last one has ``finish_reason``."""
         if not incremental and not state.text._stop:
             result = await self.dispatcher.run(request)
             for token_id in result.token_ids:
@@ -160,27 +162,31 @@ class OpenAIRoutes:
             state.finish_reason = result.finish_reason
             yield Delta(state.index, state.text.text, tuple(state.token_ids), tuple(state.logprobs), state.finish_reason)
             return
-        stream = self.dispatcher.stream(request)
+        lists = self.dispatcher.stream_lists(request)
         try:
-            async for event in stream:
-                if isinstance(event, GenerationResult):
-                    state.cached_tokens = event.cached_tokens
-                    tail = state.text.finish()
-                    state.finish_reason = "stop" if state.text.stopped else event.finish_reason
-                    yield Delta(state.index, tail, (), (), state.finish_reason)
-                    return
-                token_id, logprob = event.token_id, event.logprob
-                state.token_ids.append(token_id)
-                state.logprobs.append(logprob)
-                text = state.text.push(token_id)
-                if state.text.stopped:
-                    state.finish_reason = "stop"
-                    yield Delta(state.index, text, (token_id,), (logprob,), "stop")
+            token_ids, logprobs, detokenizer = state.token_ids, state.logprobs, state.text
+            async for items in lists:
+                first, text = len(token_ids), ""
+                for item in items:
+                    if isinstance(item, GenerationResult):
+                        state.cached_tokens = item.cached_tokens
+                        text += detokenizer.finish()
+                        state.finish_reason = "stop" if detokenizer.stopped else item.finish_reason
+                        break
+                    token_ids.append(item.token_id)
+                    logprobs.append(item.logprob)
+                    text += detokenizer.push(item.token_id)
+                    if detokenizer.stopped:
+                        state.finish_reason = "stop"
+                        break
+                new_ids, new_logprobs = tuple(token_ids[first:]), tuple(logprobs[first:])
+                if state.finish_reason is not None:
+                    yield Delta(state.index, text, new_ids, new_logprobs, state.finish_reason)
                     return
                 if text or not incremental:
-                    yield Delta(state.index, text, (token_id,), (logprob,))
+                    yield Delta(state.index, text, new_ids, new_logprobs)
         finally:
-            await stream.aclose()
+            await lists.aclose()
 
     async def _merged(self, pairs, incremental: bool) -> AsyncIterator[Delta]:
         """Every choice's deltas as they come (choices run concurrently)."""
