@@ -16,20 +16,22 @@ class PolicyConfig:
     """Knobs of :class:`PrefixAffinityPolicy` (the rule, defaults and reasons
     are in its docstring). Token counts are in tokens, times in seconds.
 
-    ``balance_output_price`` = "busy" (issue 14, item 4; BENCHMARKS.md
-    "Cache turnover under batching"): the balance term prices an expected
-    output token at ``decode_token_cost``, the busy time it costs. "queue"
-    prices it at ``queue_token_cost`` — what it takes from the other
-    requests on its replica — scaled back to work units, so under batching
-    the term balances the prompt tokens each replica computes (its cache
-    turnover) and the bound alone holds busy time. Under FIFO the prices
-    are equal and "queue" changes nothing. Measured with ``load_factor``
-    1.1 (at 1.25 busy-time imbalance drifted to 1.13-1.18): Mooncake 1.25M
-    batching hit 0.5689 -> 0.5740 (mean over summary periods 0.9/1.0/1.1 s;
-    llm-d 0.5727), imbalance <= 1.07; FIFO identical; but multi-turn
-    batching imbalance 1.087 -> 1.148 (workload seeds 0-2: 1.115 -> 1.146
-    mean), where busy time is nearly all decode and a queue-priced balance
-    no longer sees it. Not the default for that reason.
+    ``balance_output_price`` = "queue" with ``load_factor`` = 1.1 (issue 14,
+    item 4; BENCHMARKS.md "Cache turnover under batching"): the balance term
+    prices an expected output token at ``queue_decode_token_cost`` — what it
+    takes from the other requests on its replica — scaled back to work
+    units, so under batching the term balances the prompt tokens each
+    replica computes (its cache turnover) and the bound, on busy time
+    (``decode_token_cost`` per output token), alone holds busy time; at a
+    bound of 1.25 busy-time imbalance drifted to 1.13-1.18, at 1.1 it holds.
+    "busy" prices it at ``decode_token_cost`` (the default until
+    2026-12-02). Where the two prices are equal (FIFO replicas; a live
+    router not given a queue price) "queue" changes nothing and 1.1 did not
+    bind in any FIFO run. Measured: Mooncake 1.25M batching hit 0.5689 ->
+    0.5740 (mean over summary periods 0.9/1.0/1.1 s; llm-d 0.5727), 6.25M
+    TTFT p99 2.684 -> 2.571 s; multi-turn batching imbalance 1.164 -> 1.141
+    (mean over workload seeds 0-15; seed 0 alone went 1.087 -> 1.148, which
+    kept "busy" the default while only seeds 0-2 were run).
 
     Fetch knobs: ``fetch_min_tokens`` = 256 (four 64-token blocks) because a
     fetch has a fixed cost whatever its size (a round trip to the owner, its
@@ -72,7 +74,7 @@ class PolicyConfig:
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
     sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4; 0: off
-    load_factor: float = 1.25  # c: recent work of a replica <= c x mean (+ one request + chance)
+    load_factor: float = 1.1  # c: recent work of a replica <= c x mean (+ one request + chance)
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
     load_window_s: float = 120.0  # decay time of the recent-work counters
@@ -88,7 +90,7 @@ class PolicyConfig:
     max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
     num_ranked: int = 3  # replicas returned, best first
     balance_weight: float = 0.1  # beta: cost per token of recent work above the mean (below: a credit)
-    balance_output_price: str = "busy"  # an output token in the balance term: busy (decode_token_cost) | queue
+    balance_output_price: str = "queue"  # an output token in the balance term: queue (queue_decode_token_cost) | busy
     balance_from_reports: bool = False  # balance on the replicas' reported work counters (shared; measured worse: they lag)
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean

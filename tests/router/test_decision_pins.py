@@ -134,26 +134,27 @@ CONFIGS = {
              "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
 }
 
-# sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite.
+# sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite; re-pinned when
+# the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed).
 PINS: dict[tuple[str, int], str] = {
-    ("cold_home_bounded", 0): "7217c7d03c38afcf23e1",
-    ("cold_home_bounded", 1): "bd61b695e2413468cfc3",
-    ("cold_home_ring", 0): "ce061b761bc68758c424",
-    ("cold_home_ring", 1): "f9833a560959a08e9d16",
-    ("default", 0): "d27dba4de193948cd76b",
-    ("default", 1): "d49c6ab6e0260063e268",
-    ("fetch_always", 0): "34aba097b36624ab0b29",
-    ("fetch_always", 1): "442ffaebd072d47f14fb",
+    ("cold_home_bounded", 0): "309a0f5cfb1cb42ea3ee",
+    ("cold_home_bounded", 1): "0429e3ccbc51c5efa73f",
+    ("cold_home_ring", 0): "c14d6f1dae68c43c5c7d",
+    ("cold_home_ring", 1): "520b18be7dafb54a5569",
+    ("default", 0): "068a8c3217aa1f1138d5",
+    ("default", 1): "d6ac244e4e48bd581098",
+    ("fetch_always", 0): "8886d26a46bbd3b5f6d5",
+    ("fetch_always", 1): "df9f71ea325b514c3c30",
     ("fetch_over_bound", 0): "54040be4a7d3189e518f",
     ("fetch_over_bound", 1): "661bd26856dd541d8c9b",
     ("queue_price", 0): "fcee698863ea778338a8",  # recorded when the knob was added (issue 14, item 4)
     ("queue_price", 1): "6d7fab6696682f9e92b0",
-    ("small_index", 0): "85f96b9a685473ebaea6",
-    ("small_index", 1): "4d79adb72c1f1b343578",
-    ("ties_and_reports", 0): "427aeaa7acf1793a4be6",
-    ("ties_and_reports", 1): "5347526b97e350bffcba",
-    ("wide", 0): "88d0d224a3e9e27e44c6",
-    ("wide", 1): "24871aedad6a4397c0e9",
+    ("small_index", 0): "7741afba7e2536c0a0a6",
+    ("small_index", 1): "a60bc0acbbc52d390edc",
+    ("ties_and_reports", 0): "9a65fac140b9cff59db0",
+    ("ties_and_reports", 1): "9232c4d680a731a700cd",
+    ("wide", 0): "3f3068d0650606f3845c",
+    ("wide", 1): "1d9d4d0c20a9f0cdf6c9",
 }
 
 

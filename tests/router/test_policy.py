@@ -134,9 +134,10 @@ def test_a_hot_prefix_spills_under_bounded_load_and_the_spill_target_gets_affini
 def _hot_home_with_a_mild_lead(load_slack_sd):
     """Two replicas; a hot prefix lives on its home, which did somewhat more
     than c × the mean lately: over the plain bound, within the chance slack
-    (48 requests of 100 tokens: chance sd = sqrt(48e4 + 68^2) / 2 = 348)."""
+    (48 requests of 100 tokens: chance sd = sqrt(48e4 + 68^2) / 2 = 348); c = 1.25."""
     clock = Clock()
-    policy = make_policy(clock, replicas=REPLICAS[:2], load_window_s=60.0, load_slack_sd=load_slack_sd)
+    policy = make_policy(clock, replicas=REPLICAS[:2], load_window_s=60.0, load_slack_sd=load_slack_sd,
+                         load_factor=1.25)
     hot = prompt(5, 64)
     home = route(policy, request(hot + [0, 0, 0, 0]), "first")  # 68 tokens of work
     policy.on_completed("first")
