@@ -29,9 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from deploy.errors import APIError, error_body
+
+logger = logging.getLogger("kvroute.ingress")
+STARTUP_REFRESH_S = 0.25  # how soon to count again when no Worker was live (they post their first stats)
+RECOUNT_BEFORE_REFUSAL_S = 0.25  # a refusal recounts the live Workers first when the count is older than this
+RECOUNT_TIMEOUT_S = 0.5  # and waits at most this for the count
 
 GENERATION_PATHS = frozenset({"/generate", "/generate_batch", "/v1/completions", "/v1/chat/completions"})
 
@@ -107,7 +114,15 @@ class Admission:
 class AdmissionGuard:
     """ASGI middleware: generation requests beyond :class:`Admission`'s limit
     get 429 ``engine_overloaded``-style JSON with ``Retry-After`` before their
-    body is read. ``count_workers``: async () -> live Worker replicas."""
+    body is read. ``count_workers``: async () -> live Worker replicas, asked
+    at most every ``refresh_period_s`` (on a request's arrival, without
+    holding it); a count of 0 (at start-up, before any Worker has posted its
+    stats) keeps the last count and asks again after ``STARTUP_REFRESH_S``.
+    A request about to be refused first has the count taken again when it is
+    older than ``RECOUNT_BEFORE_REFUSAL_S`` (so a Worker that just started
+    is counted before anyone is turned away for lack of it); under a flood of
+    refusals that is one count per ``RECOUNT_BEFORE_REFUSAL_S``, the other
+    refusals wait on the same count or none."""
 
     def __init__(self, app, admission: Admission, retry_after_s: int,
                  count_workers: Callable[[], Awaitable[int]] | None = None, refresh_period_s: float = 2.0,
@@ -122,6 +137,7 @@ class AdmissionGuard:
         self._body_template = json.dumps(error_body(429, self._message, code="overloaded"))
         self._headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after_s).encode())]
         self._next_refresh_s = 0.0
+        self._recount_after_s = -math.inf  # loop time before which a refusal does not recount
         self._refreshing: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send):
@@ -131,6 +147,8 @@ class AdmissionGuard:
         if scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         ticket = self.admission.try_admit()
+        if ticket is None and await self._recounted():
+            ticket = self.admission.try_admit()
         if ticket is None:
             if self.on_refused:
                 self.on_refused()
@@ -151,21 +169,50 @@ class AdmissionGuard:
         return APIError(429, self._message.format(limit=self.admission.limit), code="overloaded",
                         retry_after_s=self.retry_after_s)
 
+    async def _recounted(self) -> bool:
+        """Before a refusal: count the live Workers again if the count is older
+        than ``RECOUNT_BEFORE_REFUSAL_S`` (a Worker that just started would
+        otherwise wait up to a refresh period to be counted), waiting at most
+        ``RECOUNT_TIMEOUT_S``; True if the limit went up."""
+        if self.count_workers is None:
+            return False
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._recount_after_s:
+            return False
+        self._recount_after_s = loop.time() + RECOUNT_BEFORE_REFUSAL_S  # whatever the count brings
+        limit = self.admission.limit
+        if not (self._refreshing and not self._refreshing.done()):
+            self._refreshing = loop.create_task(self._refresh())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._refreshing), RECOUNT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return False
+        return self.admission.limit > limit
+
     def _maybe_refresh(self) -> None:
         if self.count_workers is None or (self._refreshing and not self._refreshing.done()):
             return
         loop = asyncio.get_running_loop()
         if loop.time() < self._next_refresh_s:
             return
+        self._refreshing = loop.create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        """Count the live Workers; the next scheduled count is a period later
+        (``STARTUP_REFRESH_S`` while none has posted its stats yet)."""
+        loop = asyncio.get_running_loop()
         self._next_refresh_s = loop.time() + self.refresh_period_s
-
-        async def refresh():
-            try:
-                self.admission.set_num_workers(await self.count_workers())
-            except Exception:  # noqa: BLE001 - keep the last count; the next refresh tries again
-                pass
-
-        self._refreshing = loop.create_task(refresh())
+        try:
+            count = await self.count_workers()
+        except Exception:  # noqa: BLE001 - keep the last count; the next refresh tries again
+            return
+        if count <= 0:  # none has posted yet (start-up): keep the count, look again soon
+            self._next_refresh_s = loop.time() + STARTUP_REFRESH_S
+            return
+        self._recount_after_s = loop.time() + RECOUNT_BEFORE_REFUSAL_S
+        if count != self.admission.num_workers:
+            logger.info("admission: %d live Workers (was %d)", count, self.admission.num_workers)
+        self.admission.set_num_workers(count)
 
 
 def charge(scope, weight: int) -> None:

@@ -166,7 +166,8 @@ class ServeApp:
             if not pids:
                 break
         self._started_ray = False
-        shutil.rmtree(self._temp_dir, ignore_errors=True)
+        if not os.environ.get("KVROUTE_KEEP_RAY_DIR"):  # set it to read the session's logs afterwards
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
 
     def ray_pids(self) -> list[int]:
         return _pids_mentioning(self._temp_dir) if self._temp_dir else []
