@@ -91,6 +91,35 @@ class BodyGuard:
                 await _send_error(send, error)
 
 
+class RequestCounter:
+    """ASGI middleware: counts each HTTP request by route and the status it
+    was answered with (``IngressMetrics.count_request``), read from the
+    response's start message; a plain ASGI wrapper, so a stream's messages
+    pass straight through (Starlette's ``BaseHTTPMiddleware`` relays every
+    one of them through a task and a memory stream)."""
+
+    def __init__(self, app, metrics: IngressMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            if status is not None:
+                self.metrics.count_request(scope["path"], status)
+
+
 class _TooLarge(HTTPException):
     def __init__(self, max_bytes: int) -> None:
         super().__init__(413, f"request body is larger than {max_bytes} bytes")
@@ -129,11 +158,7 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
     if keyring.is_enabled:
         install_keyed_docs(app, auth)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        metrics.count_request(request.url.path, response.status_code)
-        return response
+    app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.get("/health")
     async def health() -> dict:
