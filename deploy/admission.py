@@ -181,21 +181,21 @@ class AdmissionGuard:
             return False
         self._recount_after_s = loop.time() + RECOUNT_BEFORE_REFUSAL_S  # whatever the count brings
         limit = self.admission.limit
-        if not (self._refreshing and not self._refreshing.done()):
-            self._refreshing = loop.create_task(self._refresh())
         try:
-            await asyncio.wait_for(asyncio.shield(self._refreshing), RECOUNT_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(self._refresh_task()), RECOUNT_TIMEOUT_S)
         except asyncio.TimeoutError:
             return False
         return self.admission.limit > limit
 
     def _maybe_refresh(self) -> None:
-        if self.count_workers is None or (self._refreshing and not self._refreshing.done()):
-            return
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._next_refresh_s:
-            return
-        self._refreshing = loop.create_task(self._refresh())
+        if self.count_workers is not None and asyncio.get_running_loop().time() >= self._next_refresh_s:
+            self._refresh_task()
+
+    def _refresh_task(self) -> asyncio.Task:
+        """The count in progress, or a new one."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+        return self._refreshing
 
     async def _refresh(self) -> None:
         """Count the live Workers; the next scheduled count is a period later

@@ -49,17 +49,6 @@ class Dispatcher:
         self.metrics.observe_result(result, time.monotonic() - start)
         return result
 
-    async def stream(self, request: WorkerRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """Token events as the worker produces them, then the result, one by
-        one (:meth:`stream_lists` flattened)."""
-        lists = self.stream_lists(request)
-        try:
-            async for items in lists:
-                for item in items:
-                    yield item
-        finally:
-            await lists.aclose()
-
     async def stream_lists(self, request: WorkerRequest) -> AsyncIterator[list[TokenEvent | GenerationResult]]:
         """Token events as the worker produces them, then the result, in the
         non-empty lists they arrived in (the worker gathers tokens for up to

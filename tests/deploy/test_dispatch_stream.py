@@ -1,5 +1,5 @@
-"""``Dispatcher.stream`` over a worker stream that sends tokens in lists: the
-routes get the items one by one, in order, and the ingress's latency
+"""``Dispatcher.stream_lists`` over a worker stream that sends tokens in lists:
+the routes get every item once, in order, and the ingress's latency
 histograms see the generation's pace (a list's tokens share the gap before
 it), not the transport's bursts."""
 
@@ -38,7 +38,7 @@ def test_tokens_arriving_together_share_the_gap_before_them(monkeypatch):
     request = WorkerRequest("r", (1, 2, 3, 4), SamplingParams(max_new_tokens=6), None, ())
 
     async def main():
-        return [item async for item in dispatcher.stream(request)]
+        return [item async for items in dispatcher.stream_lists(request) for item in items]
 
     assert asyncio.run(main()) == [*events, result]
     ttft = metrics.registry.get_sample_value("kvroute_ttft_seconds_sum", {"replica": "w1"})
