@@ -33,6 +33,7 @@ class Candidates:
     within_tokens: int  # tokens of block m cached there
     num_known: int  # m: leading blocks some replica is known to hold
     within_at_known: tuple[str, int] | None  # within_block() at depth m, before the live filter
+    holder_levels: list[tuple[int, int]] | None = None  # PrefixIndex.deepest_holders' levels, if asked for
 
     def tiebreak(self, replica_id: str) -> int:
         """Rendezvous hash of (key, replica): the last tie-break."""
@@ -71,10 +72,12 @@ def within_block(partial: PartialBlockIndex | None, index: PrefixIndex, ring: Ha
 
 def gather(request: RoutingRequest, live: Collection[str], index: PrefixIndex, ring: HashRing,
            loads: LoadTracker, partial: PartialBlockIndex | None, block_size: int,
-           max_affinity_candidates: int, num_ring_candidates: int) -> Candidates:
-    """The candidates for ``request`` among ``live``."""
+           max_affinity_candidates: int, num_ring_candidates: int, with_levels: bool = False) -> Candidates:
+    """The candidates for ``request`` among ``live`` (with the prefix's
+    holder counts if ``with_levels``)."""
     hashes = request.block_hashes
-    num_known, depths = index.deepest_holders(hashes, max_affinity_candidates, live)
+    levels: list[tuple[int, int]] | None = [] if with_levels else None
+    num_known, depths = index.deepest_holders(hashes, max_affinity_candidates, live, levels)
     if hashes:
         key = hashes[min(num_known, len(hashes) - 1)]
     else:
@@ -98,4 +101,5 @@ def gather(request: RoutingRequest, live: Collection[str], index: PrefixIndex, r
     least = loads.least_loaded_replica()
     if least is not None and least in live and least not in candidates:
         candidates.append(least)
-    return Candidates(key, candidates, depths, ring_rank, ring_walk, within_replica, within_tokens, num_known, within)
+    return Candidates(key, candidates, depths, ring_rank, ring_walk, within_replica, within_tokens, num_known, within,
+                      levels)

@@ -21,7 +21,7 @@ from router.request import RoutingRequest
 from router.reported_work import ReportedWork
 from router.ring import HashRing
 from router.router_share import RouterShare
-from router.scoring import Scoring
+from router.scoring import Scoring, holder_premium
 from router.summary_intake import SummaryIntake
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,10 @@ class PrefixAffinityPolicy:
     3. **Score** (lowest wins): ``cost(r) = load(r) + T - w(r) * cached(r)
        + balance_weight * (recent(r) - mean recent)``
        with ``cached(r) = min(depth(r) * block_size + within(r), T - 1)`` and
-       ``w(r) = 1 + (affinity_weight - 1) * cached(r) / T``. ``load`` is the
+       ``w(r) = 1 + (affinity_weight - 1) * premium(r) / T``, ``premium(r)``
+       the cached tokens each divided by the number of replicas the index
+       knows to hold its block (``split_affinity_by_holders``;
+       :func:`router.scoring.holder_premium`; off: ``cached(r)``). ``load`` is the
        work queued there (this router's in-flight requests, each weighing
        its uncached tokens + ``queue_decode_token_cost`` per expected output
        token, plus what the replica last reported beyond that). The expected
@@ -61,7 +64,10 @@ class PrefixAffinityPolicy:
        cost is the request's own time to first token; a deep match weighs up
        to ``affinity_weight`` times more, because keeping a conversation where
        its cache is saves that prefill for every later turn too, while a
-       near-cold match (a few shared blocks) is placed by load. The balance
+       near-cold match (a few shared blocks) is placed by load. A part that
+       ``h`` replicas hold earns ``1/h`` of that premium at each: its later
+       requests spread over the ``h``, and it stays cached whichever of them
+       (or another replica) takes this one. The balance
        term (recent work in busy-time units, ``decode_token_cost`` per output
        token; ``balance_output_price`` "queue": at ``queue_decode_token_cost``,
        scaled to busy-time units) pulls cold and lightly cached requests
@@ -384,9 +390,11 @@ class PrefixAffinityPolicy:
               ) -> tuple[list[str], FetchHint | None, int, Candidates]:
         config, loads = self.config, self._loads
         found = gather(request, live, self._index, self._ring, loads, self._partial, config.block_size,
-                       config.max_affinity_candidates, config.num_ring_candidates)
+                       config.max_affinity_candidates, config.num_ring_candidates, config.split_affinity_by_holders)
         now = self._clock()
         scoring = self._scoring(request, now)
+        if found.holder_levels:
+            scoring.premium = holder_premium(found.holder_levels, config.block_size)
         plan = FetchPlan(found.depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
                          request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None

@@ -33,6 +33,24 @@ class PolicyConfig:
     (mean over workload seeds 0-15; seed 0 alone went 1.087 -> 1.148, which
     kept "busy" the default while only seeds 0-2 were run).
 
+    ``split_affinity_by_holders`` = True with ``balance_weight`` = 0.2
+    (issue 14, item 4; BENCHMARKS.md "Router policy defaults"): a cached
+    token earns the affinity premium (``w`` above 1) divided by the number
+    of replicas known to hold its block. A system prompt the first few
+    replicas cached had pulled every new conversation to them (its 512
+    tokens weighed like a conversation's own history) until the others were
+    ~75 % behind in recent work, and the conversations stayed where they
+    started: homes 4-11 per replica, multi-turn batching imbalance 1.141.
+    With the premium split the balance term places new conversations, and
+    at 0.2 (was 0.1) it is strong enough to: over workload seeds 0-15,
+    multi-turn batching imbalance 1.141 -> 1.082, shared-prefix batching
+    1.117 -> 1.096 (max 1.413 -> 1.202); multi-turn FIFO TTFT p99 1.362 ->
+    1.185 s at hit 0.888 -> 0.872 (seeds 0-7); Mooncake 1.25M hit within
+    the summary-period noise (batching 0.5740 -> 0.5751, FIFO 0.5733 ->
+    0.5726, means over periods 0.9/1.0/1.1 s), 6.25M FIFO 0.6511 -> 0.6512.
+    The split alone: multi-turn batching 1.105; 0.2 alone: 1.110 and
+    Mooncake FIFO 0.5737 at 1.0 s.
+
     Fetch knobs: ``fetch_min_tokens`` = 256 (four 64-token blocks) because a
     fetch has a fixed cost whatever its size (a round trip to the owner, its
     export copy, a bundle through the object store and its checksum): a few
@@ -77,6 +95,7 @@ class PolicyConfig:
     load_factor: float = 1.1  # c: recent work of a replica <= c x mean (+ one request + chance)
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
+    split_affinity_by_holders: bool = True  # a cached token's premium (w - 1) / the replicas holding its block
     load_window_s: float = 120.0  # decay time of the recent-work counters
     num_ring_candidates: int = 2  # ring nodes from the prompt's key that compete
     max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete
@@ -89,7 +108,7 @@ class PolicyConfig:
     reservation_timeout_s: float = 5.0  # forget a decision never reported sent
     max_partial_entries: int = 1 << 17  # within-block keys remembered (memory bound)
     num_ranked: int = 3  # replicas returned, best first
-    balance_weight: float = 0.1  # beta: cost per token of recent work above the mean (below: a credit)
+    balance_weight: float = 0.2  # beta: cost per token of recent work above the mean (below: a credit)
     balance_output_price: str = "queue"  # an output token in the balance term: queue (queue_decode_token_cost) | busy
     balance_from_reports: bool = False  # balance on the replicas' reported work counters (shared; measured worse: they lag)
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
@@ -126,7 +145,7 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
-        for name in ("tie_by_recent_work", "fetch_enabled", "balance_fleet_scale",
+        for name in ("tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
                      "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -108,13 +108,21 @@ class PrefixIndex:
         return slot is not None and bool(self._holders.get(block_hash, 0) >> slot & 1)
 
     def deepest_holders(
-        self, block_hashes: Sequence[int], max_replicas: int, live: Collection[str] | None = None
+        self, block_hashes: Sequence[int], max_replicas: int, live: Collection[str] | None = None,
+        levels: list[tuple[int, int]] | None = None,
     ) -> tuple[int, dict[str, int]]:
         """``(num_known_blocks, {replica: num_matched_blocks})``.
 
         ``num_known_blocks``: how many leading blocks some replica holds.
         The dict names at most ``max_replicas`` replicas (in ``live`` if
         given), deepest match first; equal depths in slot order.
+
+        ``levels``, when given, gets ``(depth, num_holders)`` for every run
+        of the known blocks, deepest first: ``num_holders`` replicas (live or
+        not) hold block ``depth - 1`` and, the chain being held prefix by
+        prefix, every block down to the next entry's depth; ``num_holders``
+        grows from entry to entry. The walk goes on to block 0 for it, one
+        binary search per distinct holder count.
         """
         holders = self._holders
         num_known = _last_true(len(block_hashes), lambda d: block_hashes[d - 1] in holders)
@@ -122,7 +130,10 @@ class PrefixIndex:
         depth = num_known
         while depth > 0:
             mask = holders.get(block_hashes[depth - 1], 0)
-            remaining = mask
+            count = mask.bit_count()
+            if levels is not None:
+                levels.append((depth, count))
+            remaining = mask if len(found) < max_replicas else 0
             while remaining:
                 low = remaining & -remaining
                 remaining ^= low
@@ -130,11 +141,18 @@ class PrefixIndex:
                 if replica_id not in found and (live is None or replica_id in live):
                     found[replica_id] = depth
                     if len(found) >= max_replicas:
-                        return num_known, found
+                        if levels is None:
+                            return num_known, found
+                        break
             # Next: the deepest block that more replicas hold.
-            count = mask.bit_count()
             depth = _last_true(depth - 1, lambda d: holders.get(block_hashes[d - 1], 0).bit_count() > count)
         return num_known, found
+
+    def holder_levels(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """The ``levels`` :meth:`deepest_holders` fills, for ``block_hashes``."""
+        levels: list[tuple[int, int]] = []
+        self.deepest_holders(block_hashes, 0, levels=levels)
+        return levels
 
     def depth(self, replica_id: str, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of ``block_hashes`` ``replica_id`` holds. O(log n)."""

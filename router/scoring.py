@@ -19,7 +19,9 @@ class Scoring:
     ``cost(r) = load(r) + T - w(r) * saved(r) - (cached(r) + credit(r) -
     saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)``
     with ``saved = cached + fetch_affinity_share * credit`` and ``w = 1 +
-    (affinity_weight - 1) * saved / T``; ``r`` is over the bound when
+    (affinity_weight - 1) * premium(r) / T``, ``premium = saved`` or, with
+    ``premium`` given, ``premium(cached) + fetch_affinity_share * credit``
+    (:func:`holder_premium`); ``r`` is over the bound when
     ``recent(r) > load_factor * (mean_recent + work(r, cached) / N) +
     one_request * work(r, 0) + load_slack_sd * cached / T * chance_sd``,
     ``work(r, c) = T - c + decode_token_cost * expected_output(r)``. The
@@ -42,6 +44,7 @@ class Scoring:
     recent: Callable[[str], float]  # recent work
     expected_output: Callable[[int | None, str | None], float]  # OutputEstimate.expected
     balance_work: Callable[[str], float] | None = None  # None: ``recent``
+    premium: Callable[[int], float] | None = None  # cached tokens -> those ``w`` counts (holder_premium); None: all
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -81,14 +84,15 @@ class Scoring:
         balance, mean_balance, dead = self.balance, self.mean_balance, self.dead
         load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
-        entries, cached_at = [], {}
+        premium, entries, cached_at = self.premium, [], {}
         for replica_id in found.replica_ids:
             cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
             cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
             cached = cached_at[replica_id] = 0 if cached < 0 else cached
             fetched = credit(replica_id, cached) if credit is not None else 0.0
             saved = cached + saved_share * fetched  # saved tokens that weigh w each
-            weight = 1.0 + per_saved * saved / prompt_or_1
+            premium_tokens = saved if premium is None else premium(cached) + saved_share * fetched
+            weight = 1.0 + per_saved * premium_tokens / prompt_or_1
             recent_work = recent(replica_id)
             deviation = (balance_work(replica_id) if balance_work is not None else recent_work) - mean_balance
             beyond_dead = deviation - dead if deviation > dead else (deviation + dead if deviation < -dead else 0.0)
@@ -99,6 +103,37 @@ class Scoring:
             entries.append((recent_work > bound, cost, recent_work if tie_by_recent else 0.0,
                             ring_rank.get(replica_id, num_ring), replica_id))
         return _sorted(entries, found), cached_at
+
+
+def holder_premium(levels: list[tuple[int, int]], block_size: int) -> Callable[[int], float] | None:
+    """The part of a replica's cached tokens its affinity premium counts:
+    each token over the number of replicas known to hold its block
+    (``levels``: :meth:`PrefixIndex.holder_levels`), tokens past the last
+    known block (a within-block match) whole. None when every known block
+    has one holder (the premium is all of them).
+
+    Why: the premium (``w`` above 1) stands for the later requests that will
+    reuse the prefix where it is cached. When ``h`` replicas hold a part,
+    those requests spread over the ``h``, so one holder's claim on them is
+    ``1 / h``; and any of them taking this request leaves the part cached
+    where it was. A shared system prompt every replica holds then weighs
+    what it saves now, and no more, so it no longer pulls a new conversation
+    towards the replicas that cached it first (and away from one that has
+    not yet, for which the balance term had to open a ~75 % deficit).
+    """
+    if all(count <= 1 for _, count in levels):
+        return None
+    bounds = [(depth * block_size, count) for depth, count in reversed(levels)]  # shallowest first
+
+    def premium(cached: int) -> float:
+        total, start = 0.0, 0
+        for end, count in bounds:
+            if cached <= start:
+                return total
+            total += (min(cached, end) - start) / count
+            start = end
+        return total + (cached - start if cached > start else 0)
+    return premium
 
 
 def _sorted(entries: list[tuple], found: Candidates) -> list[tuple]:

@@ -120,29 +120,42 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
         mean_output_tokens=rng.choice((0.0, 20.0, 150.0)), num_prefill_tokens_total=outputs[replica_id], epoch=epochs[replica_id]))
 
 
+# The rule before the affinity premium was split among a part's holders and balance_weight went 0.1 -> 0.2
+# (issue 14, item 4): every config below but "default" and "split_fetch" keeps it, so their pins, recorded
+# before, show that split_affinity_by_holders False with balance_weight 0.1 decides exactly as before.
+UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1}
+
 CONFIGS = {
     "default": {},
-    "small_index": {"max_blocks_per_replica": 60, "max_partial_entries": 16, "learned_grace_s": 0.5},
-    "fetch_over_bound": {"fetch_credit_scope": "over_bound", "load_factor": 1.0, "fetch_min_tokens": 16},
-    "fetch_always": {"fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16},
-    "ties_and_reports": {"tie_by_recent_work": True, "balance_from_reports": True, "balance_dead_sd": 1.0},
-    "cold_home_bounded": {"cold_home": "bounded", "load_peer_estimate": True, "drain_foreign_load": True,
+    "split_fetch": {"fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16,
+                    "max_affinity_candidates": 8},
+    "unsplit": UNSPLIT,
+    "small_index": {**UNSPLIT, "max_blocks_per_replica": 60, "max_partial_entries": 16, "learned_grace_s": 0.5},
+    "fetch_over_bound": {**UNSPLIT, "fetch_credit_scope": "over_bound", "load_factor": 1.0, "fetch_min_tokens": 16},
+    "fetch_always": {**UNSPLIT, "fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16},
+    "ties_and_reports": {**UNSPLIT, "tie_by_recent_work": True, "balance_from_reports": True, "balance_dead_sd": 1.0},
+    "cold_home_bounded": {**UNSPLIT, "cold_home": "bounded", "load_peer_estimate": True, "drain_foreign_load": True,
                           "bound_fleet_scale": True},
-    "cold_home_ring": {"cold_home": "ring", "sub_block_tokens": 0, "num_ranked": 5},
-    "queue_price": {"balance_output_price": "queue", "load_factor": 1.1, "queue_decode_token_cost": 4.0},
-    "wide": {"max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
+    "cold_home_ring": {**UNSPLIT, "cold_home": "ring", "sub_block_tokens": 0, "num_ranked": 5},
+    "queue_price": {**UNSPLIT, "balance_output_price": "queue", "load_factor": 1.1, "queue_decode_token_cost": 4.0},
+    "wide": {**UNSPLIT, "max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
              "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
 }
 
 # sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite; re-pinned when
-# the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed).
+# the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
+# and pinned anew for the split premium ("default", "split_fetch"; the others carry UNSPLIT).
 PINS: dict[tuple[str, int], str] = {
+    ("default", 0): "f20ca46eb2eb57dc184d",  # split_affinity_by_holders, balance_weight 0.2 (issue 14, item 4)
+    ("default", 1): "e5b3ba0684b2e808d927",
+    ("split_fetch", 0): "2af2ebc465291ae15b4d",
+    ("split_fetch", 1): "6bc836638b8aa717895e",
     ("cold_home_bounded", 0): "309a0f5cfb1cb42ea3ee",
     ("cold_home_bounded", 1): "0429e3ccbc51c5efa73f",
     ("cold_home_ring", 0): "c14d6f1dae68c43c5c7d",
     ("cold_home_ring", 1): "520b18be7dafb54a5569",
-    ("default", 0): "068a8c3217aa1f1138d5",
-    ("default", 1): "d6ac244e4e48bd581098",
+    ("unsplit", 0): "068a8c3217aa1f1138d5",  # the default before the premium split
+    ("unsplit", 1): "d6ac244e4e48bd581098",
     ("fetch_always", 0): "8886d26a46bbd3b5f6d5",
     ("fetch_always", 1): "df9f71ea325b514c3c30",
     ("fetch_over_bound", 0): "54040be4a7d3189e518f",

@@ -111,6 +111,62 @@ def test_between_two_holders_the_less_loaded_wins():
     assert policy.rank(req)[0] == "replica-2"
 
 
+def _system_prompt_on_two_of_three(split, deficit):
+    """Three replicas: ``replica-0`` and ``replica-1`` hold a 64-token system
+    prompt (16 blocks), ``replica-2`` does not and did ``deficit`` tokens
+    less recent work than they did (30,000 each, all completed: no queues);
+    ``balance_weight`` 0.1. Returns the policy and a new conversation's
+    first prompt (80 tokens)."""
+    clock = Clock()
+    policy = make_policy(clock, replicas=REPLICAS[:3], split_affinity_by_holders=split, balance_weight=0.1)
+    system = prompt(9, 64)
+    for replica_id in REPLICAS[:2]:
+        policy.on_summary(summary(replica_id, 1, [system]))
+    for i in range(30):
+        for n, replica_id in enumerate(REPLICAS[:3]):
+            policy.loads.on_routed(f"old{i}-{n}", replica_id, 1_000.0 - (deficit / 30 if n == 2 else 0), clock())
+            policy.on_completed(f"old{i}-{n}")
+    policy.check_invariants()
+    return policy, request(system + prompt(10, 16))
+
+
+def test_a_part_several_replicas_hold_weighs_what_it_saves_now():
+    """The affinity premium of the system prompt is split between its two
+    holders (w = 1 + 15 x 32/80 = 7 instead of 13 on 64 cached tokens), so the
+    replica without it and 6,000 tokens behind takes the new conversation:
+    its balance credit (0.1 x 6,000) beats 7 x 64 - 64 = 384 of premium but
+    not 13 x 64 - 64 = 768. 10,000 behind, it wins either way; 3,000
+    behind, neither way."""
+    for split, deficit, expected in ((True, 6_000, {"replica-2"}), (False, 6_000, {"replica-0", "replica-1"}),
+                                     (False, 10_000, {"replica-2"}), (True, 3_000, {"replica-0", "replica-1"})):
+        policy, new_chat = _system_prompt_on_two_of_three(split, deficit)
+        assert policy.rank(new_chat)[0] in expected, (split, deficit)
+
+
+def test_a_part_one_replica_holds_keeps_its_whole_premium():
+    """Nothing changes where every known block has one holder."""
+    for split in (True, False):
+        clock = Clock()
+        policy = make_policy(clock, split_affinity_by_holders=split)
+        history = prompt(11, 64)
+        policy.on_summary(summary("replica-3", 1, [history]))
+        for n, replica_id in enumerate(REPLICAS):
+            policy.loads.on_routed(f"old{n}", replica_id, 9_000.0 if replica_id == "replica-3" else 8_000.0, clock())
+            policy.on_completed(f"old{n}")
+        assert policy.rank(request(history + prompt(12, 16)))[0] == "replica-3"
+
+
+def test_holder_premium_divides_each_run_by_its_holders():
+    from router.scoring import holder_premium
+    premium = holder_premium([(6, 1), (4, 2), (2, 4)], block_size=10)  # blocks 0-1: 4 holders, 2-3: 2, 4-5: 1
+    assert premium(0) == 0
+    assert premium(20) == pytest.approx(20 / 4)
+    assert premium(30) == pytest.approx(20 / 4 + 10 / 2)
+    assert premium(60) == pytest.approx(20 / 4 + 20 / 2 + 20)
+    assert premium(63) == pytest.approx(20 / 4 + 20 / 2 + 23)  # a within-block match: one holder
+    assert holder_premium([(6, 1)], 10) is None and holder_premium([], 10) is None
+
+
 def test_a_hot_prefix_spills_under_bounded_load_and_the_spill_target_gets_affinity():
     clock = Clock()
     policy = make_policy(clock, load_window_s=60.0)
