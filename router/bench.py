@@ -1,6 +1,6 @@
 """Router decision cost: ``rank`` + ``on_routed`` per request, for 4k-token prompts.
 
-    python -m router.bench [--replicas 8,16,32,64] [--prompt-tokens 4096] [--json OUT]
+    python -m router.bench [--replicas 8,16,32,64] [--prompt-tokens 4096] [--policy-args JSON] [--json OUT]
 
 Per fleet size: a policy is warmed up with ``--warmup`` requests (prompts of
 ``--prompt-tokens`` tokens: a 2k-token prefix shared by one of 64 groups +
@@ -53,9 +53,10 @@ def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> lis
     return out
 
 
-def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int) -> dict:
+def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int,
+                policy_args: dict | None = None) -> dict:
     clock = _Clock()
-    policy = PrefixAffinityPolicy(PolicyConfig(block_size=block_tokens), clock=clock)
+    policy = PrefixAffinityPolicy(PolicyConfig(**{**(policy_args or {}), "block_size": block_tokens}), clock=clock)
     replica_ids = [f"replica-{i}" for i in range(num_replicas)]
     policy.set_replicas(replica_ids)
     routed: dict[str, set[int]] = {r: set() for r in replica_ids}
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy-args", type=json.loads, default={},
+                        help="PolicyConfig knobs as JSON, e.g. '{\"split_affinity_by_holders\": false}'")
     parser.add_argument("--json", help="output JSON path")
     args = parser.parse_args(argv)
     fleet_sizes = [int(n) for n in args.replicas.split(",")]
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(200):
         block_hashes(tokens, args.block_tokens)
     hash_us = (time.perf_counter_ns() - started) / 1000 / 200
-    results = [bench_fleet(n, requests, args.warmup, args.block_tokens) for n in fleet_sizes]
+    results = [bench_fleet(n, requests, args.warmup, args.block_tokens, args.policy_args) for n in fleet_sizes]
     print(f"{args.prompt_tokens}-token prompts, block size {args.block_tokens} "
           f"({args.prompt_tokens // args.block_tokens} blocks); ingress block_hashes: {hash_us:.0f} us/prompt")
     print(f"{'replicas':>8} {'cpu p50 us':>10} {'cpu p99 us':>10} {'cpu max us':>10} {'wall p50':>9} {'wall p99':>9}"
