@@ -119,12 +119,22 @@ class FetchConfig:
     estimated to take more than this many times the transfer (1: whenever
     the transfer is faster; above 1, a margin for the estimates' error; 0:
     every hinted fetch, whatever the estimates, e.g. to test the mechanics).
+    ``prior_overhead_s``: a fetch's fixed cost (the call to the owner, its
+    copy and checksum, the import) assumed until one completes and measures
+    it. At 0 every replica's first fetch went ahead however few tokens it
+    moved: in the live multi-turn load test each round's first hint fetched
+    64 tokens that recompute in ~2 ms, took ~0.2 s (the call to a busy owner
+    on this 2-core VM; ``harness.fetch_bench``: 0.02-0.2 s), and was the
+    run's TTFT p99. 0.05 s keeps a few blocks local; a prefix that takes
+    longer than that to recompute is still fetched, and the first completed
+    fetch replaces the prior with what it measured.
     """
 
     enabled: bool = True
     timeout_s: float = 2.0
     probe_bytes: int = 4 << 20
     min_speedup: float = 1.0
+    prior_overhead_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -136,3 +146,6 @@ class FetchConfig:
         speedup = self.min_speedup
         if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 <= speedup <= 1000:
             raise ValueError(f"fetch min_speedup must be a number in [0, 1000], got {speedup!r}")
+        prior = self.prior_overhead_s
+        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior <= 60:
+            raise ValueError(f"fetch prior_overhead_s must be a number in [0, 60], got {prior!r}")

@@ -17,7 +17,8 @@ queued:
    whenever the transfer is faster). ``bandwidth``: a start-up object-store
    round trip (``probe_bytes``), until fetches of varied sizes fit a line;
    ``overhead_s``: what completed fetches took beyond that (the call to the
-   owner, its copy and checksum, the import). ``prefill_s_per_token``: the
+   owner, its copy and checksum, the import); ``prior_overhead_s`` before
+   the first. ``prefill_s_per_token``: the
    engine's EWMA over its prefill steps (``AsyncEngine.prefill_s_per_token``);
    before the first one, the hint is trusted.
 3. Ask the owner for at most ``num_tokens`` of the prompt under the
@@ -105,7 +106,8 @@ class TransferModel:
     """Seconds a fetch of ``n`` bytes takes: ``overhead_s + n / bandwidth``.
 
     Starts from ``probe_bytes_per_s`` (None: unknown until a fetch completes)
-    with no overhead. Each completed fetch adds ``(bytes, seconds)`` to a
+    and ``prior_overhead_s`` (``FetchConfig.prior_overhead_s``), which the
+    first completed fetch replaces. Each completed fetch adds ``(bytes, seconds)`` to a
     window of the last ``WINDOW``. Once the window holds sizes at least 2×
     apart, a least-squares line through it gives both terms (if its slope is
     positive; its intercept clamped at 0); until then the bandwidth stays
@@ -117,8 +119,9 @@ class TransferModel:
 
     WINDOW = 32
 
-    def __init__(self, probe_bytes_per_s: float | None = None) -> None:
+    def __init__(self, probe_bytes_per_s: float | None = None, prior_overhead_s: float = 0.0) -> None:
         self._probe = probe_bytes_per_s
+        self._prior_overhead_s = prior_overhead_s
         self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
 
     @property
@@ -144,7 +147,7 @@ class TransferModel:
                 return None
             return 0.0, sum(b for b, _ in samples) / max(sum(s for _, s in samples), 1e-9)
         residuals = [max(0.0, s - b / self._probe) for b, s in samples]
-        return (sum(residuals) / len(residuals) if residuals else 0.0), self._probe
+        return (sum(residuals) / len(residuals) if residuals else self._prior_overhead_s), self._probe
 
     def estimate_s(self, num_bytes: int) -> float | None:
         terms = self.terms()
@@ -224,7 +227,7 @@ class PrefixFetcher:
         self._config = config
         self._transport = transport
         self._clock = clock
-        self.transfer = TransferModel(bandwidth_bytes_per_s)
+        self.transfer = TransferModel(bandwidth_bytes_per_s, config.prior_overhead_s)
         self.counters = FetchCounters()
         self._in_flight: dict[tuple, _SharedFetch] = {}
 

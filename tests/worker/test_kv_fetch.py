@@ -124,6 +124,10 @@ def test_the_transfer_model_learns_overhead_then_fits_a_line():
     unprobed = TransferModel()
     unprobed.observe(10**6, 0.01)
     assert unprobed.terms() == pytest.approx((0.0, 1e8))
+    primed = TransferModel(probe_bytes_per_s=1e9, prior_overhead_s=0.05)  # FetchConfig.prior_overhead_s
+    assert primed.terms() == (0.05, 1e9)
+    primed.observe(10**6, 0.003)  # the first fetch measures the overhead: the prior is gone
+    assert primed.terms() == pytest.approx((0.002, 1e9))
 
 
 def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
@@ -138,18 +142,25 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
         hint = FetchHint(OWNER, 64)
         # moving 64 positions pays exactly when bandwidth > 64 * bytes_per_token / (64 * s_per_token)
         breakeven = receiver_engine.engine.bytes_per_token / s_per_token
+        no_prior = FetchConfig(prior_overhead_s=0.0)  # the bandwidth alone decides
         transport = Direct(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
-        slow = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport, bandwidth_bytes_per_s=breakeven / 2)
+        slow = PrefixFetcher(receiver_engine, RECEIVER, no_prior, transport, bandwidth_bytes_per_s=breakeven / 2)
         assert not slow.should_fetch(64, 64)
         assert await slow.prepare(prompt, None, hint) == 0
         assert fallbacks(slow) == {"slower": 1} and transport.requests == []
-        fast = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport, bandwidth_bytes_per_s=breakeven * 2)
+        fast = PrefixFetcher(receiver_engine, RECEIVER, no_prior, transport, bandwidth_bytes_per_s=breakeven * 2)
         assert fast.should_fetch(64, 64) and not fast.should_fetch(64, 16)  # only 16 missing: recompute
-        careful = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=4.0), transport,
-                                bandwidth_bytes_per_s=breakeven * 2)
+        careful = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=4.0, prior_overhead_s=0.0),
+                                transport, bandwidth_bytes_per_s=breakeven * 2)
         eager = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport,
                               bandwidth_bytes_per_s=breakeven / 100)
         assert not careful.should_fetch(64, 64) and eager.should_fetch(64, 1)
+        # The default prior (0.05 s until a fetch measures it): 64 positions that recompute in well
+        # under that stay local however fast the bandwidth; a prefix that takes longer is fetched.
+        primed = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport, bandwidth_bytes_per_s=breakeven * 2)
+        assert 64 * s_per_token < 0.05 and not primed.should_fetch(64, 64)
+        long = int(0.2 / s_per_token) + 1
+        assert primed.should_fetch(long, long)
         assert await fast.prepare(prompt, None, hint) == 64
         stats = fast.stats()
         assert stats["fetch_count"] == 1 and stats["fetch_tokens"] == 64
