@@ -148,12 +148,6 @@ class PrefixIndex:
             depth = _last_true(depth - 1, lambda d: holders.get(block_hashes[d - 1], 0).bit_count() > count)
         return num_known, found
 
-    def holder_levels(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
-        """The ``levels`` :meth:`deepest_holders` fills, for ``block_hashes``."""
-        levels: list[tuple[int, int]] = []
-        self.deepest_holders(block_hashes, 0, levels=levels)
-        return levels
-
     def depth(self, replica_id: str, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of ``block_hashes`` ``replica_id`` holds. O(log n)."""
         slot = self._slot.get(replica_id)

@@ -108,7 +108,7 @@ class Scoring:
 def holder_premium(levels: list[tuple[int, int]], block_size: int) -> Callable[[int], float] | None:
     """The part of a replica's cached tokens its affinity premium counts:
     each token over the number of replicas known to hold its block
-    (``levels``: :meth:`PrefixIndex.holder_levels`), tokens past the last
+    (``levels``: what :meth:`PrefixIndex.deepest_holders` fills), tokens past the last
     known block (a within-block match) whole. None when every known block
     has one holder (the premium is all of them).
 

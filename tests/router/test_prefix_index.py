@@ -22,6 +22,12 @@ def test_learned_blocks_are_found_at_once_with_their_depth():
     assert index.deepest_holders([1, 2, 3], 1) == (3, {"a": 3})
 
 
+def holder_levels(index, path):
+    levels = []
+    index.deepest_holders(path, 0, levels=levels)
+    return levels
+
+
 def test_holder_levels_count_the_holders_of_each_run_deepest_first():
     index = PrefixIndex()
     index.learn("a", [1, 2, 3, 4, 5, 6], now=0.0)  # a conversation's history
@@ -29,10 +35,10 @@ def test_holder_levels_count_the_holders_of_each_run_deepest_first():
     index.learn("c", [1, 2], now=0.0)  # the system prompt
     index.learn("d", [1, 2], now=0.0)
     index.check_invariants()
-    assert index.holder_levels([1, 2, 3, 4, 5, 6, 7]) == [(6, 1), (4, 2), (2, 4)]
-    assert index.holder_levels([1, 2, 3, 8]) == [(3, 2), (2, 4)]
-    assert index.holder_levels([1, 2, 9]) == [(2, 4)]
-    assert index.holder_levels([9]) == []
+    assert holder_levels(index, [1, 2, 3, 4, 5, 6, 7]) == [(6, 1), (4, 2), (2, 4)]
+    assert holder_levels(index, [1, 2, 3, 8]) == [(3, 2), (2, 4)]
+    assert holder_levels(index, [1, 2, 9]) == [(2, 4)]
+    assert holder_levels(index, [9]) == []
     levels = []  # filled by the walk that finds the holders, which goes on past max_replicas for it
     assert index.deepest_holders([1, 2, 3, 4, 5, 6], 1, levels=levels) == (6, {"a": 6})
     assert levels == [(6, 1), (4, 2), (2, 4)]
@@ -161,7 +167,7 @@ def test_randomized_against_a_naive_reference():
             if all(x >= y for x, y in zip(counts, counts[1:])):  # held prefix by prefix (the usual case)
                 levels = [(d + 1, counts[d]) for d in range(num_known - 1, -1, -1)
                           if d == num_known - 1 or counts[d] != counts[d + 1]]
-                assert index.holder_levels(path) == levels
+                assert holder_levels(index, path) == levels
                 walked = []
                 assert index.deepest_holders(path, 2, levels=walked) == index.deepest_holders(path, 2)
                 assert walked == levels

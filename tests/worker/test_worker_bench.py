@@ -41,20 +41,3 @@ def test_distinct_workload_and_a_static_batch_peer_agree_on_greedy_tokens():
             "transformers generate (static batch)": "4/4"
         }
 
-
-def test_the_handoff_bench_times_both_paths_on_the_deployed_engine(capsys):
-    """worker.handoff_bench reads deploy/config.yaml's engine and prints the
-    AsyncEngine's TTFT beside the plain step loop's time and their difference."""
-    from worker.handoff_bench import deployed_engine_config, main
-
-    import torch
-
-    config = deployed_engine_config()
-    assert config.model == "tiny-llama" and config.cache_budget_tokens == 65536
-    threads = torch.get_num_threads()
-    try:
-        assert main(["--requests", "4", "--warmup", "1", "--prompt-tokens", "16", "--threads", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)  # the script sets the process's torch threads
-    out = capsys.readouterr().out
-    assert "16-token prompts, 3 timed" in out and "AsyncEngine ttft_s" in out and "hand-off (difference)" in out

@@ -1,6 +1,6 @@
 """What the asyncio front adds to a request's time to first token (a script, not a test).
 
-    python -m worker.handoff_bench [--prompt-tokens 64] [--requests 40] [--warmup 10] [--threads 1]
+    python -m harness.handoff_bench [--prompt-tokens 64] [--requests 40] [--warmup 10] [--threads 1]
 
 An idle ``AsyncEngine`` with deploy/config.yaml's engine settings answers
 ``--requests`` fresh prompts one at a time (greedy, one output token); each
@@ -20,23 +20,14 @@ import asyncio
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
-import yaml
 
+from harness.serving import config_engine_args
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.sampling import SamplingParams
-
-CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "config.yaml"
-
-
-def deployed_engine_config() -> EngineConfig:
-    """deploy/config.yaml's model and engine settings."""
-    args = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
-    return EngineConfig(model=args.get("model", "tiny-llama"), **args.get("engine", {}))
 
 
 def _prompts(rng: random.Random, count: int, num_tokens: int) -> list[list[int]]:
@@ -69,7 +60,7 @@ def _step_times(config: EngineConfig, prompts: list[list[int]], params: Sampling
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.handoff_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.handoff_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
@@ -78,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.warmup < args.requests or args.prompt_tokens <= 0:
         parser.error("need 0 <= --warmup < --requests and --prompt-tokens > 0")
     torch.set_num_threads(args.threads)
-    config = deployed_engine_config()
+    config = EngineConfig(**config_engine_args())  # the deployment's engine (tiny-llama)
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
     rng = random.Random(0)
     ttfts = asyncio.run(_async_ttfts(config, _prompts(rng, args.requests, args.prompt_tokens), params))
