@@ -33,10 +33,24 @@ from harness.ray_nodes import node_resources, place_one_worker_per_node, replica
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now and never returned before by this process.
+
+    The OS may hand the same ephemeral port to two ``bind(0)`` calls in a row
+    once the first socket is closed; a ``ray start`` given one port twice
+    (e.g. dashboard and client server) fails, so each port is handed out once.
+    """
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _PORTS_HANDED_OUT:
+            _PORTS_HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 1000 tries")
 
 
 class ServeApp:
@@ -121,7 +135,21 @@ class ServeApp:
             env["RAY_DASHBOARD_ADDRESS"] = f"http://127.0.0.1:{self.dashboard_port}"
         return env
 
-    def _start_ray(self) -> None:
+    def _start_ray(self, attempts: int = 3) -> None:
+        """Start the head (and any extra nodes) on fresh free ports.
+
+        A port free when picked can be taken by another process before Ray
+        binds it; a failed start is stopped and retried on new ports."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_ray_once()
+                return
+            except subprocess.CalledProcessError as error:
+                self.stop_ray()
+                if attempt == attempts:
+                    raise RuntimeError(f"ray start failed {attempts} times; last stderr:\n{error.stderr}") from error
+
+    def _start_ray_once(self) -> None:
         self._temp_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
         gcs_port, self.dashboard_port = free_port(), free_port()
         command = [

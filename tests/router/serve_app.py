@@ -9,7 +9,6 @@ Worker streams it (``cache.summary_sender.SummarySender``, bases put with
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -19,15 +18,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cache import block_hashes
+from harness.serving import free_port
 from router import RoutingRequest
 
 BLOCK = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
