@@ -123,10 +123,12 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
 # The rule before the affinity premium was split among a part's holders and balance_weight went 0.1 -> 0.2
 # (issue 14, item 4): every config below but "default" and "split_fetch" keeps it, so their pins, recorded
 # before, show that split_affinity_by_holders False with balance_weight 0.1 decides exactly as before.
-UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1}
+# fetch_min_tokens went 256 -> 64 after that: "min256" keeps the split default's decisions and pins.
+UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256}
 
 CONFIGS = {
     "default": {},
+    "min256": {"fetch_min_tokens": 256},
     "split_fetch": {"fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16,
                     "max_affinity_candidates": 8},
     "unsplit": UNSPLIT,
@@ -146,8 +148,10 @@ CONFIGS = {
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
 # and pinned anew for the split premium ("default", "split_fetch"; the others carry UNSPLIT).
 PINS: dict[tuple[str, int], str] = {
-    ("default", 0): "f20ca46eb2eb57dc184d",  # split_affinity_by_holders, balance_weight 0.2 (issue 14, item 4)
-    ("default", 1): "e5b3ba0684b2e808d927",
+    ("default", 0): "b114452e4df866582152",  # fetch_min_tokens 64
+    ("default", 1): "1f66a23e1e2778bc4176",
+    ("min256", 0): "f20ca46eb2eb57dc184d",  # split_affinity_by_holders, balance_weight 0.2 (issue 14, item 4)
+    ("min256", 1): "e5b3ba0684b2e808d927",
     ("split_fetch", 0): "2af2ebc465291ae15b4d",
     ("split_fetch", 1): "6bc836638b8aa717895e",
     ("cold_home_bounded", 0): "309a0f5cfb1cb42ea3ee",
