@@ -96,6 +96,10 @@ def pair(make_async_engine):
 
 
 def fetchers(owner_engine, receiver_engine, transport=None, **config):
+    """Owner and receiver fetchers; every hint is fetched (``min_speedup`` 0) unless ``config`` says
+    otherwise: these tests are about the mechanics, not the decision (a fresh receiver has timed no
+    prefill and would recompute)."""
+    config = {"min_speedup": 0.0, **config}
     owner = PrefixFetcher(owner_engine, OWNER, FetchConfig(**config), Answers(None))
     receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(**config), transport or Direct(owner))
     return owner, receiver
@@ -174,6 +178,31 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
     assert_clean(owner_engine, receiver_engine)
 
 
+def test_a_receiver_that_has_timed_no_prefill_recomputes_unless_told_to_fetch_every_hint(pair, tokens):
+    """Before its first prefill step a replica cannot weigh a transfer against recomputing: it
+    recomputes (``unmeasured``) without calling the owner; ``min_speedup`` 0 still fetches."""
+    owner_engine, receiver_engine = pair
+    prompt = tokens(96)
+
+    async def main():
+        await owner_engine.generate(prompt, GREEDY)
+        assert receiver_engine.prefill_s_per_token is None
+        owner = PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None))
+        calls = Direct(owner)
+        fresh = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), calls, bandwidth_bytes_per_s=1e12)
+        assert not fresh.should_fetch(64, 64)
+        assert await fresh.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
+        assert fallbacks(fresh) == {"unmeasured": 1} and calls.requests == []
+        eager = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), calls)
+        assert await eager.prepare(prompt, None, FetchHint(OWNER, 64)) == 64 and len(calls.requests) == 1
+        result = await receiver_engine.generate(tokens(80), GREEDY)  # a prefill step: now it is measured
+        assert result.cached_tokens == 0 and receiver_engine.prefill_s_per_token is not None
+        assert fresh.should_fetch(10_000, 10_000)  # a long prefix over a fast link pays
+
+    asyncio.run(main())
+    assert_clean(owner_engine, receiver_engine)
+
+
 def test_after_a_fetch_outputs_equal_the_reference_bit_for_bit(pair, tokens):
     owner_engine, receiver_engine = pair
     prompt = tokens(75)  # the hint: 4 blocks of 16; the rest (11 tokens) is computed
@@ -236,15 +265,15 @@ def test_every_owner_failure_falls_back_to_recompute_by_reason(pair, tokens):
         }
         longer = dataclasses.replace(good, token_ids=good.token_ids + (5,))  # more than was asked for
         for bad in (longer, "not a bundle"):
-            receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), Answers(ExportReply(OWNER, bad)))
+            receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), Answers(ExportReply(OWNER, bad)))
             assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
             assert fallbacks(receiver) == {"rejected": 1}
         for reason, transport in cases.items():
-            receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
+            receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport)
             assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
             assert fallbacks(receiver) == {reason: 1}, reason
         hangs = Hangs()
-        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(timeout_s=0.2), hangs)
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(timeout_s=0.2, min_speedup=0.0), hangs)
         started = asyncio.get_running_loop().time()
         assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
         assert asyncio.get_running_loop().time() - started < 2.0 and hangs.cancelled
@@ -273,7 +302,7 @@ def test_a_request_cancelled_mid_fetch_cancels_the_call_and_leaks_nothing(pair, 
 
     async def main():
         hangs = Hangs()
-        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(timeout_s=30), hangs)
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(timeout_s=30, min_speedup=0.0), hangs)
         task = asyncio.create_task(receiver.prepare(prompt, None, FetchHint(OWNER, 64)))
         await hangs.started.wait()
         task.cancel()
@@ -287,7 +316,7 @@ def test_a_request_cancelled_mid_fetch_cancels_the_call_and_leaks_nothing(pair, 
         # cancelled while its import runs: the import completes, consistent, and the next request hits
         await owner_engine.generate(prompt, GREEDY)
         transport = Direct(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
-        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport)
         task = asyncio.create_task(receiver.prepare(prompt, None, FetchHint(OWNER, 64)))
         while not transport.requests:
             await asyncio.sleep(0)
@@ -329,7 +358,7 @@ def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
     async def main():
         await owner_engine.generate(prompt, GREEDY)
         transport = Gated(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
-        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport)
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport)
         hint = FetchHint(OWNER, 64)
         waiters = [asyncio.create_task(receiver.prepare(prompt[:66] + [i], None, hint)) for i in range(3)]
         while len(transport.requests) < 1 or receiver.counters.num_joined < 2:
