@@ -400,7 +400,7 @@ class AsyncEngine:
 
     @property
     def prefill_s_per_token(self) -> float | None:
-        """Measured seconds per prefilled token (EWMA; None before the first prefill step)."""
+        """Measured marginal seconds per prefilled token (:class:`worker.kv_fetch.PrefillRate`; None before the first prefill step)."""
         return self._prefill_rate.s_per_token
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], salt: str | None = None) -> int:

@@ -18,9 +18,10 @@ queued:
    round trip (``probe_bytes``), until fetches of varied sizes fit a line;
    ``overhead_s``: what completed fetches took beyond that (the call to the
    owner, its copy and checksum, the import); ``prior_overhead_s`` before
-   the first. ``prefill_s_per_token``: the
-   engine's EWMA over its prefill steps (``AsyncEngine.prefill_s_per_token``);
-   before the first one the replica recomputes (``unmeasured``; with
+   the first. ``prefill_s_per_token``: what
+   one more token adds to the engine's prefill steps (:class:`PrefillRate`,
+   ``AsyncEngine.prefill_s_per_token``), since the missing prefix rides in a
+   step its request runs anyway; before the first one the replica recomputes (``unmeasured``; with
    ``min_speedup`` 0 it fetches): a fresh replica's first hints had fetched
    64 tokens in 0.09-0.15 s that recompute in ~10 ms on this VM, and were
    the live multi-turn TTFT p99. Recomputing is never wrong, and the first
@@ -86,24 +87,59 @@ class Ewma:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
 
 
+def fit_line(samples: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(intercept, slope)`` of ``y`` on ``x`` over ``(x, y)``
+    samples, or None unless the largest ``x`` is at least 2x the smallest
+    (points too close together fit any slope)."""
+    if not samples:
+        return None
+    xs = [x for x, _ in samples]
+    if max(xs) < 2 * min(xs):
+        return None
+    mean_x, mean_y = sum(xs) / len(samples), sum(y for _, y in samples) / len(samples)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in samples) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
 class PrefillRate:
-    """Seconds per token of the engine's prefill-heavy steps, as an EWMA (the
-    cost of recomputing a prefix). Fed by the engine thread after each step
-    with the stats before and after it; a step counts when at least half of
-    its tokens were prefill (decode-heavy steps say little about a prefill)."""
+    """What one more prefilled token adds to a step, in seconds (the cost of
+    recomputing a prefix). Fed by the engine thread after each step with the
+    stats before and after it; a step counts when at least half of its
+    tokens were prefill (decode-heavy steps say little about a prefill).
+
+    A recomputed prefix rides in a step its request runs anyway (for the
+    tokens nobody holds), so what it costs is the step's *marginal* time per
+    token, not its average: a step has a fixed cost, and a step of a few
+    tokens averages many times the marginal one (on this 2-core VM a
+    5-token step took ~20 ms, 4 ms a token, against ~0.1 ms a token
+    at 300). Once the last ``WINDOW`` counted steps hold sizes at least 2×
+    apart, a least-squares line through ``(tokens, seconds)`` gives it (its
+    slope, when positive with an intercept of at least 0; else the window's
+    seconds ÷ tokens); until then an EWMA of each step's seconds per token.
+    """
+
+    WINDOW = 32
 
     def __init__(self) -> None:
         self._ewma = Ewma()
+        self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
 
     @property
     def s_per_token(self) -> float | None:
-        return self._ewma.value
+        line = fit_line(self._samples)
+        if line is None:
+            return self._ewma.value
+        intercept, slope = line
+        if slope > 0 and intercept >= 0:
+            return slope
+        return sum(t for _, t in self._samples) / sum(n for n, _ in self._samples)
 
     def observe_step(self, before: dict, after: dict, elapsed_s: float) -> None:
         prefilled = after["prefill_tokens"] - before["prefill_tokens"]
         decoded = after["decode_tokens"] - before["decode_tokens"]
         if prefilled > 0 and prefilled >= decoded and elapsed_s > 0:
             self._ewma.observe(elapsed_s / (prefilled + decoded))
+            self._samples.append((prefilled + decoded, elapsed_s))
 
 
 class TransferModel:
@@ -138,14 +174,9 @@ class TransferModel:
     def terms(self) -> tuple[float, float] | None:
         """``(overhead_s, bandwidth_bytes_per_s)``; None when nothing is known."""
         samples = self._samples
-        if samples:
-            sizes = [b for b, _ in samples]
-            if max(sizes) >= 2 * min(sizes):
-                mean_b, mean_s = sum(sizes) / len(samples), sum(s for _, s in samples) / len(samples)
-                spread = sum((b - mean_b) ** 2 for b in sizes)
-                slope = sum((b - mean_b) * (s - mean_s) for b, s in samples) / spread
-                if slope > 0:
-                    return max(0.0, mean_s - slope * mean_b), 1.0 / slope
+        line = fit_line(samples)
+        if line is not None and line[1] > 0:
+            return max(0.0, line[0]), 1.0 / line[1]
         if self._probe is None:
             if not samples:
                 return None

@@ -116,6 +116,27 @@ def test_prefill_rate_counts_prefill_heavy_steps_only():
     assert rate.s_per_token == pytest.approx(0.005 + 0.3 * (0.02 - 0.005))
 
 
+def _step(rate: PrefillRate, prefilled: int, seconds: float) -> None:
+    rate.observe_step({"prefill_tokens": 0, "decode_tokens": 0}, {"prefill_tokens": prefilled, "decode_tokens": 0},
+                      seconds)
+
+
+def test_prefill_rate_is_the_marginal_cost_once_step_sizes_vary():
+    """A step's fixed cost is paid by the request anyway: the rate is the line's slope, not the
+    average (a 5-token step averages 4 ms a token where the marginal cost is 0.1 ms)."""
+    rate = PrefillRate()
+    _step(rate, 5, 0.0205)
+    _step(rate, 7, 0.0207)
+    assert rate.s_per_token == pytest.approx(0.0205 / 5 + 0.3 * (0.0207 / 7 - 0.0205 / 5))  # sizes alike: EWMA
+    _step(rate, 300, 0.05)
+    _step(rate, 100, 0.03)
+    assert rate.s_per_token == pytest.approx(0.0001, rel=0.01)  # seconds = 0.02 + 0.0001 x tokens
+    inverted = PrefillRate()  # a line with a negative intercept says nothing about a fixed cost
+    _step(inverted, 10, 0.001)
+    _step(inverted, 100, 0.1)
+    assert inverted.s_per_token == pytest.approx((0.001 + 0.1) / (10 + 100))
+
+
 def test_the_transfer_model_learns_overhead_then_fits_a_line():
     model = TransferModel(probe_bytes_per_s=1e9)
     assert model.terms() == (0.0, 1e9) and model.estimate_s(10**9) == pytest.approx(1.0)
