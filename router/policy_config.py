@@ -55,9 +55,8 @@ class PolicyConfig:
     2026-12-02). A hint is only an offer: the receiving worker weighs the
     transfer, fixed cost included, against recomputing with its own
     measured figures (``worker.kv_fetch.PrefixFetcher.should_fetch``), so
-    the router need not guess that fixed cost; the one-block floor keeps a
-    worker that has measured nothing yet (and then trusts the hint) from
-    fetching a partial block. At 256 a multi-turn conversation's second
+    the router need not guess that fixed cost; the one-block floor keeps
+    hints for partial blocks, which never pay, off the wire. At 256 a multi-turn conversation's second
     turn never got a hint: a turn adds a question and an answer (128 + 128
     tokens), so a spilled second turn lacked exactly 256 tokens of its
     home's prefix and recomputed them, and its copy then competed with the

@@ -126,13 +126,14 @@ class PrefillRate:
 
     @property
     def s_per_token(self) -> float | None:
-        line = fit_line(self._samples)
+        samples = tuple(self._samples)  # one copy: the engine thread appends while fetch decisions read
+        line = fit_line(samples)
         if line is None:
             return self._ewma.value
         intercept, slope = line
         if slope > 0 and intercept >= 0:
             return slope
-        return sum(t for _, t in self._samples) / sum(n for n, _ in self._samples)
+        return sum(t for _, t in samples) / sum(n for n, _ in samples)
 
     def observe_step(self, before: dict, after: dict, elapsed_s: float) -> None:
         prefilled = after["prefill_tokens"] - before["prefill_tokens"]
