@@ -60,7 +60,7 @@ _COMPACT_KEYS = {
     "timestamp_s": "t", "block_size": "bs", "num_cached_tokens": "c", "budget_tokens": "b",
     "num_queued_tokens": "q", "num_running_tokens": "r", "num_running": "nr", "num_waiting": "nw",
     "num_prefill_tokens_total": "pt", "num_output_tokens_total": "ot", "mean_output_tokens": "mo",
-    "base_version": "bv",
+    "decode_token_cost": "dc", "queue_token_cost": "qc", "base_version": "bv",
 }
 _COUNT_FIELDS = (
     "num_cached_tokens",
@@ -72,6 +72,8 @@ _COUNT_FIELDS = (
     "num_prefill_tokens_total",
     "num_output_tokens_total",
 )
+
+_RATE_FIELDS = ("mean_output_tokens", "decode_token_cost", "queue_token_cost")  # floats >= 0, absent reads as 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,13 @@ class CacheSummary:
       mean_output_tokens: mean output length (tokens) of the requests this
         replica finished recently (a small rolling window); 0.0 when none. The
         router's estimate of decode work, in place of ``max_tokens``.
+      decode_token_cost / queue_token_cost: what one output token costs this
+        replica's engine, in prefill-token equivalents, as it measured its
+        own steps (``worker.step_costs.StepCosts``): the busy time of a lone
+        decode step (its fixed cost plus one sequence's row), and the delay
+        one decoding sequence adds to every step it shares (its row only);
+        0.0 while not measured. The router prices expected output with them
+        (``PolicyConfig.learn_token_costs``) instead of a configured guess.
       num_prefill_tokens_total / num_output_tokens_total: tokens this replica
         process has run through prefill and generated since it started (its
         epoch): counters every router reads alike, so routers that see only
@@ -119,7 +128,8 @@ class CacheSummary:
          "h"?: base64 of the sorted block hashes as little-endian uint64,
          "rm"?: the same of removed_hashes (a delta),
          "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?: the counts,
-         "mo"?: mean_output_tokens, "bv"?: base_version}
+         "mo"?: mean_output_tokens, "dc"?, "qc"?: the token costs,
+         "bv"?: base_version}
 
     where a field left out is 0 (empty for hashes, "" for the epoch): a
     summary's fixed cost is what changes, not ~350 bytes of names and zeros
@@ -141,7 +151,8 @@ class CacheSummary:
          "num_cached_tokens": int, "budget_tokens": int,
          "num_queued_tokens": int, "num_running_tokens": int,
          "num_running": int, "num_waiting": int,
-         "mean_output_tokens": float}  # absent reads as 0.0
+         "mean_output_tokens": float,  # absent reads as 0.0
+         "decode_token_cost": float, "queue_token_cost": float}  # the same
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
     ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field;
@@ -166,6 +177,8 @@ class CacheSummary:
     epoch: str = ""
     base_version: int = 0
     removed_hashes: frozenset[int] = frozenset()
+    decode_token_cost: float = 0.0
+    queue_token_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -180,9 +193,10 @@ class CacheSummary:
             raise ValueError(f"block_hashes must be a frozenset, got {type(self.block_hashes).__name__}")
         for name in _COUNT_FIELDS:
             _check_count(name, getattr(self, name))
-        mean = self.mean_output_tokens
-        if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean < 0:
-            raise ValueError(f"mean_output_tokens must be a finite number >= 0, got {mean!r}")
+        for name in _RATE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.epoch, str):
             raise ValueError(f"epoch must be a str, got {self.epoch!r}")
         _check_count("base_version", self.base_version)
@@ -217,6 +231,8 @@ class CacheSummary:
         mean_output_tokens: float = 0.0,
         num_prefill_tokens_total: int = 0,
         num_output_tokens_total: int = 0,
+        decode_token_cost: float = 0.0,
+        queue_token_cost: float = 0.0,
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -234,6 +250,8 @@ class CacheSummary:
             mean_output_tokens=float(mean_output_tokens),
             num_prefill_tokens_total=num_prefill_tokens_total,
             num_output_tokens_total=num_output_tokens_total,
+            decode_token_cost=float(decode_token_cost),
+            queue_token_cost=float(queue_token_cost),
         )
 
     def to_dict(self, compact: bool = True) -> dict:
@@ -251,7 +269,9 @@ class CacheSummary:
         }
         for name in _COUNT_FIELDS:
             out[name] = getattr(self, name)
-        out["mean_output_tokens"] = float(self.mean_output_tokens)
+        for name in _RATE_FIELDS:
+            if name == "mean_output_tokens" or getattr(self, name):
+                out[name] = float(getattr(self, name))
         if self.epoch:
             out["epoch"] = self.epoch
         if self.is_delta:
@@ -273,8 +293,9 @@ class CacheSummary:
         for name in _COUNT_FIELDS:
             if getattr(self, name):
                 out[_COMPACT_KEYS[name]] = getattr(self, name)
-        if self.mean_output_tokens:
-            out["mo"] = float(self.mean_output_tokens)
+        for name in _RATE_FIELDS:
+            if getattr(self, name):
+                out[_COMPACT_KEYS[name]] = float(getattr(self, name))
         if self.base_version:
             out["bv"] = self.base_version
         return out
@@ -291,7 +312,7 @@ class CacheSummary:
             block_size=data["bs"],
             block_hashes=frozenset(_unpack_any(data.get("h", ""), "block_hashes")),
             **{name: data.get(_COMPACT_KEYS[name], 0) for name in _COUNT_FIELDS},
-            mean_output_tokens=_number(data.get("mo", 0.0), "mean_output_tokens"),
+            **{name: _number(data.get(_COMPACT_KEYS[name], 0.0), name) for name in _RATE_FIELDS},
             epoch=data.get("epoch", ""),
             base_version=data.get("bv", 0),
             removed_hashes=frozenset(_unpack_any(data.get("rm", ""), "removed_hashes")),
@@ -320,7 +341,7 @@ class CacheSummary:
             block_size=data["block_size"],
             block_hashes=frozenset(hashes),
             **{name: data.get(name, 0) for name in _COUNT_FIELDS},
-            mean_output_tokens=_number(data.get("mean_output_tokens", 0.0), "mean_output_tokens"),
+            **{name: _number(data.get(name, 0.0), name) for name in _RATE_FIELDS},
             epoch=data.get("epoch", ""),
             base_version=data.get("base_version", 0),
             removed_hashes=frozenset(removed),

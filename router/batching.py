@@ -351,6 +351,11 @@ class BatchingReplica:
     def _running_tokens(self) -> int:
         return sum(s.request.num_prompt_tokens + s.num_generated for s in self._running)
 
+    @property
+    def token_costs(self) -> tuple[float, float]:
+        """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output token."""
+        return self.profile.decode_token_cost, self.profile.queue_token_cost
+
     def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:
         return observed_summary(
             self, version, now, unit_tokens, units_per_block, num_waiting=len(self._waiting),

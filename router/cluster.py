@@ -156,6 +156,11 @@ class SimReplica:
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
+    @property
+    def token_costs(self) -> tuple[float, float]:
+        """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output token."""
+        return self.cost.decode_token_cost, self.cost.queue_token_cost
+
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
         self.radix.match(units, touch=True)
         self.free_at_s = max(self.free_at_s, now) + busy_s
@@ -233,7 +238,9 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
                      num_waiting: int, num_running: int, queued: int, running: int) -> CacheSummary:
     """The summary a simulated replica (either model) reports: only what a live
     worker fills (its cache, queued/running tokens and counts, mean output,
-    token counters), in tokens of ``unit_tokens`` per simulated unit."""
+    token counters, the token prices its steps cost), in tokens of
+    ``unit_tokens`` per simulated unit."""
+    decode_token_cost, queue_token_cost = replica.token_costs
     return CacheSummary(
         replica_id=replica.replica_id,
         version=version,
@@ -249,4 +256,6 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
         mean_output_tokens=replica._outputs.mean,  # noqa: SLF001 - both replica models keep one
         num_prefill_tokens_total=replica._prefill_total,  # noqa: SLF001
         num_output_tokens_total=replica._output_total,  # noqa: SLF001
+        decode_token_cost=decode_token_cost,
+        queue_token_cost=queue_token_cost,
     )

@@ -23,6 +23,7 @@ from router.ring import HashRing
 from router.router_share import RouterShare
 from router.scoring import Scoring, holder_premium
 from router.summary_intake import SummaryIntake
+from router.token_prices import ReportedTokenPrices
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class PrefixAffinityPolicy:
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._share = RouterShare(self.config.load_window_s)
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
+        self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost)
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -207,6 +209,8 @@ class PrefixAffinityPolicy:
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
         self._share.remove(replica_id)
+        if self._prices.remove(replica_id):
+            self._reprice()
 
     # ------------------------------------------------------------------ reports
     def on_summary(self, summary: CacheSummary) -> bool:
@@ -237,12 +241,28 @@ class PrefixAffinityPolicy:
             self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
+        if self.config.learn_token_costs and self._prices.report(replica_id, summary.decode_token_cost,
+                                                                 summary.queue_token_cost):
+            self._reprice()
         reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                               summary.num_output_tokens_total, self._clock(), reported_work)
         self._loads.on_report(replica_id, reported_work)
         self._share.on_report(replica_id, summary.epoch, summary.num_output_tokens_total, self._clock())
         return True
+
+    def _reprice(self) -> None:
+        """Put the replicas' measured token prices in force (``learn_token_costs``):
+        decisions from now on and the reported-work counters use them; work
+        booked before keeps its price."""
+        prices = self._prices
+        self.config = dataclasses.replace(self.config, decode_token_cost=prices.decode_token_cost,
+                                          queue_decode_token_cost=prices.queue_token_cost)
+        self._reported.decode_token_cost = prices.decode_token_cost
+        self._reported.queue_token_cost = prices.queue_token_cost
+        self._queue_priced.reprice(self.config)
+        logger.info("token prices in force: %.1f busy, %.1f queued, prefill-token equivalents per output token",
+                    prices.decode_token_cost, prices.queue_token_cost)
 
     def _reported_work(self, summary: CacheSummary) -> float:
         """A report in the units of the load: the queued prompt tokens, plus

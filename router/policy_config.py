@@ -51,6 +51,18 @@ class PolicyConfig:
     The split alone: multi-turn batching 1.105; 0.2 alone: 1.110 and
     Mooncake FIFO 0.5737 at 1.0 s.
 
+    ``learn_token_costs`` = True: ``decode_token_cost`` and
+    ``queue_decode_token_cost`` are priors. Once replicas report what their
+    engines measured (``CacheSummary.decode_token_cost`` /
+    ``queue_token_cost``, fitted by each Worker from its own steps), the
+    median of their reports replaces them (:class:`router.token_prices.
+    ReportedTokenPrices`). A live router was otherwise left with the FIFO
+    price (40 and 40) in front of a batching engine whose lone decode step
+    costs ~200 prefill tokens of busy time and whose decoding sequence
+    delays a queued prefill by ~5 (tiny-llama, one CPU thread). The
+    simulator's replicas report their cost model's prices, which are also
+    its policy's priors, so simulated figures do not move.
+
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the
     transfer, fixed cost included, against recomputing with its own
@@ -110,6 +122,7 @@ class PolicyConfig:
     max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete
     decode_token_cost: float = 40.0  # prefill-token equivalents per expected output token (busy time, balance)
     queue_decode_token_cost: float | None = None  # the same, as delay to requests behind it; None: decode_token_cost
+    learn_token_costs: bool = True  # both prices follow what the replicas measure (CacheSummary), these are priors
     virtual_nodes: int = 128  # ring points per replica
     max_blocks_per_replica: int = 1 << 18  # index entries per replica (memory bound)
     learned_grace_s: float = 5.0  # own decisions a summary may not reflect yet
@@ -154,7 +167,7 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
-        for name in ("tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
+        for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
                      "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -17,10 +17,12 @@ class QueuePricedWork:
     replica computed, i.e. how fast its cache turns over (issue 14, item 4;
     BENCHMARKS.md "Cache turnover under batching").
 
-    Active only with ``balance_output_price`` "queue" and two different
-    prices; otherwise every method does nothing and :meth:`view` is None
-    (the balance term reads the load tracker's recent work), so the policy
-    calls it unconditionally. It mirrors the policy's bookings (reserve,
+    Kept only with ``balance_output_price`` "queue" and two different
+    prices, or prices that may become different (``learn_token_costs``:
+    the replicas' measurements replace the configured ones, :meth:`reprice`);
+    otherwise every method does nothing. :meth:`view` is None while the two
+    prices in force are equal (the balance term reads the load tracker's
+    recent work), so the policy calls it unconditionally. It mirrors the policy's bookings (reserve,
     refresh, confirm, complete) in a :class:`LoadTracker` of its own, so a
     reservation never confirmed is forgotten here too; only its recent work
     is read.
@@ -30,13 +32,22 @@ class QueuePricedWork:
     """
 
     def __init__(self, config: PolicyConfig) -> None:
-        is_active = config.balance_output_price == "queue" and config.queue_token_cost != config.decode_token_cost
+        is_kept = config.balance_output_price == "queue" and (
+            config.queue_token_cost != config.decode_token_cost or config.learn_token_costs)
         self._tracker = LoadTracker(config.in_flight_timeout_s, config.load_window_s,
-                                    config.reservation_timeout_s) if is_active else None
+                                    config.reservation_timeout_s) if is_kept else None
+        self._is_priced = False
+        self.reprice(config)
 
     @property
     def is_active(self) -> bool:
-        return self._tracker is not None
+        """Whether :meth:`view` may answer (kept, and the two prices differ now)."""
+        return self._tracker is not None and self._is_priced
+
+    def reprice(self, config: PolicyConfig) -> None:
+        """The prices in force changed (``config`` holds them). Bookings made
+        before keep the queue price they were made at."""
+        self._is_priced = config.queue_token_cost != config.decode_token_cost
 
     def add_replica(self, replica_id: str) -> None:
         if self._tracker is not None:
@@ -71,7 +82,7 @@ class QueuePricedWork:
         deviations are in work units and ``balance_weight`` keeps its
         strength (unscaled, multi-turn batching imbalance went 1.15 -> 1.42).
         None when inactive or before any booking."""
-        if self._tracker is None:
+        if self._tracker is None or not self._is_priced:
             return None
         mean_priced = self._tracker.recent_total(now) / max(num_replicas, 1)
         if not mean_priced > 0:

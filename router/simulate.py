@@ -412,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-mode", choices=SIM_SUMMARY_MODES, default="full",
                         help="full: every cached block each period; stream: snapshots + chained deltas; "
                              "reference: a live Worker's stream (deltas naming their base by an object ref)")
-    parser.add_argument("--decode-token-cost", type=float, default=None,
-                        help="ours' prefill-token price of an output token (default: from the cost model/profile)")
+    parser.add_argument("--decode-token-cost", type=float, default=None,  # a prior: the replicas report theirs
+                        help="ours' prior prefill-token price of an output token (default: from the cost model/"
+                             "profile); the replicas' measured prices replace it unless --policy-args "
+                             "'{\"learn_token_costs\": false}'")
     parser.add_argument("--arrivals", choices=("open", "closed"), default="open",
                         help="open: the workload's arrival times, scaled to --utilisation; closed: --concurrency "
                              "sessions, each sending its next request when the previous completes")

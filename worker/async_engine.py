@@ -37,6 +37,7 @@ from worker.engine import Engine
 from worker.kv_fetch import PrefillRate
 from worker.results import EngineOverloaded, GenerationResult, TokenEvent
 from worker.sampling import SamplingParams
+from worker.step_costs import StepCosts
 
 logger = logging.getLogger(__name__)
 OUTPUT_WINDOW = 64  # finished requests whose output lengths the cache summary averages
@@ -98,6 +99,7 @@ class AsyncEngine:
         self._output_lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)  # engine thread appends
         self._num_output_tokens_total = 0  # tokens of every finished request (engine thread)
         self._prefill_rate = PrefillRate()  # engine thread observes; fetch decisions read
+        self._step_costs = StepCosts()  # engine thread observes; cache summaries read
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._thread.start()
 
@@ -290,7 +292,11 @@ class AsyncEngine:
                     self._fail_all(RuntimeError(f"engine step failed: {error!r}"), deliveries)
                 self._route(events, deliveries)
                 previous, self._snapshot = self._snapshot, self.engine.stats
-                self._prefill_rate.observe_step(previous, self._snapshot, self._clock() - started_s)
+                elapsed_s = self._clock() - started_s
+                self._prefill_rate.observe_step(previous, self._snapshot, elapsed_s)
+                self._step_costs.observe(  # each decoding sequence makes one token a step
+                    self._snapshot["prefill_tokens"] - previous["prefill_tokens"],
+                    self._snapshot["decode_tokens"] - previous["decode_tokens"], elapsed_s)
             self._deliver(deliveries)
 
     @contextlib.contextmanager
@@ -403,6 +409,12 @@ class AsyncEngine:
         """Measured marginal seconds per prefilled token (:class:`worker.kv_fetch.PrefillRate`; None before the first prefill step)."""
         return self._prefill_rate.s_per_token
 
+    def token_costs(self) -> tuple[float, float]:
+        """``(decode_token_cost, queue_token_cost)``: an output token in prefill-token
+        equivalents as this engine's steps measure it (:class:`worker.step_costs.StepCosts`;
+        ``(0.0, 0.0)`` until enough steps of both kinds were timed)."""
+        return self._step_costs.prices()
+
     def cached_prefix_tokens(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Leading positions of ``token_ids`` cached under ``salt`` (a pure read, under the cache lock)."""
         with self._cache_lock:
@@ -434,6 +446,7 @@ class AsyncEngine:
         steps. Blocks the caller for at most one engine step; cost O(cached tokens)."""
         with self._sinks_lock:
             num_live = len(self._sinks)
+        decode_token_cost, queue_token_cost = self.token_costs()  # a fit: outside the engine's locks
         with self._exclusive():
             scheduler = self.engine.scheduler
             return CacheSummary.from_radix(
@@ -449,6 +462,8 @@ class AsyncEngine:
                 mean_output_tokens=self.mean_output_tokens(),
                 num_prefill_tokens_total=self.engine.stats["prefill_tokens"],
                 num_output_tokens_total=self._num_output_tokens_total,
+                decode_token_cost=decode_token_cost,
+                queue_token_cost=queue_token_cost,
             )
 
     def mean_output_tokens(self) -> float:

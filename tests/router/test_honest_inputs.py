@@ -124,6 +124,8 @@ def test_a_fifo_summary_is_what_the_worker_observes():
     later = replica.summary(2, 3.0, 1, 4)
     assert later.mean_output_tokens == 4.0
     assert (later.num_prefill_tokens_total, later.num_output_tokens_total) == (150, 4)
+    # what its steps cost, as a worker measures it: one price under FIFO (0.5 s / 0.01 s a token)
+    assert (later.decode_token_cost, later.queue_token_cost) == (50.0, 50.0)
     contract = ["replica_id", "version", "timestamp_s", "block_size", "block_hashes", "num_cached_tokens",
                 "budget_tokens", "num_queued_tokens", "num_running_tokens", "num_running", "num_waiting",
                 "mean_output_tokens"]  # DESIGN.md's order; extensions follow
@@ -139,3 +141,30 @@ def test_a_batching_summary_counts_prompts_not_yet_admitted_and_running_tokens()
     summary = replica.summary(1, 0.01, 1, 4)
     assert (summary.num_running, summary.num_waiting) == (1, 1)
     assert (summary.num_running_tokens, summary.num_queued_tokens) == (100, 40)
+    # a lone decode step (10 ms) against a prefill token (1 ms): busy 10; a decoding row costs 0 here
+    assert (summary.decode_token_cost, summary.queue_token_cost) == (10.0, 0.0)
+
+
+def test_a_simulated_router_given_the_fifo_price_learns_the_batching_profiles_two():
+    """As live: the policy's configured prices are priors; the replicas'
+    summaries carry their step profile's prices and those come into force."""
+    profile = StepProfile(0.002, 1e-5, 5e-5, 0.0, max_batch_tokens=512, kv_capacity_tokens=100_000)
+    workload = shared_prefix(num_groups=2, prompts_per_group=8, system_tokens=128, question_tokens=16,
+                             output_tokens=8)
+    seen = []
+    real_init = simulate.PrefixAffinityPolicy.__init__
+
+    def keep(self, config, clock):
+        real_init(self, config, clock)
+        seen.append(self)
+
+    config = SimConfig(num_replicas=2, budget_tokens=10_000, replica_model="cb", profile=profile,
+                       decode_token_cost=40.0,
+                       policy=simulate.PolicyConfig(queue_decode_token_cost=40.0, block_size=16))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(simulate.PrefixAffinityPolicy, "__init__", keep)
+        replay(workload, config, "ours")
+    (policy,) = seen
+    assert policy.config.decode_token_cost == pytest.approx(profile.decode_token_cost)  # (2 ms + 50 µs) / 10 µs
+    assert policy.config.queue_token_cost == pytest.approx(profile.queue_token_cost)  # 50 µs / 10 µs
+    assert (round(profile.decode_token_cost), round(profile.queue_token_cost)) == (205, 5)

@@ -293,3 +293,33 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_cache_summary_carries_the_token_costs_its_steps_measure(make_async_engine):
+    """Rounds of 1-4 concurrent requests, prompts of 16-200 tokens, 8-24 output
+    tokens each: prefill steps of sizes far apart (a lone short prompt, then
+    several prompts packed into one step) and decode-only steps of 1-4
+    sequences, enough of both for :class:`worker.step_costs.StepCosts` to fit
+    (it needs 8 of each, the prefill sizes at least 2x apart).
+
+    A lone decode step costs the step's fixed cost (~2 ms on this model, on
+    CPU) plus one sequence's row, some hundred prefill tokens' time; the
+    queue price is that row alone. On CPU a row is some tens of µs against
+    step-time noise of that size or more (a shared machine), so the fit can
+    clamp it to 0 (NNLS): only ``>= 0`` is asserted for it."""
+    async def main():
+        engine = make_async_engine()
+        assert engine.token_costs() == (0.0, 0.0)  # nothing timed yet: not measured
+        rng = random.Random(7)
+        for prompt_lengths in ((24,), (60, 150), (16, 90, 200), (40, 120, 180, 70), (200, 30, 100, 160),
+                               (50, 190, 80, 140)):  # a lone 24-token step, steps of up to 256: sizes > 2x apart
+            batch = [([rng.randrange(3, 259) for _ in range(length)],
+                      SamplingParams(max_new_tokens=rng.randrange(8, 25), ignore_eos=True)) for length in prompt_lengths]
+            await asyncio.gather(*(engine.generate(prompt, params) for prompt, params in batch))
+        summary = engine.cache_summary(16, replica_id="r1", version=1, timestamp_s=0.0)
+        assert (summary.decode_token_cost, summary.queue_token_cost) == engine.token_costs()  # idle: no step since
+        assert summary.decode_token_cost > summary.queue_token_cost >= 0
+        assert summary.decode_token_cost > 10  # the fixed cost alone is worth far more than 10 prefill tokens
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,66 @@
+"""What an output token costs, in prefill-token equivalents, as the replicas
+measure it (``CacheSummary.decode_token_cost`` / ``queue_token_cost``)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+class ReportedTokenPrices:
+    """The two prices of an expected output token the policy uses, learned
+    from what the replicas report about their own engines.
+
+    - ``decode_token_cost``: how long a decode keeps a replica busy (a lone
+      decode step: the step's fixed cost plus one sequence), for recent work
+      and the load bound;
+    - ``queue_token_cost``: the delay a decoding sequence adds to requests
+      queued behind it (its row in each shared step), for the load term.
+
+    A FIFO server has one price (a decode blocks the queue as long as it
+    runs); a continuous-batching engine has two far apart (tiny-llama on
+    one CPU thread: ~209 and ~5; an 8B model on an H100: ~84 and ~4), and
+    no configured constant fits both.
+
+    The prices in force start at the configured ones and follow the median
+    over the replicas that have reported a measurement (a replica's
+    ``decode_token_cost`` 0 means it has not measured yet and leaves its
+    earlier report standing). They move only when a median drifts more than
+    ``tolerance`` (relative) from the price in force, so a noisy measurement
+    does not reprice every decision each period.
+
+    Invariants: both prices are finite and >= 0; with no report they are the
+    configured ones; each replica counts once (its latest report).
+    """
+
+    def __init__(self, decode_token_cost: float, queue_token_cost: float, tolerance: float = 0.1) -> None:
+        self.decode_token_cost = float(decode_token_cost)
+        self.queue_token_cost = float(queue_token_cost)
+        self._tolerance = tolerance
+        self._replica_to_prices: dict[str, tuple[float, float]] = {}
+
+    def report(self, replica_id: str, decode_token_cost: float, queue_token_cost: float) -> bool:
+        """Take a replica's measured prices; True when the prices in force changed."""
+        if not decode_token_cost > 0:
+            return False  # not measured yet
+        self._replica_to_prices[replica_id] = (float(decode_token_cost), float(queue_token_cost))
+        return self._refresh()
+
+    def remove(self, replica_id: str) -> bool:
+        """Forget a replica's report; True when the prices in force changed."""
+        if self._replica_to_prices.pop(replica_id, None) is None:
+            return False
+        return self._refresh()
+
+    def _refresh(self) -> bool:
+        if not self._replica_to_prices:
+            return False  # keep the last prices in force: the fleet's engines did not change
+        reports = self._replica_to_prices.values()
+        decode = statistics.median(d for d, _ in reports)
+        queue = statistics.median(q for _, q in reports)
+        if not (self._drifted(decode, self.decode_token_cost) or self._drifted(queue, self.queue_token_cost)):
+            return False
+        self.decode_token_cost, self.queue_token_cost = decode, queue
+        return True
+
+    def _drifted(self, measured: float, in_force: float) -> bool:
+        return abs(measured - in_force) > self._tolerance * max(in_force, 1.0)
