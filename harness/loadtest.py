@@ -248,6 +248,14 @@ def summary_arms(args) -> list[Arm]:
     return [Arm(f"summary-{mode}", "kvroute", kvroute_kwargs, {"summary_mode": mode}) for mode in ("stream", "full")]
 
 
+def token_price_arms(args) -> list[Arm]:
+    """``--compare-token-prices``: our router pricing output tokens at what the
+    Workers measure (``learn_token_costs``), then at its configured priors only."""
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else {}
+    return [Arm(f"prices-{label}", "kvroute", kvroute_kwargs | {"learn_token_costs": learn})
+            for label, learn in (("measured", True), ("configured", False))]
+
+
 def stream_interval_arms(args) -> list[Arm]:
     """``--compare-stream-intervals 0,50``: our router with the app's
     ``stream_interval_ms`` at each value (how often a stream's tokens leave
@@ -318,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="our router with the Workers' summary_mode stream and full")
     parser.add_argument("--compare-stream-intervals", default=None,
                         help="our router with the app's stream_interval_ms at each value, e.g. 0,50")
+    parser.add_argument("--compare-token-prices", action="store_true",
+                        help="our router with learn_token_costs on (the Workers' measured prices) and off")
     parser.add_argument("--nodes", type=int, default=1, help="comparisons: Ray nodes on this machine, one Worker each")
     parser.add_argument("--object-store-mb", type=int, default=None, help="comparisons: object store per node (MiB)")
     parser.add_argument("--engine-args", default="{}", help='comparisons: JSON engine changes, e.g. {"max_batch_tokens": 256}')
@@ -350,16 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"workload": args.workload, "scale": args.scale, "mode": args.mode, "concurrency": args.concurrency,
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
-    flags = ("compare_routers", "compare_fetch", "compare_summaries", "compare_stream_intervals")
+    flags = ("compare_routers", "compare_fetch", "compare_summaries", "compare_stream_intervals",
+             "compare_token_prices")
     comparisons = [flag for flag in flags if getattr(args, flag)]
     if len(comparisons) > 1:
-        parser.error("--compare-routers, --compare-fetch, --compare-summaries and --compare-stream-intervals "
-                     "are separate comparisons: pick one")
+        parser.error("--compare-routers, --compare-fetch, --compare-summaries, --compare-stream-intervals and "
+                     "--compare-token-prices are separate comparisons: pick one")
     if comparisons:
         meta.update(rounds=args.rounds, nodes=args.nodes, engine_args=json.loads(args.engine_args),
                     tiny_llama_shape=args.tiny_llama_shape)
         arms = {"compare_routers": router_arms, "compare_fetch": fetch_arms,
-                "compare_summaries": summary_arms, "compare_stream_intervals": stream_interval_arms}[comparisons[0]](args)
+                "compare_summaries": summary_arms, "compare_stream_intervals": stream_interval_arms,
+                "compare_token_prices": token_price_arms}[comparisons[0]](args)
         results = compare_arms(args, options, sessions, slo, arms)
     else:
         warm_up(options, args.warmup_requests, args.seed)
