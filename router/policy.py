@@ -56,7 +56,11 @@ class PrefixAffinityPolicy:
        :func:`router.scoring.holder_premium`; off: ``cached(r)``). ``load`` is the
        work queued there (this router's in-flight requests, each weighing
        its uncached tokens + ``queue_decode_token_cost`` per expected output
-       token, plus what the replica last reported beyond that). The expected
+       token, plus what the replica last reported beyond that). Both token
+       prices are what the replicas' engines measure (their summaries'
+       ``decode_token_cost`` / ``queue_token_cost``, the median over the
+       fleet; :class:`ReportedTokenPrices`), the configured ones only until
+       a replica reports (``learn_token_costs``). The expected
        output is what the replicas observe, never the request's real length:
        the mean output length ``r`` reports in its summaries (its prefixes'
        applications), else the fleet's, capped by the request's

@@ -233,6 +233,14 @@ def _decode_heavy_and_prefill_heavy(price, queue_decode_token_cost):
     clock = Clock()
     policy = make_policy(clock, replicas=REPLICAS[:2], decode_token_cost=40.0, balance_output_price=price,
                          queue_decode_token_cost=queue_decode_token_cost)
+    return (policy, *book_decode_heavy_and_prefill_heavy(policy))
+
+
+def book_decode_heavy_and_prefill_heavy(policy):
+    """On the policy's first two replicas, ``decoder`` gets 100 outputs on
+    32-token prompts, ``prefiller`` 4,032-token prompts with no output (the
+    same recent work at 40 per output token); all complete. Returns them and
+    a cold prompt whose ring home is ``prefiller``."""
     decoder, prefiller = REPLICAS[:2]
     for i in range(4):
         for replica_id, num_prompt, num_output in ((decoder, 32, 100), (prefiller, 4032, 0)):
@@ -242,7 +250,7 @@ def _decode_heavy_and_prefill_heavy(price, queue_decode_token_cost):
     policy.check_invariants()
     cold = next(request(prompt(seed)) for seed in range(100, 200)
                 if policy.ring.lookup(request(prompt(seed)).block_hashes[0]) == prefiller)
-    return policy, decoder, prefiller, cold
+    return decoder, prefiller, cold
 
 
 def test_the_balance_term_prices_an_output_token_at_its_queue_price():

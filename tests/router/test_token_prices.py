@@ -6,7 +6,8 @@ import pytest
 
 from cache.summary import CacheSummary
 from router.token_prices import ReportedTokenPrices
-from tests.router.test_policy import REPLICAS, make_policy, prompt, request, summary
+from tests.router.test_policy import (REPLICAS, book_decode_heavy_and_prefill_heavy, make_policy, prompt, request,
+                                      summary)
 
 
 def test_priors_hold_until_a_replica_reports_a_measurement():
@@ -64,22 +65,6 @@ def test_a_summary_carries_the_measured_prices_in_both_wire_formats():
         dataclasses.replace(measured, queue_token_cost=-1.0)
 
 
-def _book_decode_heavy_and_prefill_heavy(policy):
-    """``decoder``: 100 outputs on 32-token prompts; ``prefiller``:
-    4,032-token prompts, no output (equal recent work at 40 per output
-    token); then a cold prompt whose ring home is ``prefiller``."""
-    decoder, prefiller = REPLICAS[:2]
-    for i in range(4):
-        for replica_id, num_prompt, num_output in ((decoder, 32, 100), (prefiller, 4032, 0)):
-            tokens = prompt(500 + 2 * i + (replica_id == prefiller), num_prompt)
-            policy.on_routed(request(tokens, num_output_tokens=num_output), replica_id, f"{replica_id}{i}")
-            policy.on_completed(f"{replica_id}{i}")
-    policy.check_invariants()
-    cold = next(request(prompt(seed)) for seed in range(100, 200)
-                if policy.ring.lookup(request(prompt(seed)).block_hashes[0]) == prefiller)
-    return decoder, prefiller, cold
-
-
 @pytest.mark.parametrize("learn", [True, False])
 def test_a_router_given_one_price_learns_the_batching_engines_two(learn):
     """Configured with the FIFO price alone (40 and 40, what the live app
@@ -94,7 +79,7 @@ def test_a_router_given_one_price_learns_the_batching_engines_two(learn):
     for replica_id in REPLICAS[:2]:
         policy.on_summary(_measured(replica_id, 40.0, 4.0))
     policy.check_invariants()
-    decoder, prefiller, cold = _book_decode_heavy_and_prefill_heavy(policy)
+    decoder, prefiller, cold = book_decode_heavy_and_prefill_heavy(policy)
     if learn:
         assert (policy.config.decode_token_cost, policy.config.queue_token_cost) == (40.0, 4.0)
         assert policy.rank(cold)[0] == decoder
