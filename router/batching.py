@@ -169,6 +169,7 @@ class BatchingReplica:
         self.replica_id = replica_id
         self.radix = RadixCache(budget_units, block_size=1)
         self.profile = profile
+        self.reported_token_costs: tuple[float, float] | None = None  # None: the profile's
         self.busy_s = 0.0
         self.outcomes: dict[int, Outcome] = {}
         self._clock_s = 0.0  # when the next step may start
@@ -353,7 +354,10 @@ class BatchingReplica:
 
     @property
     def token_costs(self) -> tuple[float, float]:
-        """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output token."""
+        """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output
+        token — its timing's, or ``reported_token_costs`` where given (a live run's Workers' reports)."""
+        if self.reported_token_costs is not None:
+            return self.reported_token_costs
         return self.profile.decode_token_cost, self.profile.queue_token_cost
 
     def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:

@@ -152,13 +152,17 @@ class SimReplica:
         self._time_s = 0.0
         self._prefill_total = self._output_total = 0  # counted when done (prefill at submit: FIFO order)
         self.fetch_counts = FetchCounts()
+        self.reported_token_costs: tuple[float, float] | None = None
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
     @property
     def token_costs(self) -> tuple[float, float]:
-        """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output token."""
+        """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output
+        token — its timing's, or ``reported_token_costs`` where given (a live run's Workers' reports)."""
+        if self.reported_token_costs is not None:
+            return self.reported_token_costs
         return self.cost.decode_token_cost, self.cost.queue_token_cost
 
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:

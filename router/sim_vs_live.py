@@ -174,6 +174,23 @@ def ingress_samples(report: dict) -> list[float]:
     return sorted(x for result in report["results"].values() for x in result.get("ingress_overhead_samples_s", ()))
 
 
+def live_token_costs(report: dict) -> tuple[float, float] | None:
+    """The (busy, queue) token prices our router learned live: the median over
+    every round's Workers of the prices they reported in ``/stats`` (with
+    ``decode_token_cost`` > 0: measured), under our router. The live router
+    took the median of its Workers' reports, so the simulated replicas report
+    this instead of the profile's prices (the profile was calibrated on cold
+    single-chunk prompts, the Workers measure what they serve). None when the
+    run recorded none (an older load test)."""
+    reports = [(stats["decode_token_cost"], stats.get("queue_token_cost", 0.0))
+               for round_figures in report["results"].get("kvroute", {}).get("rounds", ())
+               for stats in round_figures.get("server_stats", {}).get("replicas", {}).values()
+               if stats.get("decode_token_cost", 0.0) > 0]
+    if not reports:
+        return None
+    return statistics.median(d for d, _ in reports), statistics.median(q for _, q in reports)
+
+
 def measured_ingress_s(live: dict[str, dict]) -> float:
     """Median over routers of the median client-less-engine TTFT; ValueError if the run did not record it."""
     values = [f["ingress_p50"] for f in live.values() if f["ingress_p50"] is not None]
@@ -184,7 +201,10 @@ def measured_ingress_s(live: dict[str, dict]) -> float:
 
 def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, workload_args: dict,
                       trace: str | None, seed: int, num_replicas: int, budget_tokens: int, block_tokens: int,
-                      seeds: int, ingress_samples: list[float] = ()) -> tuple[dict[str, dict], dict]:
+                      seeds: int, ingress_samples: list[float] = (),
+                      token_costs: tuple[float, float] | None = None) -> tuple[dict[str, dict], dict]:
+    """``token_costs``: the (busy, queue) prices the simulated replicas report
+    (:func:`live_token_costs`: what the live Workers reported); None: the profile's."""
     meta = report["meta"]
     if meta.get("mode", "closed") != "closed":
         raise ValueError(f"the live run was {meta['mode']}-loop; this compares closed-loop runs")
@@ -201,6 +221,7 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, w
                        else live_policy.decode_token_cost),
         decode_token_cost=live_policy.decode_token_cost,
         closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=ingress_s),
+        reported_token_costs=token_costs,
     )
     runs = [simulate(workload, config, list(ROUTERS.values()), seeds=[s]) for s in range(seed, seed + seeds)]
     draws = random.Random(seed)
@@ -340,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-variability", choices=("measured", "none"), default="none",
                         help="measured: prefill/mixed steps drawn from the live inter-token gaps (when recorded; "
                              "an upper bound: the gaps' spread already holds the prefill steps' own length)")
+    parser.add_argument("--token-costs", choices=("measured", "profile"), default="measured",
+                        help="the token prices the simulated Workers report: the live Workers' median (when "
+                             "recorded) or the profile's")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     with open(args.live) as handle:
@@ -353,21 +377,27 @@ def main(argv: list[str] | None = None) -> int:
     slowdown = measured_slowdown(report, profile) if args.engine_slowdown == "measured" else float(args.engine_slowdown)
     engine = slowed(profile, slowdown)
     factors = step_factors(report) if args.step_variability == "measured" else ()
+    token_costs = live_token_costs(report) if args.token_costs == "measured" else None
     if factors:
         engine = VariableSteps(**engine.to_dict(), factors=factors, seed=args.seed)
     sim, result = simulated_figures(report, engine, ingress_s,
                                     workload_args=json.loads(args.workload_args), trace=args.trace, seed=args.seed,
                                     num_replicas=args.replicas, budget_tokens=args.budget_tokens,
                                     block_tokens=args.block_tokens, seeds=args.seeds,
-                                    ingress_samples=ingress_samples(report) if args.ingress_s == "measured" else ())
+                                    ingress_samples=ingress_samples(report) if args.ingress_s == "measured" else (),
+                                    token_costs=token_costs)
     comparison = compare(live, sim)
     print(f"step times: x{slowdown:.2f} the profile's"
           + (f", prefill/mixed steps varied by {len(factors)} live inter-token gaps" if factors else ", fixed"))
+    print("token prices the simulated Workers report: " + (
+        f"the live Workers' median, {token_costs[0]:.1f} busy / {token_costs[1]:.2f} queued" if token_costs
+        else f"the profile's, {profile.decode_token_cost:.1f} busy / {profile.queue_token_cost:.2f} queued"))
     print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown,
                    drawn=args.ingress_s == "measured" and bool(ingress_samples(report)))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"ingress_s": ingress_s, "engine_slowdown": slowdown, "profile": args.profile,
+                       "token_costs": token_costs,
                        "step_variability": bool(factors), "comparison": comparison,
                        "simulated": result, "live_meta": report["meta"]}, handle, indent=2)
     return 0

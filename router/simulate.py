@@ -83,6 +83,9 @@ class SimConfig:
     # deltas; "reference" what a live Worker sends (cache.summary_sender): deltas naming their base by a handle
     closed_loop: ClosedLoopConfig | None = None  # None: open loop at the workload's (scaled) arrival times
     fetch: FetchModel = field(default_factory=FetchModel)  # KV transfer figures for ours' fetch hints
+    # The (busy, queue) token prices the replicas report as their engines' measurement; None: their cost
+    # model's. sim_vs_live passes what the live Workers reported, whose engine measures its own.
+    reported_token_costs: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -114,8 +117,12 @@ TRACE_MAX_TOKENS = 2048  # a trace's requests carry no max_tokens; a chat defaul
 
 def make_replicas(config: SimConfig, budget_units: int) -> list:
     if config.replica_model == "fifo":
-        return [SimReplica(f"replica-{i}", budget_units, config.cost) for i in range(config.num_replicas)]
-    return [BatchingReplica(f"replica-{i}", budget_units, config.profile) for i in range(config.num_replicas)]
+        replicas = [SimReplica(f"replica-{i}", budget_units, config.cost) for i in range(config.num_replicas)]
+    else:
+        replicas = [BatchingReplica(f"replica-{i}", budget_units, config.profile) for i in range(config.num_replicas)]
+    for replica in replicas:
+        replica.reported_token_costs = config.reported_token_costs
+    return replicas
 
 
 class Ours:

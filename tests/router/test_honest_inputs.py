@@ -168,3 +168,16 @@ def test_a_simulated_router_given_the_fifo_price_learns_the_batching_profiles_tw
     assert policy.config.decode_token_cost == pytest.approx(profile.decode_token_cost)  # (2 ms + 50 µs) / 10 µs
     assert policy.config.queue_token_cost == pytest.approx(profile.queue_token_cost)  # 50 µs / 10 µs
     assert (round(profile.decode_token_cost), round(profile.queue_token_cost)) == (205, 5)
+
+
+@pytest.mark.parametrize("replica_model", ["fifo", "cb"])
+def test_replicas_given_reported_prices_report_them_and_keep_their_timing(replica_model):
+    config = SimConfig(num_replicas=2, budget_tokens=1000, replica_model=replica_model,
+                       reported_token_costs=(50.0, 2.0))
+    replicas = simulate.make_replicas(config, 1000)
+    assert [r.summary(1, 0.0, 1, 4).decode_token_cost for r in replicas] == [50.0, 50.0]
+    assert replicas[0].summary(1, 0.0, 1, 4).queue_token_cost == 2.0
+    timing = config.timing  # what the replica's steps cost is unchanged
+    assert timing.decode_token_cost != 50.0
+    plain = simulate.make_replicas(SimConfig(num_replicas=1, budget_tokens=1000, replica_model=replica_model), 1000)
+    assert plain[0].summary(1, 0.0, 1, 4).decode_token_cost == pytest.approx(timing.decode_token_cost)

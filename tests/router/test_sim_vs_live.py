@@ -143,3 +143,34 @@ def test_only_pairs_every_live_round_separates_bind_the_simulators_ranking():
            for r, p99 in (("kvroute", 0.33), ("pow2", 0.31), ("prefix_affinity", 0.2))}
     ranks = compare(live, sim)["rankings"]["ttft_p99"]
     assert ranks["separated"] == [("kvroute", "pow2")] and ranks["contradicted"] == [("kvroute", "pow2")]
+
+
+def test_the_simulated_workers_report_the_prices_the_live_workers_measured(tmp_path):
+    """Our router learned the live Workers' median token prices; the replay's
+    replicas report that median (measured ones only), not the profile's."""
+    from router.sim_vs_live import live_token_costs
+
+    def round_with(*prices):
+        return {"server_stats": {"replicas": {f"w{i}": {"decode_token_cost": d, "queue_token_cost": q}
+                                              for i, (d, q) in enumerate(prices)}}}
+
+    report = {"results": {"kvroute": {"rounds": [round_with((50.0, 0.0), (0.0, 0.0)),  # 0: not measured yet
+                                                 round_with((70.0, 4.0), (60.0, 1.0))]},
+                          "pow2": {"rounds": [round_with((900.0, 90.0))]}}}  # another router's run: not ours
+    assert live_token_costs(report) == (60.0, 1.0)
+    assert live_token_costs({"results": {"kvroute": {"rounds": [round_with((0.0, 0.0))]}}}) is None
+    assert live_token_costs({"results": {}}) is None
+
+    report = live_report(tmp_path, {"kvroute": 0.8, "pow2": 0.5, "prefix_affinity": 0.7},
+                         {"kvroute": 0.05, "pow2": 0.07, "prefix_affinity": 0.09})
+    report["meta"]["num_requests"] = 20
+    report["results"]["kvroute"]["rounds"] = [round_with((50.0, 2.0))]
+    path, out = tmp_path / "live.json", tmp_path / "cmp.json"
+    path.write_text(json.dumps(report))
+    args = json.dumps({"num_groups": 2, "prompts_per_group": 10})
+    assert main(["--live", str(path), "--workload-args", args, "--seeds", "1", "--json", str(out),
+                 "--engine-slowdown", "1"]) == 0
+    assert json.loads(out.read_text())["token_costs"] == [50.0, 2.0]
+    assert main(["--live", str(path), "--workload-args", args, "--seeds", "1", "--json", str(out),
+                 "--engine-slowdown", "1", "--token-costs", "profile"]) == 0
+    assert json.loads(out.read_text())["token_costs"] is None
