@@ -42,6 +42,13 @@ _REPLICA_METRICS = {
     "num_running": ("kvroute_running_requests", "Requests running in the engine", False),
     "kv_blocks_free": ("kvroute_kv_free_blocks", "Free KV blocks in the pool", False),
     "kv_blocks_total": ("kvroute_kv_blocks", "KV blocks in the pool", False),
+    # what an output token costs this Worker's engine, as its steps measure it (worker/step_costs.py); the
+    # router prices expected output at the fleet's median (PolicyConfig.learn_token_costs)
+    "decode_token_cost": ("kvroute_decode_token_cost",
+                          "Busy time of a lone decode step, in prefill-token equivalents (0: not measured yet)", False),
+    "queue_token_cost": ("kvroute_queue_token_cost",
+                         "Delay one decoding sequence adds to each step, in prefill-token equivalents (0: not measured)",
+                         False),
     # fetch (issue 13): a prefix's KV fetched from the replica holding it instead of recomputed
     "fetch_count": ("kvroute_fetches", "Prefix bundles fetched from another replica and imported", True),
     "fetch_tokens": ("kvroute_fetched_tokens", "Token positions newly cached from fetched bundles", True),

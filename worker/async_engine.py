@@ -367,8 +367,12 @@ class AsyncEngine:
     # ------------------------------------------------------------ inspection
     @property
     def stats(self) -> dict:
-        """Engine counters as of the last step (never blocks on a running step)."""
-        return dict(self._snapshot)
+        """Engine counters as of the last step (never blocks on a running step), with
+        the measured token prices (:meth:`token_costs`: ``decode_token_cost``,
+        ``queue_token_cost``; 0.0 until measured)."""
+        stats = dict(self._snapshot)
+        stats["decode_token_cost"], stats["queue_token_cost"] = self.token_costs()
+        return stats
 
     def load(self) -> dict:
         snapshot = self._snapshot

@@ -23,7 +23,7 @@ logger = logging.getLogger("kvroute.worker")
 
 
 class ReplicaReporter:
-    """One replica's figures: ``stats()`` (the engine's, its measured token
+    """One replica's figures: ``stats()`` (the engine's, with its measured token
     costs, then ``extra_stats()``'s keys such as the fetch counters, with the pid),
     ``stats_with_audit()`` (plus an :func:`~worker.audit.audit` when the engine
     is idle: invariants, no leaked blocks) and ``routing_summary()`` (the cache
@@ -42,7 +42,6 @@ class ReplicaReporter:
 
     def stats(self) -> ReplicaStats:
         engine = self._engine.stats
-        engine["decode_token_cost"], engine["queue_token_cost"] = self._engine.token_costs()  # 0.0: not measured
         if self._extra_stats is not None:
             engine.update(self._extra_stats())
         return ReplicaStats(self._replica_id, self._pid, engine)

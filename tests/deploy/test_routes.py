@@ -45,11 +45,13 @@ def test_health_models_stats_and_metrics(http):
     stats = http.get("/stats").json()
     assert (stats["model"], stats["router"], list(stats["replicas"])) == (MODEL, "kvroute", ["local"])
     replica = stats["replicas"]["local"]
-    assert {"hits", "misses", "tokens_saved", "prefill_tokens", "cache_num_tokens", "pid", "age_s"} <= set(replica)
+    assert {"hits", "misses", "tokens_saved", "prefill_tokens", "cache_num_tokens", "pid", "age_s",
+            "decode_token_cost", "queue_token_cost"} <= set(replica)
     assert stats["totals"]["prefill_tokens"] == replica["prefill_tokens"] > 0
     text = http.get("/metrics").text
     for name in ("kvroute_cache_hit_requests_total", "kvroute_cache_saved_tokens_total", "kvroute_prefill_tokens_total",
-                 "kvroute_queue_depth", "kvroute_ttft_seconds_bucket", "kvroute_request_latency_seconds_count"):
+                 "kvroute_queue_depth", "kvroute_ttft_seconds_bucket", "kvroute_request_latency_seconds_count",
+                 'kvroute_decode_token_cost{replica="local"}', 'kvroute_queue_token_cost{replica="local"}'):
         assert name in text, name
     assert 'kvroute_cache_hit_requests_total{replica="local"}' in text
 
