@@ -520,6 +520,10 @@ class PrefixAffinityPolicy:
         nodes = self._ring.nodes
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
         self._queue_priced.check_invariants(nodes)
+        self._prices.check_invariants(nodes)
+        assert (self.config.decode_token_cost, self.config.queue_token_cost) == (
+            self._prices.decode_token_cost, self._prices.queue_token_cost) or not self.config.learn_token_costs, \
+            "the prices in force differ from the learned ones"
         assert set(self._index.replica_ids) <= nodes, "index knows a replica off the ring"
         assert self._intake.replica_ids <= nodes, "summary version of a replica off the ring"
         self._intake.check_invariants()

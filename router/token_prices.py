@@ -3,6 +3,7 @@ measure it (``CacheSummary.decode_token_cost`` / ``queue_token_cost``)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 
@@ -61,6 +62,14 @@ class ReportedTokenPrices:
             return False
         self.decode_token_cost, self.queue_token_cost = decode, queue
         return True
+
+    def check_invariants(self, replica_ids) -> None:
+        """The docstring's invariants; ``replica_ids``: the replicas the policy knows."""
+        for price in (self.decode_token_cost, self.queue_token_cost):
+            assert math.isfinite(price) and price >= 0, f"token price {price!r}"
+        assert set(self._replica_to_prices) <= set(replica_ids), "prices of a replica off the ring"
+        for decode, queue in self._replica_to_prices.values():
+            assert decode > 0 and queue >= 0, (decode, queue)
 
     def _drifted(self, measured: float, in_force: float) -> bool:
         return abs(measured - in_force) > self._tolerance * max(in_force, 1.0)
