@@ -71,8 +71,11 @@ logger = logging.getLogger("kvroute.worker")
 # Why a hinted request recomputed instead: the estimate said recompute is faster (slower),
 # the owner no longer held the prefix (evicted), the owner was gone (owner_gone), it did not
 # answer within timeout_s (timeout), the call failed (owner_failed), the bundle was refused
-# (rejected: wrong tenant or tokens, checksum, weights) or there was no room to import it (no_room).
-FALLBACK_REASONS = ("slower", "unmeasured", "evicted", "owner_gone", "timeout", "owner_failed", "rejected", "no_room")
+# (rejected: wrong tenant or tokens, checksum, weights), there was no room to import it (no_room), or
+# the prefix was cached here while the fetch ran (cached_meanwhile: a request computed it locally
+# first; the import had nothing to add, and the request reuses that copy).
+FALLBACK_REASONS = ("slower", "unmeasured", "evicted", "owner_gone", "timeout", "owner_failed", "rejected", "no_room",
+                    "cached_meanwhile")
 EWMA_WEIGHT = 0.3  # weight of the newest sample in the prefill-rate estimate
 
 
@@ -357,8 +360,9 @@ class PrefixFetcher:
         except Exception as error:  # noqa: BLE001 - a failed import released what it reserved; recompute
             logger.exception("%s: importing a fetched bundle failed", self._replica_id)
             return self._fall_back("rejected", None, error)
-        if num_new == 0:
-            return self._fall_back("no_room")
+        if num_new == 0:  # import_checked keeps nothing when the pool is full or the prefix is held already
+            held = await asyncio.to_thread(self._engine.cached_prefix_tokens, bundle.token_ids, salt)
+            return self._fall_back("cached_meanwhile" if held >= bundle.num_tokens else "no_room")
         elapsed_s = max(self._clock() - start, 1e-9)
         counters = self.counters
         counters.num_fetches += 1

@@ -402,6 +402,36 @@ def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
     assert_clean(owner_engine, receiver_engine)
 
 
+class ComputedFirst:
+    """The owner's export, answered only after the receiver has computed the
+    same prompt itself (a request of that prefix that did not wait for the fetch)."""
+
+    def __init__(self, owner: PrefixFetcher, receiver_engine, prompt) -> None:
+        self.owner, self.receiver_engine, self.prompt = owner, receiver_engine, prompt
+
+    async def fetch(self, request):
+        await self.receiver_engine.generate(self.prompt, GREEDY)
+        return await self.owner.export(request)
+
+
+def test_a_prefix_cached_while_its_fetch_ran_is_counted_as_such_not_as_no_room(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(70)
+
+    async def main():
+        await owner_engine.generate(prompt, GREEDY)
+        transport = ComputedFirst(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)),
+                                  receiver_engine, prompt)
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport)
+        assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0  # the import had nothing to add
+        assert fallbacks(receiver) == {"cached_meanwhile": 1} and receiver.stats()["fetch_count"] == 0
+        return await receiver_engine.generate(prompt, GREEDY)
+
+    result = asyncio.run(main())
+    assert result.cached_tokens >= 64  # the copy computed meanwhile serves it
+    assert_clean(owner_engine, receiver_engine)
+
+
 class GatedForward:
     """An engine's model forward that, once ``armed``, signals ``entered`` and
     waits for ``release`` (a forward that takes as long as the test wants)."""
