@@ -44,7 +44,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     config = AppConfig.from_args(args)
     engine_config = EngineConfig(model=config.model, **config.engine)
     fetch_config = FetchConfig(enabled=config.fetch_enabled, timeout_s=config.fetch_timeout_s,
-                               min_speedup=config.fetch_min_speedup, prior_overhead_s=config.fetch_prior_overhead_s)
+                               min_speedup=config.fetch_min_speedup, prior_overhead_s=config.fetch_prior_overhead_s,
+                               patience=config.fetch_patience)
     router_kwargs = checked_router_kwargs(config)
     worker = Worker.options(
         request_router_config=RequestRouterConfig(

@@ -58,6 +58,8 @@ _REPLICA_METRICS = {
     "fetch_hints_ignored": ("kvroute_fetch_hints_ignored",
                             "Fetch hints ignored (fetch off, the hint named this replica, the prefix was held)", True),
     "fetch_joined": ("kvroute_fetch_joined", "Fetch-hinted requests that waited for a fetch of the same prefix in flight", True),
+    "fetch_outwaited": ("kvroute_fetch_outwaited",
+                        "Fetch-hinted requests that stopped waiting after their recompute time and recomputed", True),
     "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
     # routing summaries (issue 14, item 5): what each Worker sent through Serve's routing stats
     "summary_messages": ("kvroute_summary_messages", "Cache summaries sent to the routers", True),

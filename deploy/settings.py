@@ -61,7 +61,9 @@ class AppConfig:
     the owner's bundle before recomputing; ``fetch_min_speedup``: fetch only
     when recomputing is estimated to take that many times the transfer (0:
     every hinted fetch); ``fetch_prior_overhead_s``: a fetch's fixed cost
-    assumed until a Worker's first fetch measures it (``FetchConfig``).
+    assumed until a Worker's first fetch measures it; ``fetch_patience``: a
+    request waits for its fetch at most this × its estimated recompute time,
+    then recomputes (0: up to ``fetch_timeout_s``) (``FetchConfig``).
     ``summary_mode``: how each Worker sends its cache summary through Serve's
     routing stats: ``"stream"`` (a snapshot, then deltas naming their base in
     Ray's object store; issue 14, item 5) or ``"full"`` (every cached block
@@ -93,6 +95,7 @@ class AppConfig:
     fetch_timeout_s: float = 2.0
     fetch_min_speedup: float = 1.0
     fetch_prior_overhead_s: float = 0.05
+    fetch_patience: float = 1.0
     summary_mode: str = "stream"
     stream_interval_ms: float = 100.0  # BENCHMARKS.md, "Streaming: tokens per message"
 

@@ -256,6 +256,14 @@ def token_price_arms(args) -> list[Arm]:
             for label, learn in (("measured", True), ("configured", False))]
 
 
+def fetch_patience_arms(args) -> list[Arm]:
+    """``--compare-fetch-patience``: our router, the Workers' ``fetch_patience``
+    at its default 1 (a request waits for a fetch at most its estimated
+    recompute time), then 0 (up to ``fetch_timeout_s``)."""
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    return [Arm(f"patience-{value:g}", "kvroute", kvroute_kwargs, {"fetch_patience": value}) for value in (1.0, 0.0)]
+
+
 def stream_interval_arms(args) -> list[Arm]:
     """``--compare-stream-intervals 0,50``: our router with the app's
     ``stream_interval_ms`` at each value (how often a stream's tokens leave
@@ -322,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--compare-routers", default=None, help="comma list, e.g. pow2,prefix_affinity,kvroute")
     parser.add_argument("--compare-fetch", action="store_true", help="our router with fetch_enabled on and off")
+    parser.add_argument("--compare-fetch-patience", action="store_true",
+                        help="our router with the Workers' fetch_patience 1 (the default) and 0")
     parser.add_argument("--compare-summaries", action="store_true",
                         help="our router with the Workers' summary_mode stream and full")
     parser.add_argument("--compare-stream-intervals", default=None,
@@ -361,17 +371,18 @@ def main(argv: list[str] | None = None) -> int:
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
     flags = ("compare_routers", "compare_fetch", "compare_summaries", "compare_stream_intervals",
-             "compare_token_prices")
+             "compare_token_prices", "compare_fetch_patience")
     comparisons = [flag for flag in flags if getattr(args, flag)]
     if len(comparisons) > 1:
-        parser.error("--compare-routers, --compare-fetch, --compare-summaries, --compare-stream-intervals and "
-                     "--compare-token-prices are separate comparisons: pick one")
+        parser.error("--compare-routers, --compare-fetch, --compare-summaries, --compare-stream-intervals, "
+                     "--compare-token-prices and --compare-fetch-patience are separate comparisons: pick one")
     if comparisons:
         meta.update(rounds=args.rounds, nodes=args.nodes, engine_args=json.loads(args.engine_args),
                     tiny_llama_shape=args.tiny_llama_shape)
         arms = {"compare_routers": router_arms, "compare_fetch": fetch_arms,
                 "compare_summaries": summary_arms, "compare_stream_intervals": stream_interval_arms,
-                "compare_token_prices": token_price_arms}[comparisons[0]](args)
+                "compare_token_prices": token_price_arms,
+                "compare_fetch_patience": fetch_patience_arms}[comparisons[0]](args)
         results = compare_arms(args, options, sessions, slo, arms)
     else:
         warm_up(options, args.warmup_requests, args.seed)

@@ -20,6 +20,8 @@ COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "
 # the receivers' call to the owner and import, the owners' wait for their cache lock and copy.
 PHASE_COUNTERS = ("fetch_call_seconds", "fetch_import_seconds", "fetch_export_wait_seconds",
                   "fetch_export_copy_seconds")
+# Counts newer than the run figures above: absent from older builds, then None, not "missing".
+LATER_COUNTERS = ("fetch_outwaited",)
 FALLBACK_PREFIX = "fetch_fallback_"
 # Point-in-time estimates (not counters): taken from the snapshot after the run.
 GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled")
@@ -36,7 +38,7 @@ def replica_deltas(before: dict, after: dict) -> dict[str, dict]:
     deltas = {}
     for replica_id in sorted(set(start) & set(end)):
         first, last = start[replica_id], end[replica_id]
-        keys = [*COUNTERS, *PHASE_COUNTERS, *sorted(k for k in last if k.startswith(FALLBACK_PREFIX))]
+        keys = [*COUNTERS, *PHASE_COUNTERS, *LATER_COUNTERS, *sorted(k for k in last if k.startswith(FALLBACK_PREFIX))]
         row = {key: last[key] - first[key] for key in keys
                if _is_number(last.get(key)) and _is_number(first.get(key))}
         row.update({key: last[key] for key in GAUGES if key in last})
@@ -57,6 +59,8 @@ def run_counters(before: dict, after: dict) -> dict:
     ``estimated_overhead_s``: each replica's own transfer model after the
     run (start-up probe, refined by fetches). ``num_joined``: hinted
     requests that waited on a fetch already under way for the same prefix;
+    ``num_outwaited``: hinted requests that stopped waiting for their fetch
+    after their estimated recompute time and recomputed;
     ``num_hints`` / ``num_hints_ignored``: fetch hints the replicas received
     and ignored (fetch off, the hint named themselves, prefix held already).
     ``None`` where the replicas report no such figure.
@@ -79,6 +83,7 @@ def run_counters(before: dict, after: dict) -> dict:
         "reused_local_tokens": None if saved is None else saved - (fetched or 0),
         "num_fetches": totals["fetch_count"],
         "num_joined": totals["fetch_joined"],
+        "num_outwaited": total("fetch_outwaited"),  # since the fetch patience; None from older builds
         "num_hints": totals["fetch_hints"],
         "num_hints_ignored": totals["fetch_hints_ignored"],
         "num_exports": totals["fetch_exports"],
@@ -122,7 +127,7 @@ def pool_counters(runs: list[dict]) -> dict:
         return sum(values) if values else None
 
     keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_hints", "num_hints_ignored",
-            "num_fetches", "num_joined", "num_exports",
+            "num_fetches", "num_joined", "num_outwaited", "num_exports",
             "fetched_bytes", "fetch_seconds", "num_fallbacks", *SUMMARY_TOTALS)
     pooled = {key: total(key) for key in keys}
     pooled.update(_summary_figures(pooled))

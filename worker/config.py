@@ -128,6 +128,14 @@ class FetchConfig:
     run's TTFT p99. 0.05 s keeps a few blocks local; a prefix that takes
     longer than that to recompute is still fetched, and the first completed
     fetch replaces the prior with what it measured.
+    ``patience``: a request waits for its fetch at most this many times its
+    own estimated recompute time, then recomputes; the fetch runs on (up to
+    ``timeout_s``), is measured and lands for later requests. 1: a wrong
+    estimate costs a request at most its recompute time again (live, on this
+    2-core VM, a fresh replica's first fetch of 512 tokens took ~0.3 s, ~3x
+    recomputing them, and such fetches were a shared-prefix run's TTFT p99).
+    0: wait up to ``timeout_s`` (as with ``min_speedup`` 0, or before the
+    replica has timed a prefill step).
     """
 
     enabled: bool = True
@@ -135,6 +143,7 @@ class FetchConfig:
     probe_bytes: int = 4 << 20
     min_speedup: float = 1.0
     prior_overhead_s: float = 0.05
+    patience: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -149,3 +158,6 @@ class FetchConfig:
         prior = self.prior_overhead_s
         if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior <= 60:
             raise ValueError(f"fetch prior_overhead_s must be a number in [0, 60], got {prior!r}")
+        patience = self.patience
+        if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not 0 <= patience <= 1000:
+            raise ValueError(f"fetch patience must be a number in [0, 1000], got {patience!r}")

@@ -43,6 +43,13 @@ Requests hinted to the same prefix (salt and tokens) while its fetch is in
 flight join it instead of fetching it again (a hot prefix spilling a burst
 to one replica moves once); each joiner counts in ``fetch_joined``.
 
+Patience: a request waits for its fetch at most ``patience`` (1) × its own
+estimated recompute time (:meth:`PrefixFetcher._patience_s`), then recomputes
+(``fetch_outwaited``). The fetch itself runs on (bounded by ``timeout_s``):
+its time is measured, so the next decision knows the overhead, and its
+bundle lands for the requests after it (``cached_meanwhile`` if this one's
+recompute finished first).
+
 Cancellation: cancelling ``prepare`` cancels the call to the owner once no
 request waits for it any more; an import already handed to its thread
 completes (it is atomic under the engine lock and leaves a consistent
@@ -215,6 +222,7 @@ class FetchCounters:
     num_hints: int = 0  # requests that arrived with a fetch hint
     num_hints_ignored: int = 0  # of those: fetch off, the hint named this replica, or the prefix was held already
     num_joined: int = 0  # hinted requests that waited for a fetch of the same prefix already in flight
+    num_outwaited: int = 0  # hinted requests that stopped waiting for their fetch after their recompute time
     num_exports: int = 0  # bundles this replica served to others
     num_exported_bytes: int = 0
     export_wait_s: float = 0.0  # exports waiting for this replica's cache lock
@@ -232,6 +240,7 @@ class FetchCounters:
             "fetch_hints": self.num_hints,
             "fetch_hints_ignored": self.num_hints_ignored,
             "fetch_joined": self.num_joined,
+            "fetch_outwaited": self.num_outwaited,
             "fetch_exports": self.num_exports,
             "fetch_exported_bytes": self.num_exported_bytes,
             "fetch_export_wait_seconds": round(self.export_wait_s, 6),
@@ -246,6 +255,7 @@ class _SharedFetch:
 
     task: asyncio.Future
     num_waiters: int = 0
+    outwaited: bool = False  # a waiter stopped waiting: it runs on (timeout_s), is measured, and lands for later requests
 
 
 class PrefixFetcher:
@@ -256,7 +266,9 @@ class PrefixFetcher:
     not worth fetching (``fallbacks["slower"]``, or ``["unmeasured"]`` before
     the engine timed a prefill step), joined a fetch in
     flight (``num_joined``) or ran one, which ended in an import
-    (``num_fetches``) or in exactly one other fallback.
+    (``num_fetches``) or in exactly one other fallback. A request that waited
+    for a fetch and stopped (its patience) counts in ``num_outwaited`` too;
+    the fetch's own end is counted as above when it comes.
     ``_in_flight`` holds exactly the fetches not yet finished, by (salt, prefix).
     """
 
@@ -322,13 +334,33 @@ class PrefixFetcher:
         else:
             self.counters.num_joined += 1
         shared.num_waiters += 1
+        patience_s = self._patience_s(num_tokens - num_cached)
         try:
-            return await asyncio.shield(shared.task)
+            if patience_s is None:
+                return await asyncio.shield(shared.task)
+            return await asyncio.wait_for(asyncio.shield(shared.task), patience_s)
+        except TimeoutError:  # the fetch has taken as long as recomputing would have: recompute now
+            shared.outwaited = True
+            self.counters.num_outwaited += 1
+            return 0
         finally:
             shared.num_waiters -= 1
-            if shared.num_waiters == 0 and not shared.task.done():  # every waiter was cancelled
+            if shared.num_waiters == 0 and not shared.task.done() and not shared.outwaited:  # all were cancelled
                 self._forget(key, shared)  # nobody joins a cancelled fetch
                 shared.task.cancel()
+
+    def _patience_s(self, num_missing: int) -> float | None:
+        """How long a request waits for its fetch: ``patience`` × the
+        estimated time to recompute what it misses (None, only ``timeout_s``,
+        with ``min_speedup`` or ``patience`` 0 or no measured prefill rate). By then the fetch has
+        cost as much as recomputing would have in all, so a request pays at
+        most twice its recompute time for an estimate that was wrong (the
+        prior overhead on a busy host: live, a fresh replica's first fetch
+        of 512 tokens took 0.3 s, ~3x their recompute time)."""
+        s_per_token, config = self._engine.prefill_s_per_token, self._config
+        if config.min_speedup == 0 or config.patience == 0 or s_per_token is None:
+            return None
+        return config.patience * num_missing * s_per_token
 
     def _forget(self, key: tuple, shared: _SharedFetch) -> None:
         if self._in_flight.get(key) is shared:

@@ -94,3 +94,12 @@ def test_where_the_fetch_seconds_went_is_summed_where_reported_and_pooled():
     assert run_counters(BEFORE, AFTER)["fetch_phase_seconds"] == {}
     assert pool_counters([run, run])["fetch_phase_seconds"] == {"fetch_call_seconds": 0.6, "fetch_import_seconds": 0.2,
                                                                 "fetch_export_wait_seconds": 0.02}
+
+
+def test_outwaited_fetches_are_summed_where_reported_and_pooled():
+    before = snapshot(a={"prefill_tokens": 0, "tokens_saved": 0, "fetch_outwaited": 1}, b={"prefill_tokens": 0})
+    after = snapshot(a={"prefill_tokens": 5, "tokens_saved": 0, "fetch_outwaited": 4}, b={"prefill_tokens": 5})
+    run = run_counters(before, after)
+    assert run["num_outwaited"] == 3  # b, an older build, reports none: not counted as 0
+    assert run_counters(snapshot(b={"prefill_tokens": 0}), snapshot(b={"prefill_tokens": 1}))["num_outwaited"] is None
+    assert pool_counters([run, run_counters(snapshot(b={}), snapshot(b={}))])["num_outwaited"] == 3

@@ -363,12 +363,14 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
     fetcher = PrefixFetcher(engine, RECEIVER, FetchConfig(), Fails())
     fetcher.counters.num_fetches, fetcher.counters.num_fetched_tokens = 2, 128
     fetcher.counters.fallbacks["timeout"] = 3
+    fetcher.counters.num_outwaited = 2
     stats = ReplicaReporter(engine, RECEIVER, 64, clock=lambda: 0.0, pid=1, extra_stats=fetcher.stats).stats()
     assert set(engine.stats) < set(stats.engine)  # the engine's keys, unchanged, and the fetch ones
     assert stats.engine["fetch_count"] == 2 and stats.engine["fetch_fallback_timeout"] == 3
     text = IngressMetrics().render({RECEIVER: stats}).decode()
     assert f'kvroute_fetched_tokens_total{{replica="{RECEIVER}"}} 128.0' in text
     assert f'kvroute_fetch_fallbacks_total{{reason="timeout",replica="{RECEIVER}"}} 3.0' in text
+    assert f'kvroute_fetch_outwaited_total{{replica="{RECEIVER}"}} 2.0' in text
     reasons = {line.split('reason="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("kvroute_fetch_fallbacks_total{")}
     assert reasons == set(FALLBACK_REASONS)  # a fixed label set
@@ -399,6 +401,62 @@ def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
 
     result = asyncio.run(main())
     assert result.cached_tokens == 64
+    assert_clean(owner_engine, receiver_engine)
+
+
+def test_a_request_stops_waiting_for_a_slow_fetch_after_its_recompute_time(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(96)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await receiver_engine.generate(tokens(80), GREEDY)  # measures the receiver's prefill rate
+        recompute_s = 64 * receiver_engine.prefill_s_per_token
+        await owner_engine.generate(prompt, GREEDY)
+        transport = Gated(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
+        # no prior overhead and a near-infinite bandwidth: the estimate says fetch; the owner is slow
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(prior_overhead_s=0.0), transport,
+                                 bandwidth_bytes_per_s=1e15)
+        assert receiver.should_fetch(64, 64)
+        started = loop.time()
+        assert await receiver.prepare(prompt, None, FetchHint(OWNER, 64)) == 0  # recompute
+        waited = loop.time() - started
+        assert 0.5 * recompute_s <= waited < recompute_s + 1.0, (waited, recompute_s)
+        assert receiver.stats()["fetch_outwaited"] == 1 and fallbacks(receiver) == {}
+        assert len(receiver._in_flight) == 1 and len(transport.requests) == 1  # the fetch runs on
+        await asyncio.sleep(10 * recompute_s)
+        transport.gate.set()  # the owner answers at last
+        while receiver._in_flight:
+            await asyncio.sleep(0.01)
+        assert receiver.stats()["fetch_count"] == 1 and receiver.transfer.num_samples == 1
+        assert not receiver.should_fetch(64, 64)  # measured: the overhead alone exceeds recomputing 64
+        assert fallbacks(receiver) == {}
+        return await receiver_engine.generate(prompt, GREEDY)
+
+    result = asyncio.run(main())
+    assert result.cached_tokens >= 64  # the late bundle landed and serves the next request
+    assert_clean(owner_engine, receiver_engine)
+
+
+def test_patience_0_waits_for_the_fetch(pair, tokens):
+    owner_engine, receiver_engine = pair
+    prompt = tokens(96)
+
+    async def main():
+        await receiver_engine.generate(tokens(80), GREEDY)
+        recompute_s = 64 * receiver_engine.prefill_s_per_token
+        await owner_engine.generate(prompt, GREEDY)
+        transport = Gated(PrefixFetcher(owner_engine, OWNER, FetchConfig(), Answers(None)))
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(prior_overhead_s=0.0, patience=0.0),
+                                 transport, bandwidth_bytes_per_s=1e15)
+        task = asyncio.create_task(receiver.prepare(prompt, None, FetchHint(OWNER, 64)))
+        await asyncio.sleep(3 * recompute_s + 0.05)
+        assert not task.done()  # still waiting, as before patience existed
+        transport.gate.set()
+        assert await task == 64
+        assert receiver.stats()["fetch_outwaited"] == 0 and receiver.stats()["fetch_count"] == 1
+
+    asyncio.run(main())
     assert_clean(owner_engine, receiver_engine)
 
 
