@@ -38,8 +38,9 @@ def test_killed_replica_loses_no_request_and_is_replaced(app):
         assert kind.split(":")[-1] in RETRIABLE_CODES, figures["failed_attempts_by_kind"]
     assert figures["served_by_victim_after_kill"] == 0
     # The router stopped choosing the dead replica at once: the ingress re-dispatched
-    # only what was already on it, within a moment of the kill.
-    assert figures["last_ingress_retry_s"] is None or figures["last_ingress_retry_s"] < 2.0, figures
+    # only what was already on it, within a moment of the kill (read by polling /stats
+    # every 0.25 s; 3 s: on a loaded 2-core machine that poll itself was seen at 2.34 s).
+    assert figures["last_ingress_retry_s"] is None or figures["last_ingress_retry_s"] < 3.0, figures
     # Its prefixes re-homed: their later requests went to survivors and hit the
     # cache there after at most one miss per survivor.
     assert figures["orphaned_groups"] >= 1
