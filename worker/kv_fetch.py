@@ -339,7 +339,7 @@ class PrefixFetcher:
             if patience_s is None:
                 return await asyncio.shield(shared.task)
             return await asyncio.wait_for(asyncio.shield(shared.task), patience_s)
-        except TimeoutError:  # the fetch has taken as long as recomputing would have: recompute now
+        except asyncio.TimeoutError:  # the fetch took as long as recomputing would have: recompute now
             shared.outwaited = True
             self.counters.num_outwaited += 1
             return 0
@@ -371,7 +371,7 @@ class PrefixFetcher:
         request = ExportRequest(owner, prefix, salt, len(prefix))
         try:
             reply = await asyncio.wait_for(self._transport.fetch(request), self._config.timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11; pyproject allows 3.10
             return self._fall_back("timeout", owner)
         except Exception as error:  # noqa: BLE001 - a failed owner means recompute, never a failed request
             return self._fall_back("owner_failed", owner, error)
