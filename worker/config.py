@@ -152,12 +152,7 @@ class FetchConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
             raise ValueError(f"fetch timeout_s must be a number in (0, 600], got {timeout!r}")
         _check_int("probe_bytes", self.probe_bytes, minimum=1)
-        speedup = self.min_speedup
-        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 <= speedup <= 1000:
-            raise ValueError(f"fetch min_speedup must be a number in [0, 1000], got {speedup!r}")
-        prior = self.prior_overhead_s
-        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior <= 60:
-            raise ValueError(f"fetch prior_overhead_s must be a number in [0, 60], got {prior!r}")
-        patience = self.patience
-        if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not 0 <= patience <= 1000:
-            raise ValueError(f"fetch patience must be a number in [0, 1000], got {patience!r}")
+        for name, high in (("min_speedup", 1000), ("prior_overhead_s", 60), ("patience", 1000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+                raise ValueError(f"fetch {name} must be a number in [0, {high}], got {value!r}")
