@@ -31,6 +31,14 @@ streaming costs the routing). ``--compare-stream-intervals 0,50`` runs our
 router with the app's ``stream_interval_ms`` at each value: tokens per
 second, TTFT and inter-token gaps of streamed requests when each token is
 its own message against tokens gathered for up to that long.
+``--compare-arms`` takes the arms themselves as JSON (label, router, its
+kwargs, app args, Ingress replicas, deployment options), e.g. one Ingress
+replica against two (two independent routers, each seeing only its own
+decisions and the shared summaries) with and without a policy knob::
+
+    python -m harness.loadtest --workload multi-turn --rounds 3 --compare-arms \
+        '[{"label": "1-ingress"}, {"label": "2-ingress", "ingress_replicas": 2},
+          {"label": "2-ingress-peer", "ingress_replicas": 2, "router_kwargs": {"load_peer_estimate": true}}]'
 """
 
 from __future__ import annotations
@@ -220,12 +228,14 @@ def _rank_replicas(records: list[RequestRecord]) -> list[RequestRecord]:
 @dataclass(frozen=True, slots=True)
 class Arm:
     """One side of a comparison: its label, the router, the router's kwargs
-    (None: the config's) and app args replacing the config's for it."""
+    (None: the config's), app args replacing the config's for it, and
+    deployment options replacing the config's (``{"Ingress": {"num_replicas": 2}}``)."""
 
     label: str
     router: str
     router_kwargs: dict | None = None
     app_args: dict | None = None
+    deployments: dict | None = None
 
 
 def router_arms(args) -> list[Arm]:
@@ -264,6 +274,44 @@ def fetch_patience_arms(args) -> list[Arm]:
     return [Arm(f"patience-{value:g}", "kvroute", kvroute_kwargs, {"fetch_patience": value}) for value in (1.0, 0.0)]
 
 
+ARM_KEYS = {"label", "router", "router_kwargs", "app_args", "ingress_replicas", "deployments"}
+
+
+def custom_arms(args) -> list[Arm]:
+    """``--compare-arms``: a JSON list (or ``@file``) of arms, each an object with
+    ``label`` and optionally ``router`` (default kvroute), ``router_kwargs``
+    (``--kvroute-kwargs`` for kvroute when absent), ``app_args``,
+    ``ingress_replicas`` and ``deployments``; e.g. one against two Ingress
+    replicas (two independent routers) with and without a policy knob."""
+    text = args.compare_arms
+    if text.startswith("@"):
+        with open(text[1:]) as file:
+            text = file.read()
+    specs = json.loads(text)
+    if not isinstance(specs, list) or len(specs) < 2 or not all(isinstance(spec, dict) for spec in specs):
+        raise ValueError("--compare-arms takes a JSON list of at least two arm objects")
+    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    arms = []
+    for spec in specs:
+        unknown = set(spec) - ARM_KEYS
+        if unknown or not isinstance(spec.get("label"), str) or not spec["label"]:
+            raise ValueError(f"arm {spec!r}: needs a label; known keys {sorted(ARM_KEYS)}, unknown {sorted(unknown)}")
+        router = spec.get("router", "kvroute")
+        deployments = dict(spec.get("deployments") or {})
+        if "ingress_replicas" in spec:
+            replicas = spec["ingress_replicas"]
+            if type(replicas) is not int or replicas < 1:
+                raise ValueError(f"arm {spec['label']!r}: ingress_replicas must be a positive int, got {replicas!r}")
+            deployments["Ingress"] = {**deployments.get("Ingress", {}), "num_replicas": replicas}
+        default_kwargs = kvroute_kwargs if router == "kvroute" else None
+        arms.append(Arm(spec["label"], router, spec.get("router_kwargs", default_kwargs), spec.get("app_args"),
+                        deployments or None))
+    labels = [arm.label for arm in arms]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--compare-arms: labels must differ, got {labels}")
+    return arms
+
+
 def stream_interval_arms(args) -> list[Arm]:
     """``--compare-stream-intervals 0,50``: our router with the app's
     ``stream_interval_ms`` at each value (how often a stream's tokens leave
@@ -285,7 +333,9 @@ def app_for(args):
         engine_changes["tiny_llama"] = asdict(MODELS[args.tiny_llama_shape])
     overrides = {"engine": config_engine_args(args.config, **engine_changes)} if engine_changes else {}
     memory = args.object_store_mb * 2**20 if args.object_store_mb else None
-    return ServeApp(args.config, num_nodes=args.nodes, object_store_memory=memory, args_overrides=overrides)
+    deployments = {"Ingress": {"num_replicas": args.ingress_replicas}} if args.ingress_replicas else {}
+    return ServeApp(args.config, num_nodes=args.nodes, object_store_memory=memory, args_overrides=overrides,
+                    deployment_overrides=deployments)
 
 
 def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, arms: list[Arm]) -> dict[str, dict]:
@@ -300,7 +350,8 @@ def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, 
         for round_index in range(args.rounds):
             shift = round_index % len(arms)
             for arm in arms[shift:] + arms[:shift]:
-                app.deploy(router=arm.router, router_kwargs=arm.router_kwargs, app_args=arm.app_args)
+                app.deploy(router=arm.router, router_kwargs=arm.router_kwargs, app_args=arm.app_args,
+                           deployments=arm.deployments)
                 warm_up(options, args.warmup_requests, args.seed)
                 records, wall_s, stats = run_one(options, sessions, f"{arm.label} (round {round_index + 1})")
                 num_workers = app.expected_workers()
@@ -338,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="our router with the app's stream_interval_ms at each value, e.g. 0,50")
     parser.add_argument("--compare-token-prices", action="store_true",
                         help="our router with learn_token_costs on (the Workers' measured prices) and off")
+    parser.add_argument("--compare-arms", default=None,
+                        help='JSON list (or @file) of arms: [{"label": "1-ingress"}, {"label": "2-ingress", '
+                             '"ingress_replicas": 2, "router_kwargs": {...}}, ...]; keys: ' + ", ".join(sorted(ARM_KEYS)))
+    parser.add_argument("--ingress-replicas", type=int, default=None,
+                        help="comparisons: Ingress replicas (each its own router) for every arm; default the config's")
     parser.add_argument("--nodes", type=int, default=1, help="comparisons: Ray nodes on this machine, one Worker each")
     parser.add_argument("--object-store-mb", type=int, default=None, help="comparisons: object store per node (MiB)")
     parser.add_argument("--engine-args", default="{}", help='comparisons: JSON engine changes, e.g. {"max_batch_tokens": 256}')
@@ -371,18 +427,26 @@ def main(argv: list[str] | None = None) -> int:
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
             "options": asdict(options), "slo": slo}
     flags = ("compare_routers", "compare_fetch", "compare_summaries", "compare_stream_intervals",
-             "compare_token_prices", "compare_fetch_patience")
+             "compare_token_prices", "compare_fetch_patience", "compare_arms")
     comparisons = [flag for flag in flags if getattr(args, flag)]
     if len(comparisons) > 1:
         parser.error("--compare-routers, --compare-fetch, --compare-summaries, --compare-stream-intervals, "
-                     "--compare-token-prices and --compare-fetch-patience are separate comparisons: pick one")
+                     "--compare-token-prices, --compare-fetch-patience and --compare-arms are separate comparisons: "
+                     "pick one")
+    if args.ingress_replicas is not None and args.ingress_replicas < 1:
+        parser.error(f"--ingress-replicas must be positive, got {args.ingress_replicas}")
     if comparisons:
         meta.update(rounds=args.rounds, nodes=args.nodes, engine_args=json.loads(args.engine_args),
-                    tiny_llama_shape=args.tiny_llama_shape)
-        arms = {"compare_routers": router_arms, "compare_fetch": fetch_arms,
-                "compare_summaries": summary_arms, "compare_stream_intervals": stream_interval_arms,
-                "compare_token_prices": token_price_arms,
-                "compare_fetch_patience": fetch_patience_arms}[comparisons[0]](args)
+                    tiny_llama_shape=args.tiny_llama_shape, ingress_replicas=args.ingress_replicas)
+        make_arms = {"compare_routers": router_arms, "compare_fetch": fetch_arms,
+                     "compare_summaries": summary_arms, "compare_stream_intervals": stream_interval_arms,
+                     "compare_token_prices": token_price_arms,
+                     "compare_fetch_patience": fetch_patience_arms, "compare_arms": custom_arms}[comparisons[0]]
+        try:
+            arms = make_arms(args)
+        except ValueError as error:
+            parser.error(str(error))
+        meta["arms"] = [asdict(arm) for arm in arms]
         results = compare_arms(args, options, sessions, slo, arms)
     else:
         warm_up(options, args.warmup_requests, args.seed)

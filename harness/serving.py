@@ -206,11 +206,12 @@ class ServeApp:
 
     # -------------------------------------------------------------------- app
     def write_config(self, router: str | None = None, router_kwargs: dict | None = None,
-                     app_args: dict | None = None) -> str:
+                     app_args: dict | None = None, deployments: dict | None = None) -> str:
         """The patched config in a temp file: ``args_overrides``, then this
         deployment's ``app_args`` (e.g. ``{"fetch_enabled": False}``), then
-        ``router`` / ``router_kwargs``, then the deployment overrides (and
-        one Worker per node when there are several nodes)."""
+        ``router`` / ``router_kwargs``, then the deployment overrides, then
+        this deployment's ``deployments`` (e.g. ``{"Ingress": {"num_replicas":
+        2}}``), and one Worker per node when there are several nodes."""
         config = yaml.safe_load(self.config_path.read_text())
         config.setdefault("http_options", {})
         config["http_options"].update({"host": "127.0.0.1", "port": self.http_port})
@@ -223,6 +224,7 @@ class ServeApp:
             app["args"]["router_kwargs"] = router_kwargs
         for deployment in app.get("deployments", []):
             deployment.update(self.deployment_overrides.get(deployment["name"], {}))
+            deployment.update((deployments or {}).get(deployment["name"], {}))
         if self.num_nodes > 1:
             place_one_worker_per_node(config)
         handle, path = tempfile.mkstemp(prefix="kvroute-", suffix=".yaml")
@@ -232,9 +234,9 @@ class ServeApp:
         return path
 
     def deploy(self, router: str | None = None, router_kwargs: dict | None = None,
-               app_args: dict | None = None) -> None:
+               app_args: dict | None = None, deployments: dict | None = None) -> None:
         """``serve run --non-blocking`` the (patched) config; wait until ready."""
-        path = self.write_config(router, router_kwargs, app_args)
+        path = self.write_config(router, router_kwargs, app_args, deployments)
         subprocess.run(
             [_bin("serve"), "run", "--non-blocking", "--address", self.address, path],
             check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
