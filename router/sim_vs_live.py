@@ -44,6 +44,14 @@ one draw from the live run's per-request overheads, every router's pooled
 of the comparison), or plus the median where the run did not record them.
 Nothing is fitted to the live TTFTs.
 
+A ``--compare-arms`` run (or any comparison the load test recorded its
+arms for) is replayed arm by arm (:func:`live_arms`): our router with the
+arm's router kwargs as :class:`PolicyConfig` changes and one independent
+router per Ingress replica (``SimConfig.num_routers``: each Ingress replica
+has its own request router, which sees its own decisions and every
+summary); a peer as one router. An arm's app args (e.g. ``fetch_enabled``)
+are printed as not modelled.
+
 Compared: token hit rate (goal: within 0.02), TTFT p50 (within 25 %) and
 p99 (within 40 %), and imbalance as the load test measures it (max / mean
 prompt tokens per replica); and whether the routers rank alike on each.
@@ -56,7 +64,7 @@ import json
 import random
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from harness.loadstats import percentile
 from harness.workloads import build_workload
@@ -69,6 +77,42 @@ from router.workload import from_sessions
 ROUTERS = {"kvroute": "ours", "pow2": "pow2", "prefix_affinity": "ray_prefix_tree"}  # live name -> simulated
 GOALS = {"hit": 0.02, "ttft_p50": 0.25, "ttft_p99": 0.40}  # absolute; relative; relative
 DEFAULT_PROFILE = "router/profiles/tiny_llama_cpu.json"
+
+
+@dataclass(frozen=True)
+class SimArm:
+    """How the replay runs one live arm: the simulated ``policy``, the arm's
+    ``ingress_replicas`` (each with its own request router, so our policy
+    runs as that many independent routers: :attr:`num_routers`; a peer is
+    replayed as one) and ``policy_args``, the arm's router kwargs (ours only)."""
+
+    policy: str
+    ingress_replicas: int = 1
+    policy_args: dict = field(default_factory=dict)
+
+    @property
+    def num_routers(self) -> int:
+        return self.ingress_replicas if self.policy == "ours" else 1
+
+
+def live_arms(report: dict) -> dict[str, SimArm]:
+    """Each live arm's :class:`SimArm`, by label: from the load test's
+    recorded arms (``meta["arms"]``; router, router kwargs, Ingress replicas
+    from its deployment options or ``--ingress-replicas``), or, for a run
+    that recorded none, from its labels read as router names. ValueError for
+    a router the simulator has no counterpart of."""
+    meta = report["meta"]
+    specs = meta.get("arms") or [{"label": label, "router": label} for label in report["results"]]
+    default_ingress = meta.get("ingress_replicas") or 1
+    arms = {}
+    for spec in specs:
+        label, router = spec["label"], spec.get("router", spec["label"])
+        if router not in ROUTERS:
+            raise ValueError(f"arm {label!r}: router {router!r} has no simulated counterpart ({sorted(ROUTERS)})")
+        ingress = ((spec.get("deployments") or {}).get("Ingress") or {}).get("num_replicas", default_ingress)
+        kwargs = dict(spec.get("router_kwargs") or {}) if router == "kvroute" else {}
+        arms[label] = SimArm(ROUTERS[router], int(ingress), kwargs)
+    return arms
 
 
 def live_figures(report: dict) -> dict[str, dict]:
@@ -174,16 +218,19 @@ def ingress_samples(report: dict) -> list[float]:
     return sorted(x for result in report["results"].values() for x in result.get("ingress_overhead_samples_s", ()))
 
 
-def live_token_costs(report: dict) -> tuple[float, float] | None:
+def live_token_costs(report: dict, arms: dict[str, SimArm] | None = None) -> tuple[float, float] | None:
     """The (busy, queue) token prices our router learned live: the median over
     every round's Workers of the prices they reported in ``/stats`` (with
-    ``decode_token_cost`` > 0: measured), under our router. The live router
-    took the median of its Workers' reports, so the simulated replicas report
-    this instead of the profile's prices (the profile was calibrated on cold
-    single-chunk prompts, the Workers measure what they serve). None when the
-    run recorded none (an older load test)."""
+    ``decode_token_cost`` > 0: measured), in the arms our router ran
+    (``arms``: :func:`live_arms`; None: the one labelled kvroute). The live
+    router took the median of its Workers' reports, so the simulated replicas
+    report this instead of the profile's prices (the profile was calibrated
+    on cold single-chunk prompts, the Workers measure what they serve). None
+    when the run recorded none (an older load test)."""
+    ours = [label for label, arm in arms.items() if arm.policy == "ours"] if arms is not None else ["kvroute"]
     reports = [(stats["decode_token_cost"], stats.get("queue_token_cost", 0.0))
-               for round_figures in report["results"].get("kvroute", {}).get("rounds", ())
+               for label in ours
+               for round_figures in report["results"].get(label, {}).get("rounds", ())
                for stats in round_figures.get("server_stats", {}).get("replicas", {}).values()
                if stats.get("decode_token_cost", 0.0) > 0]
     if not reports:
@@ -199,49 +246,79 @@ def measured_ingress_s(live: dict[str, dict]) -> float:
     return statistics.median(values)
 
 
-def simulated_figures(report: dict, profile: StepProfile, ingress_s: float, *, workload_args: dict,
-                      trace: str | None, seed: int, num_replicas: int, budget_tokens: int, block_tokens: int,
-                      seeds: int, ingress_samples: list[float] = (),
-                      token_costs: tuple[float, float] | None = None) -> tuple[dict[str, dict], dict]:
-    """``token_costs``: the (busy, queue) prices the simulated replicas report
-    (:func:`live_token_costs`: what the live Workers reported); None: the profile's."""
+def ingress_by_arm(report: dict, live: dict[str, dict],
+                   arms: dict[str, SimArm]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Per arm, the measured ingress time (:func:`measured_ingress_s`) and
+    per-request samples (:func:`ingress_samples`), pooled over the arms with
+    as many Ingress replicas: pooling keeps each router's own cost out of the
+    comparison, but a second Ingress replica is capacity the arm really had.
+    With one Ingress count in the run, every arm gets the whole run's."""
+    groups: dict[int, list[str]] = {}
+    for label, arm in arms.items():
+        groups.setdefault(arm.ingress_replicas, []).append(label)
+    seconds, samples = {}, {}
+    for labels in groups.values():
+        group_s = measured_ingress_s({label: live[label] for label in labels if label in live})
+        group_samples = ingress_samples({"results": {label: report["results"].get(label, {}) for label in labels}})
+        for label in labels:
+            seconds[label], samples[label] = group_s, group_samples
+    return seconds, samples
+
+
+def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dict[str, float], *,
+                      workload_args: dict, trace: str | None, seed: int, num_replicas: int, budget_tokens: int,
+                      block_tokens: int, seeds: int, ingress_samples: list[float] | dict[str, list[float]] = (),
+                      token_costs: tuple[float, float] | None = None,
+                      arms: dict[str, SimArm] | None = None) -> tuple[dict[str, dict], dict]:
+    """Each arm (``arms``; None: :func:`live_arms` of ``report``) replayed on
+    ``seeds`` seeds. ``ingress_s`` / ``ingress_samples``: one for every arm,
+    or per arm label (:func:`ingress_by_arm`). ``token_costs``: the (busy, queue) prices the simulated
+    replicas report (:func:`live_token_costs`: what the live Workers
+    reported); None: the profile's."""
     meta = report["meta"]
     if meta.get("mode", "closed") != "closed":
         raise ValueError(f"the live run was {meta['mode']}-loop; this compares closed-loop runs")
+    arms = live_arms(report) if arms is None else arms
     sessions = build_workload(meta["workload"], meta["scale"], workload_args, trace, seed)
     workload = from_sessions(sessions, block_tokens, meta["workload"], seed)
     if len(workload.requests) != meta["num_requests"]:
         raise ValueError(f"rebuilt {len(workload.requests)} requests, the live run sent {meta['num_requests']}: "
                          "give the run's --workload-args / --trace / --seed")
-    live_policy = PolicyConfig(block_size=block_tokens)  # what deploy/app.py builds from empty router kwargs
-    queue_cost = live_policy.queue_decode_token_cost
-    config = SimConfig(
-        num_replicas=num_replicas, budget_tokens=budget_tokens, replica_model="cb", profile=profile,
-        policy=replace(live_policy, queue_decode_token_cost=queue_cost if queue_cost is not None
-                       else live_policy.decode_token_cost),
-        decode_token_cost=live_policy.decode_token_cost,
-        closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=ingress_s),
-        reported_token_costs=token_costs,
-    )
-    runs = [simulate(workload, config, list(ROUTERS.values()), seeds=[s]) for s in range(seed, seed + seeds)]
     draws = random.Random(seed)
-    figures = {}
-    for router, name in ROUTERS.items():
-        per_seed = [run["policies"][name] for run in runs]
-        engine = sorted(t for f in per_seed for t in f["ttft_samples_s"])  # the seeds' requests pooled
-        if ingress_samples:  # each request's trip through the ingress drawn from the live run's own
-            client = sorted(client_ttft(t, draws.choice(ingress_samples)) for t in engine)
+    figures, first_runs, per_seed, setups = {}, {}, [{} for _ in range(seeds - 1)], {}
+    for label, arm in arms.items():
+        arm_ingress_s = ingress_s[label] if isinstance(ingress_s, dict) else ingress_s
+        arm_samples = ingress_samples[label] if isinstance(ingress_samples, dict) else ingress_samples
+        # what deploy/app.py builds from the arm's router kwargs
+        live_policy = replace(PolicyConfig(block_size=block_tokens), **arm.policy_args)
+        queue_cost = live_policy.queue_decode_token_cost
+        config = SimConfig(
+            num_replicas=num_replicas, budget_tokens=budget_tokens, replica_model="cb", profile=profile,
+            policy=replace(live_policy, queue_decode_token_cost=queue_cost if queue_cost is not None
+                           else live_policy.decode_token_cost),
+            decode_token_cost=live_policy.decode_token_cost,
+            closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=arm_ingress_s),
+            reported_token_costs=token_costs, num_routers=arm.num_routers,
+        )
+        runs = [simulate(workload, config, [arm.policy], seeds=[s]) for s in range(seed, seed + seeds)]
+        setups[label] = runs[0]["setup"]
+        seed_figures = [run["policies"][arm.policy] for run in runs]
+        engine = sorted(t for f in seed_figures for t in f["ttft_samples_s"])  # the seeds' requests pooled
+        if arm_samples:  # each request's trip through the ingress drawn from the live run's own
+            client = sorted(client_ttft(t, draws.choice(arm_samples)) for t in engine)
         else:
-            client = [client_ttft(t, ingress_s) for t in engine]
-        figures[router] = {"hit": statistics.fmean(f["hit_rate"] for f in per_seed),
-                           "imbalance": statistics.fmean(f["prompt_imbalance"] for f in per_seed),
-                           "ttft_p50": percentile(client, 50), "ttft_p99": percentile(client, 99),
-                           "engine_ttft_p50": percentile(engine, 50), "engine_ttft_p99": percentile(engine, 99)}
-    result = runs[0]
-    for run in runs:
-        for f in run["policies"].values():
+            client = [client_ttft(t, arm_ingress_s) for t in engine]
+        figures[label] = {"hit": statistics.fmean(f["hit_rate"] for f in seed_figures),
+                          "imbalance": statistics.fmean(f["prompt_imbalance"] for f in seed_figures),
+                          "ttft_p50": percentile(client, 50), "ttft_p99": percentile(client, 99),
+                          "engine_ttft_p50": percentile(engine, 50), "engine_ttft_p99": percentile(engine, 99)}
+        for f in seed_figures:
             f.pop("ttft_samples_s", None)
-    result["per_seed"] = [run["policies"] for run in runs[1:]]
+        first_runs[label] = seed_figures[0]
+        for later, f in zip(per_seed, seed_figures[1:]):
+            later[label] = f
+    result = {"setup": next(iter(setups.values()), None), "setups": setups, "policies": first_runs,
+              "per_seed": per_seed, "arms": {label: asdict(arm) for label, arm in arms.items()}}
     return figures, result
 
 
@@ -264,11 +341,14 @@ METRICS = (
 
 
 def compare(live: dict[str, dict], sim: dict[str, dict]) -> dict:
-    """Per router and figure: live, sim, the difference or ratio, whether the goal is met; and the rankings.
-    A simulated run has no rounds: its p99 stands beside both the live pooled p99 and the median round's."""
+    """Per arm (the labels both sides have) and figure: live, sim, the
+    difference or ratio, whether the goal is met; and the rankings. A
+    simulated run has no rounds: its p99 stands beside both the live pooled
+    p99 and the median round's."""
+    labels = [label for label in live if label in sim]
     rows = {}
-    for router in ROUTERS:
-        lv, sm = live[router], dict(sim[router])
+    for label in labels:
+        lv, sm = live[label], dict(sim[label])
         sm.setdefault("ttft_p99_rounds", sm["ttft_p99"])
         sm.setdefault("engine_ttft_p99_rounds", sm.get("engine_ttft_p99"))
         row = {}
@@ -283,14 +363,14 @@ def compare(live: dict[str, dict], sim: dict[str, dict]) -> dict:
                 cell["ratio"] = sm[key] / lv[key]
                 cell["met"] = abs(cell["ratio"] - 1) <= goal
             row[key] = cell
-        rows[router] = row
-    keys = [key for key, *_ in METRICS if all(key in rows[r] for r in ROUTERS)]
+        rows[label] = row
+    keys = [key for key, *_ in METRICS if all(key in rows[r] for r in labels)]
     ranks = {}
     for key in keys:
-        ranks[key] = {"live": ranking({r: {key: rows[r][key]["live"]} for r in ROUTERS}, key),
-                      "sim": ranking({r: {key: rows[r][key]["sim"]} for r in ROUTERS}, key)}
+        ranks[key] = {"live": ranking({r: {key: rows[r][key]["live"]} for r in labels}, key),
+                      "sim": ranking({r: {key: rows[r][key]["sim"]} for r in labels}, key)}
         ranks[key]["same"] = ranks[key]["live"] == ranks[key]["sim"]
-        separated = separated_pairs({r: live[r].get("rounds", {}).get(key, []) for r in ROUTERS}, key)
+        separated = separated_pairs({r: live[r].get("rounds", {}).get(key, []) for r in labels}, key)
         sim_better = (lambda a, b: a > b) if key == "hit" else (lambda a, b: a < b)
         ranks[key]["separated"] = separated
         ranks[key]["contradicted"] = [(a, b) for a, b in separated
@@ -346,7 +426,9 @@ def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m router.sim_vs_live", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--live", required=True, help="JSON of python -m harness.loadtest --compare-routers")
+    parser.add_argument("--live", required=True,
+                        help="JSON of python -m harness.loadtest --compare-routers (or --compare-arms: each arm's "
+                             "router, router kwargs and Ingress replicas replayed)")
     parser.add_argument("--workload-args", default="{}", help="the live run's --workload-args")
     parser.add_argument("--trace", default=None, help="the live run's --trace (mooncake)")
     parser.add_argument("--seed", type=int, default=0, help="the live run's --seed")
@@ -369,34 +451,46 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.live) as handle:
         report = json.load(handle)
     live = live_figures(report)
-    missing = [r for r in ROUTERS if r not in live]
-    if missing:
-        parser.error(f"the live run lacks routers {missing}")
+    try:
+        arms = live_arms(report)
+    except ValueError as error:
+        parser.error(str(error))
     ingress_s = measured_ingress_s(live) if args.ingress_s == "measured" else float(args.ingress_s)
+    arm_ingress_s, arm_samples = ingress_by_arm(report, live, arms) if args.ingress_s == "measured" else (ingress_s, ())
     profile = StepProfile.load(args.profile)
     slowdown = measured_slowdown(report, profile) if args.engine_slowdown == "measured" else float(args.engine_slowdown)
     engine = slowed(profile, slowdown)
     factors = step_factors(report) if args.step_variability == "measured" else ()
-    token_costs = live_token_costs(report) if args.token_costs == "measured" else None
+    token_costs = live_token_costs(report, arms) if args.token_costs == "measured" else None
     if factors:
         engine = VariableSteps(**engine.to_dict(), factors=factors, seed=args.seed)
-    sim, result = simulated_figures(report, engine, ingress_s,
+    sim, result = simulated_figures(report, engine, arm_ingress_s,
                                     workload_args=json.loads(args.workload_args), trace=args.trace, seed=args.seed,
                                     num_replicas=args.replicas, budget_tokens=args.budget_tokens,
                                     block_tokens=args.block_tokens, seeds=args.seeds,
-                                    ingress_samples=ingress_samples(report) if args.ingress_s == "measured" else (),
-                                    token_costs=token_costs)
+                                    ingress_samples=arm_samples,
+                                    token_costs=token_costs, arms=arms)
     comparison = compare(live, sim)
     print(f"step times: x{slowdown:.2f} the profile's"
           + (f", prefill/mixed steps varied by {len(factors)} live inter-token gaps" if factors else ", fixed"))
     print("token prices the simulated Workers report: " + (
         f"the live Workers' median, {token_costs[0]:.1f} busy / {token_costs[1]:.2f} queued" if token_costs
         else f"the profile's, {profile.decode_token_cost:.1f} busy / {profile.queue_token_cost:.2f} queued"))
+    for label, arm in arms.items():
+        unmodelled = next((spec.get("app_args") for spec in report["meta"].get("arms", ())
+                           if spec["label"] == label and spec.get("app_args")), None)
+        print(f"{label}: simulated {arm.policy}" + (f", {arm.num_routers} independent routers" if arm.num_routers > 1
+                                                    else "") + (f", {arm.policy_args}" if arm.policy_args else "")
+              + (f"; app args not modelled: {unmodelled}" if unmodelled else "")
+              + (f"; ingress {arm_ingress_s[label] * 1e3:.1f} ms (median), drawn from the arms with "
+                 f"{arm.ingress_replicas} Ingress replica(s)"
+                 if isinstance(arm_ingress_s, dict) and len({a.ingress_replicas for a in arms.values()}) > 1 else ""))
     print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown,
                    drawn=args.ingress_s == "measured" and bool(ingress_samples(report)))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"ingress_s": ingress_s, "engine_slowdown": slowdown, "profile": args.profile,
+            json.dump({"ingress_s": ingress_s, "ingress_s_by_arm": arm_ingress_s if isinstance(arm_ingress_s, dict)
+                       else None, "engine_slowdown": slowdown, "profile": args.profile,
                        "token_costs": token_costs,
                        "step_variability": bool(factors), "comparison": comparison,
                        "simulated": result, "live_meta": report["meta"]}, handle, indent=2)

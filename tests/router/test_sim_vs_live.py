@@ -174,3 +174,68 @@ def test_the_simulated_workers_report_the_prices_the_live_workers_measured(tmp_p
     assert main(["--live", str(path), "--workload-args", args, "--seeds", "1", "--json", str(out),
                  "--engine-slowdown", "1", "--token-costs", "profile"]) == 0
     assert json.loads(out.read_text())["token_costs"] is None
+
+
+def test_live_arms_from_the_recorded_arms_or_the_labels():
+    """A --compare-arms run replays each arm as it ran: our policy with its
+    router kwargs and one router per Ingress replica; a peer as one router;
+    an older run's labels read as router names."""
+    from router.sim_vs_live import SimArm, live_arms
+
+    meta = {"ingress_replicas": None, "arms": [
+        {"label": "one", "router": "kvroute", "router_kwargs": None, "app_args": None, "deployments": None},
+        {"label": "two", "router": "kvroute", "router_kwargs": {"load_peer_estimate": True},
+         "deployments": {"Ingress": {"num_replicas": 2}}},
+        {"label": "p", "router": "pow2", "router_kwargs": {"x": 1}, "deployments": {"Ingress": {"num_replicas": 2}}},
+    ]}
+    assert live_arms({"meta": meta, "results": {}}) == {
+        "one": SimArm("ours"), "two": SimArm("ours", 2, {"load_peer_estimate": True}), "p": SimArm("pow2", 2)}
+    assert [arm.num_routers for arm in live_arms({"meta": meta, "results": {}}).values()] == [1, 2, 1]
+    older = {"meta": {}, "results": {"kvroute": {}, "prefix_affinity": {}}}
+    assert live_arms(older) == {"kvroute": SimArm("ours"), "prefix_affinity": SimArm("ray_prefix_tree")}
+    every_arm_two = {"meta": {"ingress_replicas": 2}, "results": {"kvroute": {}}}
+    assert live_arms(every_arm_two) == {"kvroute": SimArm("ours", 2)}
+    with pytest.raises(ValueError, match="no simulated counterpart"):
+        live_arms({"meta": {}, "results": {"prices-measured": {}}})
+
+
+def test_cli_replays_each_arm_with_its_routers_and_kwargs(tmp_path, capsys):
+    report = live_report(tmp_path, {"one": 0.8, "two": 0.8}, {"one": 0.05, "two": 0.06})
+    report["meta"]["arms"] = [
+        {"label": "one", "router": "kvroute"},
+        {"label": "two", "router": "kvroute", "router_kwargs": {"load_peer_estimate": True},
+         "deployments": {"Ingress": {"num_replicas": 2}}},
+    ]
+    path, out = tmp_path / "live.json", tmp_path / "cmp.json"
+    path.write_text(json.dumps(report))
+    args = json.dumps({"num_groups": 2, "prompts_per_group": 10})
+    assert main(["--live", str(path), "--workload-args", args, "--seeds", "1", "--json", str(out),
+                 "--engine-slowdown", "1"]) == 0
+    saved = json.loads(out.read_text())
+    setups = saved["simulated"]["setups"]
+    assert (setups["one"]["num_routers"], setups["two"]["num_routers"]) == (1, 2)
+    assert (setups["one"]["policy_config"]["load_peer_estimate"], setups["two"]["policy_config"]["load_peer_estimate"]) \
+        == (False, True)
+    assert set(saved["comparison"]["rows"]) == {"one", "two"}
+    assert "two: simulated ours, 2 independent routers" in capsys.readouterr().out
+    report["meta"]["arms"][1]["router"] = "least_loaded"
+    path.write_text(json.dumps(report))
+    with pytest.raises(SystemExit):
+        main(["--live", str(path), "--workload-args", args, "--seeds", "1", "--engine-slowdown", "1"])
+
+
+def test_ingress_times_pool_over_arms_with_as_many_ingress_replicas(tmp_path):
+    """Arms with one Ingress replica draw from each other's ingress times, not
+    from a two-replica arm's (capacity that arm had); one count: the whole run."""
+    from router.sim_vs_live import SimArm, ingress_by_arm
+
+    report = live_report(tmp_path, {"a": 0.8, "b": 0.8, "c": 0.8}, {"a": 0.05, "b": 0.07, "c": 0.21})
+    for label, samples in {"a": [0.04], "b": [0.06], "c": [0.20]}.items():
+        report["results"][label]["ingress_overhead_samples_s"] = samples
+    live = live_figures(report)
+    seconds, samples = ingress_by_arm(report, live, {"a": SimArm("ours"), "b": SimArm("pow2"), "c": SimArm("ours", 2)})
+    assert seconds["a"] == seconds["b"] == pytest.approx(0.05) and seconds["c"] == pytest.approx(0.20)
+    assert samples["a"] == samples["b"] == [0.04, 0.06] and samples["c"] == [0.20]
+    seconds, samples = ingress_by_arm(report, live, {label: SimArm("ours") for label in "abc"})
+    assert list(seconds.values()) == [measured_ingress_s(live)] * 3
+    assert samples["a"] == [0.04, 0.06, 0.20]
