@@ -64,7 +64,7 @@ import json
 import random
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from harness.loadstats import percentile
 from harness.workloads import build_workload
@@ -446,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-costs", choices=("measured", "profile"), default="measured",
                         help="the token prices the simulated Workers report: the live Workers' median (when "
                              "recorded) or the profile's")
+    parser.add_argument("--policy-args", default="{}",
+                        help="what-if: JSON PolicyConfig changes for our router in every arm, over the arm's own "
+                             "(the live figures stay what ran)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     with open(args.live) as handle:
@@ -453,8 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     live = live_figures(report)
     try:
         arms = live_arms(report)
+        what_if = json.loads(args.policy_args)
+        unknown = set(what_if) - {f.name for f in fields(PolicyConfig)}
+        if unknown:
+            raise ValueError(f"--policy-args: not PolicyConfig fields: {sorted(unknown)}")
     except ValueError as error:
         parser.error(str(error))
+    arms = {label: replace(arm, policy_args={**arm.policy_args, **what_if}) if arm.policy == "ours" else arm
+            for label, arm in arms.items()}
     ingress_s = measured_ingress_s(live) if args.ingress_s == "measured" else float(args.ingress_s)
     arm_ingress_s, arm_samples = ingress_by_arm(report, live, arms) if args.ingress_s == "measured" else (ingress_s, ())
     profile = StepProfile.load(args.profile)

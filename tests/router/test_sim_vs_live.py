@@ -239,3 +239,17 @@ def test_ingress_times_pool_over_arms_with_as_many_ingress_replicas(tmp_path):
     seconds, samples = ingress_by_arm(report, live, {label: SimArm("ours") for label in "abc"})
     assert list(seconds.values()) == [measured_ingress_s(live)] * 3
     assert samples["a"] == [0.04, 0.06, 0.20]
+
+
+def test_policy_args_change_our_router_in_every_arm_of_the_replay(tmp_path):
+    report = live_report(tmp_path, {"kvroute": 0.8, "pow2": 0.5}, {"kvroute": 0.05, "pow2": 0.07})
+    report["meta"]["num_requests"] = 20
+    path, out = tmp_path / "live.json", tmp_path / "cmp.json"
+    path.write_text(json.dumps(report))
+    args = ["--live", str(path), "--workload-args", json.dumps({"num_groups": 2, "prompts_per_group": 10}),
+            "--seeds", "1", "--engine-slowdown", "1", "--json", str(out)]
+    assert main(args + ["--policy-args", '{"balance_weight": 0.5}']) == 0
+    setups = json.loads(out.read_text())["simulated"]["setups"]
+    assert setups["kvroute"]["policy_config"]["balance_weight"] == 0.5
+    with pytest.raises(SystemExit):
+        main(args + ["--policy-args", '{"balance": 0.5}'])
