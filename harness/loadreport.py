@@ -27,6 +27,12 @@ def _estimates(counters: dict, key: str = "estimated_bandwidth_bytes_per_s", uni
     return " ".join(_mb_per_s(v, unit) for v in values) or "-"
 
 
+def _cpu_by_role(result: dict) -> str:
+    """CPU ms per request: Serve's proxy / the Ingress / the Workers (comparisons only)."""
+    cpu = result.get("cpu_ms_per_request_by_role") or {}
+    return "/".join(f"{cpu[role]:.0f}" for role in ("proxy", "ingress", "workers")) if cpu else "-"
+
+
 def print_table(report: dict) -> None:
     results = report["results"]
     rows = [
@@ -57,6 +63,7 @@ def print_table(report: dict) -> None:
         ("fetch MB/s (runs)", lambda r: _mb_per_s(r.get("replica_counters", {}).get("fetch_bandwidth_bytes_per_s"))),
         ("est. MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),
         ("est. overhead ms", lambda r: _estimates(r.get("replica_counters", {}), "estimated_overhead_s", 1e-3)),
+        ("CPU ms/req prx/ing/wrk", _cpu_by_role),
         ("errors", lambda r: str(r["errors"] or "-")),
     ]
     names = list(results)

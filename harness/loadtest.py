@@ -58,6 +58,7 @@ import httpx
 
 from harness.loadstats import RequestRecord, summarize
 from harness.replica_counters import pool_counters, run_counters
+from harness.resources import cpu_s_by_role
 from harness.sse import DONE, sse_event
 from harness.workloads import WORKLOADS, Session, build_workload, shared_prefix
 
@@ -225,6 +226,17 @@ def _rank_replicas(records: list[RequestRecord]) -> list[RequestRecord]:
     return [dataclasses.replace(r, replica_id=rank.get(r.replica_id, r.replica_id)) for r in records]
 
 
+def cpu_ms_per_request(rounds: list[dict]) -> dict[str, float]:
+    """CPU milliseconds per completed request by role (Serve's HTTP proxy, the
+    Ingress, the Workers, the rest of Ray: ``harness.resources.role_of``),
+    pooled over rounds that recorded ``cpu_s_by_role``; {} when none did."""
+    rounds = [r for r in rounds if r.get("cpu_s_by_role") and r.get("num_ok")]
+    num_ok = sum(r["num_ok"] for r in rounds)
+    if not num_ok:
+        return {}
+    return {role: 1e3 * sum(r["cpu_s_by_role"][role] for r in rounds) / num_ok for role in rounds[0]["cpu_s_by_role"]}
+
+
 @dataclass(frozen=True, slots=True)
 class Arm:
     """One side of a comparison: its label, the router, the router's kwargs
@@ -353,7 +365,10 @@ def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, 
                 app.deploy(router=arm.router, router_kwargs=arm.router_kwargs, app_args=arm.app_args,
                            deployments=arm.deployments)
                 warm_up(options, args.warmup_requests, args.seed)
+                pids = app.ray_pids()
+                cpu_before = cpu_s_by_role(pids)
                 records, wall_s, stats = run_one(options, sessions, f"{arm.label} (round {round_index + 1})")
+                cpu_used = {role: used - cpu_before[role] for role, used in cpu_s_by_role(pids).items()}
                 num_workers = app.expected_workers()
                 if args.nodes > 1:
                     stats["replica_nodes"] = app.replica_nodes()
@@ -363,6 +378,7 @@ def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, 
                 round_summary["replica_counters"] = stats.pop("run_counters")
                 round_summary["server_stats"] = stats
                 round_summary["load_average"] = os.getloadavg()  # 1/5/15 min, at the round's end
+                round_summary["cpu_s_by_role"] = cpu_used  # the run and the /stats reads around it
                 per_round[arm.label].append(round_summary)
     results = {}
     for label in labels:
@@ -370,6 +386,7 @@ def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, 
         summary = summarize(records, sum(wall for _, wall in pooled[label]), slo, num_workers)
         summary["rounds"] = per_round[label]
         summary["replica_counters"] = pool_counters([r["replica_counters"] for r in per_round[label]])
+        summary["cpu_ms_per_request_by_role"] = cpu_ms_per_request(per_round[label])
         results[label] = summary
     return results
 

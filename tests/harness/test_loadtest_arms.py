@@ -75,3 +75,16 @@ def test_an_arms_deployment_options_are_written_over_the_app_wide_ones():
         "Ingress"]["num_replicas"] == 3
     os.unlink(path)
     os.unlink(plain)
+
+
+def test_cpu_per_request_by_role_pools_the_rounds_that_recorded_it(capsys):
+    from harness.loadreport import _cpu_by_role
+    from harness.loadtest import cpu_ms_per_request
+
+    rounds = [{"num_ok": 100, "cpu_s_by_role": {"proxy": 2.0, "ingress": 4.0, "workers": 6.0, "ray": 1.0}},
+              {"num_ok": 300, "cpu_s_by_role": {"proxy": 6.0, "ingress": 8.0, "workers": 10.0, "ray": 1.0}},
+              {"num_ok": 50}]  # an older round without the figures: left out
+    cpu = cpu_ms_per_request(rounds)
+    assert cpu == {"proxy": 20.0, "ingress": 30.0, "workers": 40.0, "ray": 5.0}
+    assert _cpu_by_role({"cpu_ms_per_request_by_role": cpu}) == "20/30/40"
+    assert cpu_ms_per_request([{"num_ok": 10}]) == {} and _cpu_by_role({}) == "-"
