@@ -52,6 +52,10 @@ def print_table(report: dict) -> None:
         ("load imbalance", lambda r: _fmt(r["load_imbalance"])),
         ("requests/replica", lambda r: " ".join(str(v["requests"]) for v in r["per_replica"].values())),
         ("hit rate/replica", lambda r: " ".join(_fmt(v["hit_rate"], 2) for v in r["per_replica"].values())),
+        ("sessions/replica", lambda r: " ".join(_fmt(v.get("sessions")) for v in r["per_replica"].values())),
+        ("decode ms/tok/replica", lambda r: " ".join(_fmt(None if v.get("decode_s_per_token_p50") is None
+                                                          else 1e3 * v["decode_s_per_token_p50"], 1)
+                                                     for v in r["per_replica"].values())),
         ("hit rate/round", lambda r: " ".join(_fmt(x["cluster_hit_rate"], 3) for x in r.get("rounds", [])) or "-"),
         ("TTFT p99 s/round", lambda r: " ".join(_fmt(x["ttft_s"]["p99"], 2) for x in r.get("rounds", [])) or "-"),
         ("computed prompt tok", lambda r: _counter(r, "computed_prompt_tokens")),
@@ -67,10 +71,11 @@ def print_table(report: dict) -> None:
         ("errors", lambda r: str(r["errors"] or "-")),
     ]
     names = list(results)
-    width = max(20, *(len(n) + 2 for n in names))
-    print(f"{'':20}" + "".join(f"{n:>{width}}" for n in names))
-    for label, cell in rows:
-        print(f"{label:20}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
+    cells = [(label, [cell(results[n]) for n in names]) for label, cell in rows]
+    width = max(20, *(len(n) + 2 for n in names), *(len(text) + 2 for _, texts in cells for text in texts))
+    print(f"{'':22}" + "".join(f"{n:>{width}}" for n in names))
+    for label, texts in cells:
+        print(f"{label:22}" + "".join(f"{text:>{width}}" for text in texts))
 
 
 def write_plot(report: dict, path: str) -> None:

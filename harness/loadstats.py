@@ -73,6 +73,12 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
     for r in ok:
         per_replica_cached[r.replica_id] += r.cached_tokens
         per_replica_prompt[r.replica_id] += r.prompt_tokens
+    per_replica_pace: dict = {}  # each request's decode pace: (latency - TTFT) / (output tokens - 1)
+    per_replica_sessions: dict = {}
+    for r in ok:
+        per_replica_sessions.setdefault(r.replica_id, set()).add(r.session_id)
+        if r.ttft_s is not None and r.output_tokens > 1:
+            per_replica_pace.setdefault(r.replica_id, []).append((r.latency_s - r.ttft_s) / (r.output_tokens - 1))
     loads = list(per_replica_prompt.values())
     if num_replicas is not None:
         loads += [0] * max(0, num_replicas - len(loads))
@@ -101,6 +107,8 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
                 "requests": per_replica_requests[replica],
                 "prompt_tokens": per_replica_prompt[replica],
                 "hit_rate": per_replica_cached[replica] / per_replica_prompt[replica] if per_replica_prompt[replica] else 0.0,
+                "sessions": len(per_replica_sessions[replica]),  # sessions with a request served here
+                "decode_s_per_token_p50": percentile(per_replica_pace.get(replica, []), 50),
             }
             for replica in sorted(per_replica_requests, key=str)
         },

@@ -58,3 +58,18 @@ def test_ingress_overhead_is_client_ttft_less_the_engines_own():
     assert summary["ingress_overhead_s"]["p99"] == pytest.approx(0.05)
     assert summary["ingress_overhead_samples_s"] == [0.02, 0.05]
     assert summary["itl_samples_s"] == []
+
+
+def test_per_replica_sessions_and_decode_pace():
+    """A replica's sessions are the distinct sessions it served; its decode pace is
+    the median over its requests of (latency - TTFT) / (output tokens - 1)."""
+    def served(replica, session, ttft, end, output):
+        return RequestRecord(session_id=session, turn=0, prompt_tokens=10, start_s=0.0, end_s=end,
+                             replica_id=replica, output_tokens=output, ttft_s=ttft)
+
+    records = [served("a", 1, 0.1, 0.4, 4), served("a", 1, 0.1, 0.7, 4), served("a", 2, 0.2, 0.5, 4),
+               served("b", 3, 0.1, 0.1, 1)]  # one token: no pace
+    per_replica = summarize(records, wall_s=1.0, slo=SLO)["per_replica"]
+    assert per_replica["a"]["sessions"] == 2 and per_replica["b"]["sessions"] == 1
+    assert per_replica["a"]["decode_s_per_token_p50"] == pytest.approx(0.1)  # of 0.1, 0.2, 0.1
+    assert per_replica["b"]["decode_s_per_token_p50"] is None
