@@ -250,30 +250,35 @@ class Arm:
     deployments: dict | None = None
 
 
+def kvroute_kwargs_of(args) -> dict | None:
+    """``--kvroute-kwargs`` parsed (None: not given, the config's kwargs)."""
+    return json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+
+
 def router_arms(args) -> list[Arm]:
     """``--compare-routers``: one arm per router; ``--kvroute-kwargs`` for ours."""
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    kvroute_kwargs = kvroute_kwargs_of(args)
     return [Arm(router, router, kvroute_kwargs if router == "kvroute" else None)
             for router in args.compare_routers.split(",")]
 
 
 def fetch_arms(args) -> list[Arm]:
     """``--compare-fetch``: our router with the app's ``fetch_enabled`` on, then off."""
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    kvroute_kwargs = kvroute_kwargs_of(args)
     return [Arm(f"fetch-{state}", "kvroute", kvroute_kwargs, {"fetch_enabled": state == "on"})
             for state in ("on", "off")]
 
 
 def summary_arms(args) -> list[Arm]:
     """``--compare-summaries``: our router with the Workers' ``summary_mode`` stream, then full."""
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    kvroute_kwargs = kvroute_kwargs_of(args)
     return [Arm(f"summary-{mode}", "kvroute", kvroute_kwargs, {"summary_mode": mode}) for mode in ("stream", "full")]
 
 
 def token_price_arms(args) -> list[Arm]:
     """``--compare-token-prices``: our router pricing output tokens at what the
     Workers measure (``learn_token_costs``), then at its configured priors only."""
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else {}
+    kvroute_kwargs = kvroute_kwargs_of(args) or {}
     return [Arm(f"prices-{label}", "kvroute", kvroute_kwargs | {"learn_token_costs": learn})
             for label, learn in (("measured", True), ("configured", False))]
 
@@ -282,7 +287,7 @@ def fetch_patience_arms(args) -> list[Arm]:
     """``--compare-fetch-patience``: our router, the Workers' ``fetch_patience``
     at its default 1 (a request waits for a fetch at most its estimated
     recompute time), then 0 (up to ``fetch_timeout_s``)."""
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    kvroute_kwargs = kvroute_kwargs_of(args)
     return [Arm(f"patience-{value:g}", "kvroute", kvroute_kwargs, {"fetch_patience": value}) for value in (1.0, 0.0)]
 
 
@@ -302,7 +307,7 @@ def custom_arms(args) -> list[Arm]:
     specs = json.loads(text)
     if not isinstance(specs, list) or len(specs) < 2 or not all(isinstance(spec, dict) for spec in specs):
         raise ValueError("--compare-arms takes a JSON list of at least two arm objects")
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    kvroute_kwargs = kvroute_kwargs_of(args)
     arms = []
     for spec in specs:
         unknown = set(spec) - ARM_KEYS
@@ -328,7 +333,7 @@ def stream_interval_arms(args) -> list[Arm]:
     """``--compare-stream-intervals 0,50``: our router with the app's
     ``stream_interval_ms`` at each value (how often a stream's tokens leave
     its Worker)."""
-    kvroute_kwargs = json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
+    kvroute_kwargs = kvroute_kwargs_of(args)
     intervals = [float(value) for value in args.compare_stream_intervals.split(",")]
     return [Arm(f"stream-{value:g}ms", "kvroute", kvroute_kwargs, {"stream_interval_ms": value}) for value in intervals]
 

@@ -396,6 +396,27 @@ def separated_pairs(live_rounds: dict[str, list[float]], key: str) -> list[tuple
     return out
 
 
+def describe_arms(report: dict, arms: dict[str, SimArm], ingress_s: dict[str, float] | None) -> list[str]:
+    """One line per arm: what the replay runs for it, the app args it does not
+    model, and its ingress time where the run's arms differ in Ingress replicas."""
+    app_args = {spec["label"]: spec.get("app_args") for spec in report["meta"].get("arms", ())}
+    several_ingress_counts = ingress_s is not None and len({arm.ingress_replicas for arm in arms.values()}) > 1
+    lines = []
+    for label, arm in arms.items():
+        line = f"{label}: simulated {arm.policy}"
+        if arm.num_routers > 1:
+            line += f", {arm.num_routers} independent routers"
+        if arm.policy_args:
+            line += f", {arm.policy_args}"
+        if app_args.get(label):
+            line += f"; app args not modelled: {app_args[label]}"
+        if several_ingress_counts:
+            line += (f"; ingress {ingress_s[label] * 1e3:.1f} ms (median), drawn from the arms with "
+                     f"{arm.ingress_replicas} Ingress replica(s)")
+        lines.append(line)
+    return lines
+
+
 def print_markdown(workload: str, comparison: dict, ingress_s: float, slowdown: float, drawn: bool) -> None:
     ingress = "a draw from the live per-request ingress times" if drawn else "the live median ingress"
     print(f"{workload} (engine steps x{slowdown:.2f} the profile's; sessions' next turns "
@@ -485,15 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     print("token prices the simulated Workers report: " + (
         f"the live Workers' median, {token_costs[0]:.1f} busy / {token_costs[1]:.2f} queued" if token_costs
         else f"the profile's, {profile.decode_token_cost:.1f} busy / {profile.queue_token_cost:.2f} queued"))
-    for label, arm in arms.items():
-        unmodelled = next((spec.get("app_args") for spec in report["meta"].get("arms", ())
-                           if spec["label"] == label and spec.get("app_args")), None)
-        print(f"{label}: simulated {arm.policy}" + (f", {arm.num_routers} independent routers" if arm.num_routers > 1
-                                                    else "") + (f", {arm.policy_args}" if arm.policy_args else "")
-              + (f"; app args not modelled: {unmodelled}" if unmodelled else "")
-              + (f"; ingress {arm_ingress_s[label] * 1e3:.1f} ms (median), drawn from the arms with "
-                 f"{arm.ingress_replicas} Ingress replica(s)"
-                 if isinstance(arm_ingress_s, dict) and len({a.ingress_replicas for a in arms.values()}) > 1 else ""))
+    per_arm_ingress = arm_ingress_s if isinstance(arm_ingress_s, dict) else None
+    for line in describe_arms(report, arms, per_arm_ingress):
+        print(line)
     print_markdown(report["meta"]["workload"], comparison, ingress_s, slowdown,
                    drawn=args.ingress_s == "measured" and bool(ingress_samples(report)))
     if args.json:
