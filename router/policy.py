@@ -171,7 +171,8 @@ class PrefixAffinityPolicy:
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._share = RouterShare(self.config.load_window_s)
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
-        self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost)
+        self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
+                                           history=self.config.price_history)
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -382,7 +383,7 @@ class PrefixAffinityPolicy:
             routing = RoutingRequest.from_object(request)
         except ValueError:  # unknown size: count it as a typical request
             add(request_id, replica_id, self._typical_work, now)
-            self._queue_priced.book(request_id, replica_id, self._typical_work, now, reserve)
+            self._queue_priced.book(request_id, replica_id, self._typical_work, 0.0, now, reserve)
             return
         hashes = routing.block_hashes
         depth = self._index.depth(replica_id, hashes)
@@ -397,7 +398,7 @@ class PrefixAffinityPolicy:
         queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
         self._typical_work += (work - self._typical_work) / 64  # moving average
         add(request_id, replica_id, queued, now, work)
-        self._queue_priced.book(request_id, replica_id, queued, now, reserve)
+        self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
         self._reported.on_routed(replica_id, queued)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:

@@ -20,7 +20,7 @@ def test_priors_hold_until_a_replica_reports_a_measurement():
 
 
 def test_the_prices_in_force_are_the_median_of_the_replicas_latest_reports():
-    prices = ReportedTokenPrices(40.0, 40.0)
+    prices = ReportedTokenPrices(40.0, 40.0, history=1)
     prices.report("a", 200.0, 5.0)
     prices.report("b", 300.0, 9.0)
     prices.report("c", 1000.0, 2.0)  # one outlier does not set the price
@@ -35,11 +35,39 @@ def test_the_prices_in_force_are_the_median_of_the_replicas_latest_reports():
 
 
 def test_a_drift_within_the_tolerance_does_not_reprice():
-    prices = ReportedTokenPrices(200.0, 5.0, tolerance=0.1)
+    prices = ReportedTokenPrices(200.0, 5.0, tolerance=0.1, history=1)
     assert not prices.report("a", 215.0, 5.4)  # within 10 % (the queue price: of at least 1 token)
     assert (prices.decode_token_cost, prices.queue_token_cost) == (200.0, 5.0)
     assert prices.report("a", 230.0, 5.0)
     assert prices.decode_token_cost == 230.0
+
+
+def test_a_history_of_reports_keeps_the_prices_steady_through_noisy_fits():
+    """What the CPU Workers reported live within minutes (busy 30-68,
+    queued 0-10): with each replica's latest report alone the prices in
+    force swing over that whole range; with a history they stay near the
+    pooled median, and one report far off it moves nothing."""
+    noisy = [(41.0, 3.2), (60.7, 1.7), (39.8, 0.0), (67.9, 10.5), (54.5, 0.4), (48.9, 3.4), (40.9, 2.1), (58.9, 2.9)]
+    latest, steady = ReportedTokenPrices(40.0, 40.0, history=1), ReportedTokenPrices(40.0, 40.0, history=16)
+    in_force = {id(latest): [], id(steady): []}
+    for round_number in range(4):
+        for number, (decode, queue) in enumerate(noisy):
+            for prices in (latest, steady):
+                prices.report("ab"[number % 2], decode, queue)
+                if round_number:  # after the first reports
+                    in_force[id(prices)].append((prices.decode_token_cost, prices.queue_token_cost))
+
+    def spread(which):
+        return (max(d for d, _ in which) - min(d for d, _ in which), max(q for _, q in which) - min(q for _, q in which))
+    busy_spread, queue_spread = spread(in_force[id(latest)])
+    assert busy_spread >= 15.0 and queue_spread >= 4.0  # the mean of the two latest: 44.9-61.2, 0.85-5.45
+    busy_spread, queue_spread = spread(in_force[id(steady)])
+    assert busy_spread <= 6.0 and queue_spread <= 1.0  # 48.9-54.5, 2.1-2.9
+    assert (steady.decode_token_cost, steady.queue_token_cost) == pytest.approx((51.7, 2.5), rel=0.1)
+    assert not steady.report("a", 135.0, 9.0)  # one far-off fit does not move the pooled median
+    steady.check_invariants({"a", "b"})
+    with pytest.raises(ValueError, match="history"):
+        ReportedTokenPrices(40.0, 40.0, history=0)
 
 
 def test_the_last_prices_stay_when_every_reporting_replica_leaves():
@@ -102,4 +130,23 @@ def test_the_busy_price_learned_sets_the_work_a_request_is_booked_at():
     assert after == pytest.approx(32 + 200.0 * 10)
     policy.remove_replica(REPLICAS[0])  # one report left: the median is its own
     assert policy.config.decode_token_cost == 200.0
+    policy.check_invariants()
+
+
+def test_work_booked_before_the_prices_were_learned_is_read_at_the_learned_price():
+    """Every live round starts at the configured prior (40 and 40) until the
+    Workers' first fits. The balance term reads a booking's output tokens at
+    the queue price in force when it *reads* them, so the requests routed
+    before the first report weigh like later ones: the decode-heavy replica,
+    booked at the prior, looks light once the fleet reports 40 / 4, and a
+    cold prompt goes there (at the booking-time price the two looked alike
+    for the whole load window and the ring home, the prefill-heavy one,
+    took it)."""
+    policy = make_policy(replicas=REPLICAS[:2], decode_token_cost=40.0)
+    decoder, prefiller, cold = book_decode_heavy_and_prefill_heavy(policy)  # booked at 40 / 40
+    assert policy.rank(cold)[0] == prefiller  # one price: the balance term reads recent work, equal, ring decides
+    for replica_id in REPLICAS[:2]:
+        policy.on_summary(_measured(replica_id, 40.0, 4.0))
+    assert (policy.config.decode_token_cost, policy.config.queue_token_cost) == (40.0, 4.0)
+    assert policy.rank(cold)[0] == decoder
     policy.check_invariants()
