@@ -281,6 +281,21 @@ class LoadTracker:
                 break
             self.on_completed(request_id)
 
+    def forget_recent(self) -> None:
+        """Start the recent-work window afresh: every replica's recent work
+        (and its chance spread) 0, each in-flight request's share of it
+        too, so forgetting one later subtracts nothing. Queued work stays.
+        For work booked at prices since found wrong (the configured priors,
+        before any replica measured its own)."""
+        self._recent = dict.fromkeys(self._recent, 0.0)
+        self._recent_sq = dict.fromkeys(self._recent_sq, 0.0)
+        self._recent_total = self._recent_sq_total = 0.0
+        for request_id, entry in self._in_flight.items():
+            self._in_flight[request_id] = entry._replace(recent_tokens=0.0)
+        self._heap = []
+        for replica_id in self._local:
+            self._changed(replica_id)
+
     # ----------------------------------------------------------------- private
     def _forget(self, request_id: str) -> None:
         """Undo a request as if never routed: its queued and its recent work."""

@@ -246,9 +246,13 @@ class PrefixAffinityPolicy:
             self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
-        if self.config.learn_token_costs and self._prices.report(replica_id, summary.decode_token_cost,
-                                                                 summary.queue_token_cost):
-            self._reprice()
+        if self.config.learn_token_costs:
+            was_measured = self._prices.is_measured
+            if self._prices.report(replica_id, summary.decode_token_cost, summary.queue_token_cost):
+                self._reprice()
+            if not was_measured and self._prices.is_measured:
+                self._loads.forget_recent()  # booked at the priors: see _reprice
+                self._queue_priced.forget_recent()
         reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                               summary.num_output_tokens_total, self._clock(), reported_work)
@@ -258,8 +262,15 @@ class PrefixAffinityPolicy:
 
     def _reprice(self) -> None:
         """Put the replicas' measured token prices in force (``learn_token_costs``):
-        decisions from now on and the reported-work counters use them; work
-        booked before keeps its price."""
+        decisions from now on and the reported-work counters use them; the
+        balance term's queue-priced work re-prices what it booked before
+        (:class:`QueuePricedWork`). Recent work at the busy price keeps the
+        price each request was booked at, except that the first measurement
+        any replica reports clears the recent-work windows (both trackers'
+        :meth:`LoadTracker.forget_recent`): what was booked at the priors,
+        off by up to 3x live (40 against 60-180 busy on the CPU engine),
+        would skew the bound and the balance for the whole window, and it is
+        a few seconds of history."""
         prices = self._prices
         self.config = dataclasses.replace(self.config, decode_token_cost=prices.decode_token_cost,
                                           queue_decode_token_cost=prices.queue_token_cost)

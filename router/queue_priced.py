@@ -99,6 +99,11 @@ class QueuePricedWork:
         for tracker in self._trackers():
             tracker.on_completed(request_id)
 
+    def forget_recent(self) -> None:
+        """Start the recent-work window afresh (:meth:`LoadTracker.forget_recent`)."""
+        for tracker in self._trackers():
+            tracker.forget_recent()
+
     def view(self, now: float, mean_recent: float, num_replicas: int) -> Callable[[str], float] | None:
         """Each replica's recent queue-priced work scaled so its mean is
         ``mean_recent`` (the mean of recent work at the busy price): its

@@ -59,6 +59,11 @@ class ReportedTokenPrices:
         self._history = history
         self._replica_to_prices: dict[str, deque[tuple[float, float]]] = {}
 
+    @property
+    def is_measured(self) -> bool:
+        """Whether any replica has reported a measurement (the prices in force are no longer the priors)."""
+        return bool(self._replica_to_prices)
+
     def report(self, replica_id: str, decode_token_cost: float, queue_token_cost: float) -> bool:
         """Take a replica's measured prices; True when the prices in force changed."""
         if not decode_token_cost > 0:

@@ -263,3 +263,20 @@ def test_a_replica_that_leaves_and_joins_again_has_no_stale_heap_entry():
     assert loads.load("a") == 5.0 and loads.least_loaded_replica() == "b"
     loads.on_routed("q4", "b", 20.0, now=0.0)
     assert loads.least_loaded_replica() == "a"
+
+
+def test_forget_recent_clears_the_window_and_keeps_queued_work():
+    tracker = LoadTracker(window_s=10.0)
+    for replica_id in ("a", "b"):
+        tracker.add_replica(replica_id)
+    tracker.reserve("x", "a", 100.0, 0.0)
+    tracker.on_routed("y", "b", 50.0, 0.0)
+    tracker.on_completed("y")
+    tracker.forget_recent()
+    assert tracker.recent_work("a", 1.0) == tracker.recent_work("b", 1.0) == 0.0 == tracker.chance_sd(1.0)
+    assert tracker.load("a") == 100.0 and tracker.load("b") == 0.0
+    tracker.on_routed("z", "b", 30.0, 1.0)
+    tracker.expire(100.0)  # "x" was never confirmed: forgetting it subtracts nothing from what came after
+    assert tracker.recent_work("b", 1.0) == pytest.approx(30.0)
+    assert tracker.recent_work("a", 1.0) == 0.0 and tracker.load("a") == 0.0
+    tracker.check_invariants()

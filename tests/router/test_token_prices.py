@@ -133,20 +133,38 @@ def test_the_busy_price_learned_sets_the_work_a_request_is_booked_at():
     policy.check_invariants()
 
 
-def test_work_booked_before_the_prices_were_learned_is_read_at_the_learned_price():
-    """Every live round starts at the configured prior (40 and 40) until the
-    Workers' first fits. The balance term reads a booking's output tokens at
-    the queue price in force when it *reads* them, so the requests routed
-    before the first report weigh like later ones: the decode-heavy replica,
-    booked at the prior, looks light once the fleet reports 40 / 4, and a
-    cold prompt goes there (at the booking-time price the two looked alike
-    for the whole load window and the ring home, the prefill-heavy one,
-    took it)."""
-    policy = make_policy(replicas=REPLICAS[:2], decode_token_cost=40.0)
+def test_work_booked_before_the_prices_moved_is_read_at_the_prices_in_force():
+    """The balance term reads a booking's output tokens at the queue price
+    in force when it *reads* them: booked while the replicas measured one
+    price (40 and 40), the decode-heavy replica looks light once they
+    report 40 / 4, and a cold prompt goes there (at the booking-time price
+    the two looked alike for the whole load window and the ring home, the
+    prefill-heavy one, took it)."""
+    policy = make_policy(replicas=REPLICAS[:2], decode_token_cost=40.0, price_history=1)
+    for replica_id in REPLICAS[:2]:
+        policy.on_summary(_measured(replica_id, 40.0, 40.0))
     decoder, prefiller, cold = book_decode_heavy_and_prefill_heavy(policy)  # booked at 40 / 40
     assert policy.rank(cold)[0] == prefiller  # one price: the balance term reads recent work, equal, ring decides
     for replica_id in REPLICAS[:2]:
-        policy.on_summary(_measured(replica_id, 40.0, 4.0))
+        policy.on_summary(_measured(replica_id, 40.0, 4.0, version=2))
     assert (policy.config.decode_token_cost, policy.config.queue_token_cost) == (40.0, 4.0)
     assert policy.rank(cold)[0] == decoder
+    policy.check_invariants()
+
+
+def test_the_first_measurement_clears_the_recent_work_booked_at_the_priors():
+    """Busy time booked at the prior (40) before any replica measured is off
+    by up to 3x live; the first report clears that window once, later
+    reports (prices moving within the history) clear nothing."""
+    policy = make_policy(replicas=REPLICAS[:2], decode_token_cost=40.0)
+    policy.on_routed(request(prompt(7, 32), num_output_tokens=10), REPLICAS[0], "at-the-prior")
+    assert policy.loads.recent_work(REPLICAS[0], 0.0) == pytest.approx(32 + 40.0 * 10)
+    policy.on_summary(_measured(REPLICAS[0], 120.0, 4.0))
+    assert policy.loads.recent_work(REPLICAS[0], 0.0) == 0.0
+    assert policy.loads.load(REPLICAS[0]) > 0  # still in flight: its queued work stays
+    policy.on_routed(request(prompt(8, 32), num_output_tokens=10), REPLICAS[1], "measured")
+    policy.on_summary(_measured(REPLICAS[1], 60.0, 2.0, version=1))  # the median moves: 90 / 3
+    assert policy.config.decode_token_cost == pytest.approx(90.0)
+    assert policy.loads.recent_work(REPLICAS[1], 0.0) == pytest.approx(32 + 120.0 * 10)
+    policy.on_completed("at-the-prior")
     policy.check_invariants()
