@@ -58,11 +58,8 @@ class ReportedTokenPrices:
         self._tolerance = tolerance
         self._history = history
         self._replica_to_prices: dict[str, deque[tuple[float, float]]] = {}
+        self.is_measured = False  # a replica has reported a measurement: the prices are no longer the priors
 
-    @property
-    def is_measured(self) -> bool:
-        """Whether any replica has reported a measurement (the prices in force are no longer the priors)."""
-        return bool(self._replica_to_prices)
 
     def report(self, replica_id: str, decode_token_cost: float, queue_token_cost: float) -> bool:
         """Take a replica's measured prices; True when the prices in force changed."""
@@ -70,6 +67,7 @@ class ReportedTokenPrices:
             return False  # not measured yet
         reports = self._replica_to_prices.setdefault(replica_id, deque(maxlen=self._history))
         reports.append((float(decode_token_cost), float(queue_token_cost)))
+        self.is_measured = True  # for good: when every reporter leaves, the last prices stay in force
         return self._refresh()
 
     def remove(self, replica_id: str) -> bool:

@@ -72,9 +72,11 @@ def test_a_history_of_reports_keeps_the_prices_steady_through_noisy_fits():
 
 def test_the_last_prices_stay_when_every_reporting_replica_leaves():
     prices = ReportedTokenPrices(40.0, 40.0)
+    assert not prices.is_measured
     prices.report("a", 200.0, 5.0)
     assert not prices.remove("a")
     assert (prices.decode_token_cost, prices.queue_token_cost) == (200.0, 5.0)
+    assert prices.is_measured  # the prices in force are still measured ones, not the priors
 
 
 def _measured(replica_id, decode_token_cost, queue_token_cost, version=1):
