@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, replace
 
 import httpx
 
-from harness.loadstats import RequestRecord, summarize
+from harness.loadstats import RequestRecord, request_log, summarize
 from harness.replica_counters import pool_counters, run_counters
 from harness.resources import cpu_s_by_role
 from harness.sse import DONE, sse_event
@@ -379,7 +379,7 @@ def compare_arms(args, options: RunOptions, sessions: list[Session], slo: dict, 
                     stats["replica_nodes"] = app.replica_nodes()
                 app.shutdown_app()
                 pooled[arm.label].append((records, wall_s))
-                round_summary = summarize(records, wall_s, slo, num_workers)
+                round_summary = summarize(records, wall_s, slo, num_workers) | {"request_log": request_log(records)}
                 round_summary["replica_counters"] = stats.pop("run_counters")
                 round_summary["server_stats"] = stats
                 round_summary["load_average"] = os.getloadavg()  # 1/5/15 min, at the round's end
