@@ -8,12 +8,14 @@ from collections.abc import Callable, Collection, Iterable
 
 from cache.hashing import salt_seed
 from cache.summary import CacheSummary
+from router.cache_fill import FleetCacheFill
 from router.candidates import Candidates, gather, within_block
 from router.cold_home import home_first
 from router.fetch import FetchHint, FetchPlan, RoutingDecision
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
+from router.pending_blocks import PendingBlocks
 from router.policy_config import PolicyConfig
 from router.prefix_index import PrefixIndex
 from router.queue_priced import QueuePricedWork
@@ -72,7 +74,11 @@ class PrefixAffinityPolicy:
        near-cold match (a few shared blocks) is placed by load. A part that
        ``h`` replicas hold earns ``1/h`` of that premium at each: its later
        requests spread over the ``h``, and it stays cached whichever of them
-       (or another replica) takes this one. The balance
+       (or another replica) takes this one. With ``premium_needs_completion``
+       blocks an in-flight request there has yet to compute earn no premium
+       while the caches have room (:class:`PendingBlocks`, weighed by
+       :class:`FleetCacheFill`): a burst sharing a prefix nobody has computed
+       yet spreads instead of following the first request. The balance
        term (recent work in busy-time units, ``decode_token_cost`` per output
        token; ``balance_output_price`` "queue": at ``queue_decode_token_cost``,
        scaled to busy-time units) pulls cold and lightly cached requests
@@ -170,6 +176,8 @@ class PrefixAffinityPolicy:
                                       self.config.queue_token_cost)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._share = RouterShare(self.config.load_window_s)
+        self._pending = PendingBlocks(self.config.in_flight_timeout_s)  # premium_needs_completion
+        self._fill = FleetCacheFill()  # how far the premium on pending blocks is withheld
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
         self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
                                            history=self.config.price_history)
@@ -210,6 +218,8 @@ class PrefixAffinityPolicy:
         self._index.remove_replica(replica_id)
         self._loads.remove_replica(replica_id)
         self._queue_priced.remove_replica(replica_id)
+        self._pending.remove_replica(replica_id)
+        self._fill.remove(replica_id)
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
@@ -246,6 +256,7 @@ class PrefixAffinityPolicy:
             self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
+        self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
         if self.config.learn_token_costs:
             was_measured = self._prices.is_measured
             if self._prices.report(replica_id, summary.decode_token_cost, summary.queue_token_cost):
@@ -411,12 +422,15 @@ class PrefixAffinityPolicy:
         add(request_id, replica_id, queued, now, work)
         self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
         self._reported.on_routed(replica_id, queued)
+        if self.config.premium_needs_completion:
+            self._pending.add(request_id, replica_id, hashes[depth:], now)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:
             parent = hashes[-1] if hashes else salt_seed(routing.salt)
             self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
 
     def on_completed(self, request_id: str) -> None:
+        self._pending.done(request_id)
         self._queue_priced.on_completed(request_id)
         if self._loads.on_completed(request_id):
             self._share.on_completed(self._clock())
@@ -431,6 +445,8 @@ class PrefixAffinityPolicy:
         scoring = self._scoring(request, now)
         if found.holder_levels:
             scoring.premium = holder_premium(found.holder_levels, config.block_size)
+        if len(self._pending) and self._fill.pressure < 1.0:
+            scoring.computed = self._computed_view(request, found)
         plan = FetchPlan(found.depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
                          request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
@@ -473,6 +489,29 @@ class PrefixAffinityPolicy:
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
             balance_work=balance_work)
+
+    def _computed_view(self, request: RoutingRequest, found: Candidates) -> Callable[[str, int], float]:
+        """(replica, cached tokens) -> those the affinity premium counts there
+        (``premium_needs_completion``): all, unless an in-flight request there
+        still computes some of the matched blocks; then the leading computed
+        blocks, plus the pending rest weighed by the fleet's cache pressure
+        (:class:`FleetCacheFill`: while caches have room a second copy of a
+        prefix nobody has computed yet costs only its prefill; once they are
+        full it evicts, and the premium holds as before). A within-block
+        match counts whole only behind a computed chain."""
+        pending, hashes, block_size = self._pending, request.block_hashes, self.config.block_size
+        pressure = self._fill.pressure
+
+        def computed(replica_id: str, cached: int) -> float:
+            if not pending.has_pending(replica_id):
+                return cached
+            depth = found.depths.get(replica_id, 0)
+            done = pending.computed_depth(replica_id, hashes, depth)
+            if done == depth:
+                return cached
+            done_tokens = min(cached, done * block_size)
+            return done_tokens + pressure * (cached - done_tokens)
+        return computed
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
                     ranked: list[str], now: float) -> list[str]:
@@ -532,6 +571,8 @@ class PrefixAffinityPolicy:
         nodes = self._ring.nodes
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
         self._queue_priced.check_invariants(nodes)
+        self._pending.check_invariants()
+        self._fill.check_invariants()
         self._prices.check_invariants(nodes)
         assert (self.config.decode_token_cost, self.config.queue_token_cost) == (
             self._prices.decode_token_cost, self._prices.queue_token_cost) or not self.config.learn_token_costs, \

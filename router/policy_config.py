@@ -126,6 +126,7 @@ class PolicyConfig:
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
     split_affinity_by_holders: bool = True  # a cached token's premium (w - 1) / the replicas holding its block
+    premium_needs_completion: bool = False  # no premium for blocks an in-flight request there has yet to compute
     load_window_s: float = 120.0  # decay time of the recent-work counters
     num_ring_candidates: int = 2  # ring nodes from the prompt's key that compete
     max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete
@@ -178,6 +179,7 @@ class PolicyConfig:
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
+                     "premium_needs_completion",
                      "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import islice
 
-def _last_true(n: int, predicate: Callable[[int], bool]) -> int:
+def last_true(n: int, predicate: Callable[[int], bool]) -> int:
     """Largest ``d`` in ``1..n`` with ``predicate(d)``, for a predicate that is
     true up to some point and false after it; 0 if ``predicate(1)`` is false."""
     if n <= 0 or not predicate(1):
@@ -125,7 +125,7 @@ class PrefixIndex:
         binary search per distinct holder count.
         """
         holders = self._holders
-        num_known = _last_true(len(block_hashes), lambda d: block_hashes[d - 1] in holders)
+        num_known = last_true(len(block_hashes), lambda d: block_hashes[d - 1] in holders)
         found: dict[str, int] = {}
         depth = num_known
         while depth > 0:
@@ -145,7 +145,7 @@ class PrefixIndex:
                             return num_known, found
                         break
             # Next: the deepest block that more replicas hold.
-            depth = _last_true(depth - 1, lambda d: holders.get(block_hashes[d - 1], 0).bit_count() > count)
+            depth = last_true(depth - 1, lambda d: holders.get(block_hashes[d - 1], 0).bit_count() > count)
         return num_known, found
 
     def depth(self, replica_id: str, block_hashes: Sequence[int]) -> int:
@@ -154,7 +154,7 @@ class PrefixIndex:
         if slot is None:
             return 0
         holders = self._holders
-        return _last_true(len(block_hashes), lambda d: holders.get(block_hashes[d - 1], 0) >> slot & 1 == 1)
+        return last_true(len(block_hashes), lambda d: holders.get(block_hashes[d - 1], 0) >> slot & 1 == 1)
 
     # ------------------------------------------------------------------ updates
     def learn(self, replica_id: str, block_hashes: Sequence[int], now: float) -> None:

@@ -21,7 +21,9 @@ class Scoring:
     with ``saved = cached + fetch_affinity_share * credit`` and ``w = 1 +
     (affinity_weight - 1) * premium(r) / T``, ``premium = saved`` or, with
     ``premium`` given, ``premium(cached) + fetch_affinity_share * credit``
-    (:func:`holder_premium`); ``r`` is over the bound when
+    (:func:`holder_premium`), ``cached`` there only its computed part where
+    ``computed`` is given (:class:`router.pending_blocks.PendingBlocks`);
+    ``r`` is over the bound when
     ``recent(r) > load_factor * (mean_recent + work(r, cached) / N) +
     one_request * work(r, 0) + load_slack_sd * cached / T * chance_sd``,
     ``work(r, c) = T - c + decode_token_cost * expected_output(r)``. The
@@ -45,6 +47,7 @@ class Scoring:
     expected_output: Callable[[int | None, str | None], float]  # OutputEstimate.expected
     balance_work: Callable[[str], float] | None = None  # None: ``recent``
     premium: Callable[[int], float] | None = None  # cached tokens -> those ``w`` counts (holder_premium); None: all
+    computed: Callable[[str, int], float] | None = None  # (replica, cached) -> those the premium counts; None: all
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -84,14 +87,15 @@ class Scoring:
         balance, mean_balance, dead = self.balance, self.mean_balance, self.dead
         load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
-        premium, entries, cached_at = self.premium, [], {}
+        premium, computed, entries, cached_at = self.premium, self.computed, [], {}
         for replica_id in found.replica_ids:
             cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
             cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
             cached = cached_at[replica_id] = 0 if cached < 0 else cached
             fetched = credit(replica_id, cached) if credit is not None else 0.0
             saved = cached + saved_share * fetched  # saved tokens that weigh w each
-            premium_tokens = saved if premium is None else premium(cached) + saved_share * fetched
+            base = cached if computed is None else computed(replica_id, cached)  # the premium's share of cached
+            premium_tokens = (base if premium is None else premium(base)) + saved_share * fetched
             weight = 1.0 + per_saved * premium_tokens / prompt_or_1
             recent_work = recent(replica_id)
             deviation = (balance_work(replica_id) if balance_work is not None else recent_work) - mean_balance

@@ -1,0 +1,94 @@
+"""Blocks promised to a replica by requests still in flight (router.pending_blocks),
+and the premium the policy withholds from them (premium_needs_completion)."""
+
+import dataclasses
+
+import pytest
+
+from router.cache_fill import FleetCacheFill
+from router.pending_blocks import PendingBlocks
+from tests.router.test_policy import REPLICAS, make_policy, prompt, request, summary
+
+
+def test_computed_depth_is_the_leading_blocks_no_request_in_flight_still_computes():
+    pending = PendingBlocks(timeout_s=10.0)
+    chain = [11, 12, 13, 14, 15, 16]
+    pending.add("a", "r0", chain[2:], now=0.0)  # r0 held blocks 0-1, "a" computes 2-5
+    pending.add("b", "r0", chain[4:], now=1.0)  # a second request over the same tail
+    pending.check_invariants()
+    assert pending.computed_depth("r0", chain, 6) == 2
+    assert pending.computed_depth("r0", chain, 2) == 2
+    assert pending.computed_depth("r1", chain, 6) == 6  # nothing pending there
+    pending.done("a")
+    assert pending.computed_depth("r0", chain, 6) == 4  # "b" still computes 4-5
+    pending.add("b", "r1", chain, now=2.0)  # counted again elsewhere: moved
+    assert not pending.has_pending("r0") and pending.computed_depth("r1", chain, 6) == 0
+    pending.check_invariants()
+    pending.add("c", "r0", [99], now=12.5)  # "b" (added at 2.0) is past the 10-s timeout
+    assert pending.has_pending("r0") and not pending.has_pending("r1") and len(pending) == 1
+    pending.remove_replica("r0")
+    assert len(pending) == 0
+    pending.check_invariants()
+
+
+@pytest.mark.parametrize("needs_completion", [False, True])
+def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_waits_for_completion(needs_completion):
+    """Eight chats on a shared 256-token system prompt arrive at once on two
+    idle replicas (each decided with its request id before any completes),
+    priced as the live CPU Workers measure (an output token keeps a replica
+    busy 40 prefill tokens' worth, delays a queued request 4). With the
+    premium on promised blocks the first chat's replica draws the others
+    (~14x the system prompt against ~100 tokens of queue each, until the
+    load bound would stop it: here all eight); without it they split four
+    and four. Once the
+    first has completed, the premium draws the next chats to it either way."""
+    policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
+                         queue_decode_token_cost=4.0)
+    system = prompt(7, 256)
+    chats = [request(system + prompt(100 + i, 32), num_output_tokens=16) for i in range(8)]
+    chosen = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]
+    policy.check_invariants()
+    counts = sorted(chosen.count(r) for r in REPLICAS[:2])
+    assert counts == ([4, 4] if needs_completion else [0, 8])
+    for i in range(8):
+        policy.on_completed(f"chat{i}")
+    policy.check_invariants()
+    # a computed prefix earns its premium: after the first chat completes, the next three follow it
+    policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
+                         queue_decode_token_cost=4.0)
+    first = policy.rank(chats[0], request_id="first")[0]
+    policy.on_completed("first")
+    assert [policy.rank(chat, request_id=f"next{i}")[0] for i, chat in enumerate(chats[1:4])] == [first] * 3
+
+
+def test_the_cache_pressure_is_the_budget_share_of_full_caches():
+    fill = FleetCacheFill()
+    assert fill.pressure == 0.0  # nothing reported: every cache has room
+    fill.report("r0", 9_600, 10_000)  # 96 %: full
+    fill.report("r1", 9_000, 10_000)  # 90 %: room
+    fill.report("r2", 50_000, 20_000)  # over its budget (clamped): full
+    assert fill.pressure == pytest.approx(30_000 / 40_000)
+    fill.report("r1", 0, 0)  # no budget reported: left out
+    assert fill.pressure == 1.0
+    fill.remove("r2")
+    fill.remove("r-unknown")
+    assert fill.pressure == 1.0
+    fill.check_invariants()
+    fill.remove("r0")
+    assert fill.pressure == 0.0
+
+
+def test_once_every_cache_is_full_the_premium_counts_pending_blocks_again():
+    """A second copy of a prefix costs its prefill and, once the caches are
+    full, the room it takes from what they hold: then the premium on a
+    prefix still being computed is what it was without the rule."""
+    chats = [request(prompt(7, 256) + prompt(100 + i, 32), num_output_tokens=16) for i in range(8)]
+    chosen = {}
+    for needs_completion in (False, True):
+        policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
+                             queue_decode_token_cost=4.0)
+        for replica_id in REPLICAS[:2]:
+            policy.on_summary(dataclasses.replace(summary(replica_id, 1, []), num_cached_tokens=10_000))
+        chosen[needs_completion] = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]
+        policy.check_invariants()
+    assert chosen[True] == chosen[False] and len(set(chosen[True])) == 1
