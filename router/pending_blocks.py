@@ -22,60 +22,77 @@ class PendingBlocks:
     conversations on one system prompt, all arriving before the first is
     computed, would follow the first to its replica (live, 2 Workers, 8
     concurrent chats: 8 of 8 on one, then half of them moved mid-chat;
-    BENCHMARKS.md "A burst does not herd behind a prefix still in flight").
+    BENCHMARKS.md "A burst of chats herds behind a prefix still in flight").
+    :meth:`users` says how many in-flight requests there wait on a pending
+    block (the first one each found pending), so the policy can tell such a
+    burst from a group's two prompts arriving together.
 
     Computed blocks of a chain form a prefix of it (a block is computed after
     its ancestors), so :meth:`computed_depth` is a binary search.
 
     Invariants (checked by :meth:`check_invariants`): ``_count[r][h]`` is the
-    number of in-flight requests at ``r`` that listed ``h``, never 0; every
-    request is counted at exactly one replica, in the order they were added.
+    number of in-flight requests at ``r`` that listed ``h``, ``_users[r][h]``
+    the number whose first pending block there is ``h``, neither ever 0;
+    every request is counted at exactly one replica, in the order they were
+    added.
     """
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s  # a request never reported complete is forgotten after this
-        self._by_request: dict[str, tuple[str, tuple[int, ...], float]] = {}  # oldest first
+        self._by_request: dict[str, tuple[str, tuple[int, ...], float, int | None]] = {}  # oldest first
         self._count: dict[str, dict[int, int]] = {}
+        self._users: dict[str, dict[int, int]] = {}  # replica -> first pending block -> requests using it
 
     def __len__(self) -> int:
         return len(self._by_request)
 
-    def add(self, request_id: str, replica_id: str, block_hashes: Sequence[int], now: float) -> None:
+    def add(self, request_id: str, replica_id: str, block_hashes: Sequence[int], now: float,
+            anchor: int | None = None) -> None:
         """``request_id`` will compute ``block_hashes`` at ``replica_id`` (a
         request counted again, e.g. moved to another replica, replaces its
         earlier entry). Entries older than the timeout go first."""
         self.done(request_id)
         while self._by_request:
-            oldest, (_, _, added) = next(iter(self._by_request.items()))
+            oldest, (_, _, added, _) = next(iter(self._by_request.items()))
             if now - added <= self._timeout_s:
                 break
             self.done(oldest)
         hashes = tuple(block_hashes)
-        if not hashes:
+        if not hashes and anchor is None:
             return
         counts = self._count.setdefault(replica_id, {})
         for block_hash in hashes:
             counts[block_hash] = counts.get(block_hash, 0) + 1
-        self._by_request[request_id] = (replica_id, hashes, now)
+        if anchor is not None:
+            users = self._users.setdefault(replica_id, {})
+            users[anchor] = users.get(anchor, 0) + 1
+        self._by_request[request_id] = (replica_id, hashes, now, anchor)
+
+    def users(self, replica_id: str, block_hash: int) -> int:
+        """In-flight requests at ``replica_id`` whose first pending block there is ``block_hash``."""
+        return self._users.get(replica_id, {}).get(block_hash, 0)
 
     def done(self, request_id: str) -> None:
         """The request completed (or was forgotten): its blocks are computed."""
         entry = self._by_request.pop(request_id, None)
         if entry is None:
             return
-        replica_id, hashes, _ = entry
-        counts = self._count[replica_id]
-        for block_hash in hashes:
-            left = counts[block_hash] - 1
-            if left:
-                counts[block_hash] = left
-            else:
-                del counts[block_hash]
-        if not counts:
-            del self._count[replica_id]
+        replica_id, hashes, _, anchor = entry
+        for table, keys in ((self._count, hashes), (self._users, () if anchor is None else (anchor,))):
+            if not keys:
+                continue
+            counts = table[replica_id]
+            for block_hash in keys:
+                left = counts[block_hash] - 1
+                if left:
+                    counts[block_hash] = left
+                else:
+                    del counts[block_hash]
+            if not counts:
+                del table[replica_id]
 
     def remove_replica(self, replica_id: str) -> None:
-        for request_id in [r for r, (replica, _, _) in self._by_request.items() if replica == replica_id]:
+        for request_id in [r for r, entry in self._by_request.items() if entry[0] == replica_id]:
             self.done(request_id)
 
     def has_pending(self, replica_id: str) -> bool:
@@ -92,10 +109,15 @@ class PendingBlocks:
 
     def check_invariants(self) -> None:
         expected: dict[str, dict[int, int]] = {}
-        for replica_id, hashes, _ in self._by_request.values():
-            counts = expected.setdefault(replica_id, {})
-            for block_hash in hashes:
-                counts[block_hash] = counts.get(block_hash, 0) + 1
+        users: dict[str, dict[int, int]] = {}
+        for replica_id, hashes, _, anchor in self._by_request.values():
+            if hashes:
+                counts = expected.setdefault(replica_id, {})
+                for block_hash in hashes:
+                    counts[block_hash] = counts.get(block_hash, 0) + 1
+            if anchor is not None:
+                users.setdefault(replica_id, {})[anchor] = users.get(replica_id, {}).get(anchor, 0) + 1
         assert expected == self._count, "pending counts disagree with the requests in flight"
+        assert users == self._users, "users of pending blocks disagree with the requests in flight"
         added = [entry[2] for entry in self._by_request.values()]
         assert added == sorted(added), "pending requests out of order"

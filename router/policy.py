@@ -76,7 +76,8 @@ class PrefixAffinityPolicy:
        requests spread over the ``h``, and it stays cached whichever of them
        (or another replica) takes this one. With ``premium_needs_completion``
        blocks an in-flight request there has yet to compute earn no premium
-       while the caches have room (:class:`PendingBlocks`, weighed by
+       while most of this router's requests in flight wait on them and the
+       caches have room (:class:`PendingBlocks`, weighed by
        :class:`FleetCacheFill`): a burst sharing a prefix nobody has computed
        yet spreads instead of following the first request. The balance
        term (recent work in busy-time units, ``decode_token_cost`` per output
@@ -423,7 +424,9 @@ class PrefixAffinityPolicy:
         self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
         self._reported.on_routed(replica_id, queued)
         if self.config.premium_needs_completion:
-            self._pending.add(request_id, replica_id, hashes[depth:], now)
+            done = self._pending.computed_depth(replica_id, hashes, depth)
+            anchor = hashes[done] if done < len(hashes) else None  # the first block it waits for there
+            self._pending.add(request_id, replica_id, hashes[depth:], now, anchor)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:
             parent = hashes[-1] if hashes else salt_seed(routing.salt)
@@ -493,14 +496,19 @@ class PrefixAffinityPolicy:
     def _computed_view(self, request: RoutingRequest, found: Candidates) -> Callable[[str, int], float]:
         """(replica, cached tokens) -> those the affinity premium counts there
         (``premium_needs_completion``): all, unless an in-flight request there
-        still computes some of the matched blocks; then the leading computed
-        blocks, plus the pending rest weighed by the fleet's cache pressure
-        (:class:`FleetCacheFill`: while caches have room a second copy of a
-        prefix nobody has computed yet costs only its prefill; once they are
-        full it evicts, and the premium holds as before). A within-block
-        match counts whole only behind a computed chain."""
+        still computes some of the matched blocks *and* the in-flight requests
+        there waiting on the first of them are at least two and more than one
+        replica's share of this router's requests in flight (the prefix's
+        demand is more than one replica should carry: it will need a second
+        copy anyway). Then the leading computed blocks count, plus the pending
+        rest weighed by the fleet's cache pressure (:class:`FleetCacheFill`:
+        while caches have room a second copy of a prefix nobody has computed
+        yet costs only its prefill; once they are full it evicts, and the
+        premium holds as before). A within-block match counts whole only
+        behind a computed chain."""
         pending, hashes, block_size = self._pending, request.block_hashes, self.config.block_size
         pressure = self._fill.pressure
+        share = (self._loads.num_in_flight() + 1) / max(len(self._ring), 1)  # one replica's share in flight
 
         def computed(replica_id: str, cached: int) -> float:
             if not pending.has_pending(replica_id):
@@ -509,6 +517,9 @@ class PrefixAffinityPolicy:
             done = pending.computed_depth(replica_id, hashes, depth)
             if done == depth:
                 return cached
+            users = pending.users(replica_id, hashes[done])
+            if users < 2 or users <= share:
+                return cached  # one replica can take what waits on it: it keeps its premium
             done_tokens = min(cached, done * block_size)
             return done_tokens + pressure * (cached - done_tokens)
         return computed

@@ -126,7 +126,7 @@ class PolicyConfig:
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
     split_affinity_by_holders: bool = True  # a cached token's premium (w - 1) / the replicas holding its block
-    premium_needs_completion: bool = False  # no premium for blocks an in-flight request there has yet to compute
+    premium_needs_completion: bool = False  # no premium for blocks in flight there that most in-flight requests wait on
     load_window_s: float = 120.0  # decay time of the recent-work counters
     num_ring_candidates: int = 2  # ring nodes from the prompt's key that compete
     max_affinity_candidates: int = 4  # holders of the deepest known blocks that compete

@@ -92,3 +92,38 @@ def test_once_every_cache_is_full_the_premium_counts_pending_blocks_again():
         chosen[needs_completion] = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]
         policy.check_invariants()
     assert chosen[True] == chosen[False] and len(set(chosen[True])) == 1
+
+
+def test_users_count_the_requests_waiting_on_a_pending_block_until_each_completes():
+    pending = PendingBlocks(timeout_s=10.0)
+    pending.add("first", "r0", [1, 2, 3], now=0.0, anchor=1)  # computes 1-3
+    pending.add("second", "r0", [4], now=0.0, anchor=1)  # matched 1-3 while pending, computes 4
+    pending.add("elsewhere", "r1", [1, 2, 3], now=0.0, anchor=1)
+    assert pending.users("r0", 1) == 2 and pending.users("r1", 1) == 1 and pending.users("r0", 4) == 0
+    pending.check_invariants()
+    pending.done("first")
+    assert pending.users("r0", 1) == 1
+    pending.add("second", "r1", [], now=1.0, anchor=1)  # counted again elsewhere
+    assert pending.users("r0", 1) == 0 and pending.users("r1", 1) == 2
+    pending.check_invariants()
+
+
+def test_a_pending_prefix_keeps_its_premium_unless_its_waiting_requests_are_more_than_one_replicas_share():
+    """The premium is withheld only while at least two in-flight requests
+    at the replica wait on the pending prefix and they are more than one
+    replica's share of this router's requests in flight. A burst of chats on
+    one system prompt splits; a burst of eight groups on two replicas, two
+    prompts each sent one after the other, keeps every group's pair
+    together, as without the rule (withholding the premium from every
+    pending block would send the second of each pair away from its first,
+    whose replica has more queued: all 8 pairs split, BENCHMARKS.md)."""
+    groups = [request(prompt(10 + g, 256) + prompt(300 + 2 * g + k, 32), num_output_tokens=16)
+              for g in range(8) for k in range(2)]  # each group's two prompts one after the other
+    placed = {}
+    for needs_completion in (False, True):
+        policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
+                             queue_decode_token_cost=4.0)
+        placed[needs_completion] = [policy.rank(r, request_id=f"g{i}")[0] for i, r in enumerate(groups)]
+        policy.check_invariants()
+    assert all(placed[True][2 * g] == placed[True][2 * g + 1] for g in range(8))
+    assert sorted(placed[True].count(r) for r in REPLICAS[:2]) == [8, 8]
