@@ -78,18 +78,9 @@ class PendingBlocks:
         if entry is None:
             return
         replica_id, hashes, _, anchor = entry
-        for table, keys in ((self._count, hashes), (self._users, () if anchor is None else (anchor,))):
-            if not keys:
-                continue
-            counts = table[replica_id]
-            for block_hash in keys:
-                left = counts[block_hash] - 1
-                if left:
-                    counts[block_hash] = left
-                else:
-                    del counts[block_hash]
-            if not counts:
-                del table[replica_id]
+        _decrement(self._count, replica_id, hashes)
+        if anchor is not None:
+            _decrement(self._users, replica_id, (anchor,))
 
     def remove_replica(self, replica_id: str) -> None:
         for request_id in [r for r, entry in self._by_request.items() if entry[0] == replica_id]:
@@ -121,3 +112,18 @@ class PendingBlocks:
         assert users == self._users, "users of pending blocks disagree with the requests in flight"
         added = [entry[2] for entry in self._by_request.values()]
         assert added == sorted(added), "pending requests out of order"
+
+
+def _decrement(table: dict[str, dict[int, int]], replica_id: str, block_hashes: Sequence[int]) -> None:
+    """One fewer for each of ``block_hashes`` at ``replica_id``; zeros and empty replicas dropped."""
+    if not block_hashes:
+        return
+    counts = table[replica_id]
+    for block_hash in block_hashes:
+        left = counts[block_hash] - 1
+        if left:
+            counts[block_hash] = left
+        else:
+            del counts[block_hash]
+    if not counts:
+        del table[replica_id]

@@ -178,7 +178,7 @@ class PrefixAffinityPolicy:
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._share = RouterShare(self.config.load_window_s)
         self._pending = PendingBlocks(self.config.in_flight_timeout_s)  # premium_needs_completion
-        self._fill = FleetCacheFill()  # how far the premium on pending blocks is withheld
+        self._fill = FleetCacheFill()  # how far the premium on pending blocks is withheld (kept only with it on)
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
         self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
                                            history=self.config.price_history)
@@ -257,7 +257,8 @@ class PrefixAffinityPolicy:
             self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
-        self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
+        if self.config.premium_needs_completion:  # the only reader of the fill
+            self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
         if self.config.learn_token_costs:
             was_measured = self._prices.is_measured
             if self._prices.report(replica_id, summary.decode_token_cost, summary.queue_token_cost):
