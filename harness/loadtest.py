@@ -474,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(options, args.warmup_requests, args.seed)
         records, wall_s, stats = run_one(options, sessions, "server")
         counters = stats.pop("run_counters")
-        results = {"server": summarize(records, wall_s, slo) | {"server_stats": stats, "replica_counters": counters}}
+        results = {"server": summarize(records, wall_s, slo) | {"server_stats": stats, "replica_counters": counters,
+                                                               "request_log": request_log(records)}}
     report = {"meta": meta, "results": results}
     print_table(report)
     if args.json:

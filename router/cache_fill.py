@@ -18,30 +18,36 @@ class FleetCacheFill:
 
     def __init__(self) -> None:
         self._reports: dict[str, tuple[int, int]] = {}  # replica -> (cached tokens, budget tokens)
-        self._pressure = 0.0
+        self._budget = 0  # sum of the reports' budgets
+        self._full = 0  # sum of the budgets of full caches
 
     @property
     def pressure(self) -> float:
         """The budget share of full caches, 0 before any report."""
-        return self._pressure
+        return self._full / self._budget if self._budget else 0.0
 
     def report(self, replica_id: str, num_cached_tokens: int, budget_tokens: int) -> None:
-        """A replica's latest report; a budget of 0 (none reported) leaves it out."""
+        """A replica's latest report (O(1)); a budget of 0 (none reported) leaves it out."""
+        self.remove(replica_id)
         if budget_tokens > 0:
-            self._reports[replica_id] = (min(max(num_cached_tokens, 0), budget_tokens), budget_tokens)
-        else:
-            self._reports.pop(replica_id, None)
-        self._pressure = self._computed()
+            cached = min(max(num_cached_tokens, 0), budget_tokens)
+            self._reports[replica_id] = (cached, budget_tokens)
+            self._budget += budget_tokens
+            self._full += budget_tokens if _is_full(cached, budget_tokens) else 0
 
     def remove(self, replica_id: str) -> None:
-        if self._reports.pop(replica_id, None) is not None:
-            self._pressure = self._computed()
-
-    def _computed(self) -> float:
-        budget = sum(b for _, b in self._reports.values())
-        full = sum(b for c, b in self._reports.values() if c >= FULL_SHARE * b)
-        return full / budget if budget else 0.0
+        old = self._reports.pop(replica_id, None)
+        if old is not None:
+            cached, budget = old
+            self._budget -= budget
+            self._full -= budget if _is_full(cached, budget) else 0
 
     def check_invariants(self) -> None:
         assert all(0 <= c <= b and b > 0 for c, b in self._reports.values()), "a report outside its budget"
-        assert 0.0 <= self._pressure <= 1.0 and self._pressure == self._computed(), "pressure out of date"
+        assert self._budget == sum(b for _, b in self._reports.values()), "budget sum out of date"
+        assert self._full == sum(b for c, b in self._reports.values() if _is_full(c, b)), "full sum out of date"
+        assert 0.0 <= self.pressure <= 1.0
+
+
+def _is_full(cached: int, budget: int) -> bool:
+    return cached >= FULL_SHARE * budget

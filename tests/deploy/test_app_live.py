@@ -144,6 +144,31 @@ def test_workers_stream_their_cache_summaries(live_app):
 
 
 # ------------------------------------------------------------- shutdown (last)
+def test_the_load_test_script_runs_against_the_app_and_logs_where_each_request_went(live_app, tmp_path):
+    """``python -m harness.loadtest --url`` as a user runs it: closed-loop
+    chats over real HTTP; the JSON lists every request (session, turn, the
+    replica that served it, send time, TTFT, cached tokens) in send order."""
+    import json
+
+    from harness.loadtest import main as loadtest
+
+    out = tmp_path / "loadtest.json"
+    workload = {"num_chats": 2, "num_turns": 3, "system_tokens": 128, "question_tokens": 32, "output_tokens": 8}
+    assert loadtest(["--url", live_app.url, "--workload", "multi-turn", "--workload-args", json.dumps(workload),
+                     "--concurrency", "2", "--warmup-requests", "0", "--json", str(out)]) == 0
+    server = json.loads(out.read_text())["results"]["server"]
+    log = server["request_log"]
+    assert len(log) == 6  # every request answered and logged
+    replicas = set(httpx.get(live_app.url + "/stats", trust_env=False).json()["replicas"])
+    for session in (0, 1):
+        rows = [row for row in log if row[0] == session]
+        assert [row[1] for row in rows] == [0, 1, 2]  # a chat's turns go one after another
+        assert all(row[2] in replicas and row[4] > 0 for row in rows)
+        assert rows[1][6] > rows[0][6] + 8  # each turn's prompt holds the previous prompt and answer
+    assert [row[3] for row in log] == sorted(row[3] for row in log) and log[0][3] == 0.0
+    assert sum(row[5] for row in log) > 0  # later turns found their history cached
+
+
 def test_zz_clean_shutdown_leaves_no_ray_processes(live_app):
     assert live_app.ray_pids(), "expected this test's Ray processes to be found while running"
     live_app.__exit__(None, None, None)

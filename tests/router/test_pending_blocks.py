@@ -31,8 +31,9 @@ def test_computed_depth_is_the_leading_blocks_no_request_in_flight_still_compute
     pending.check_invariants()
 
 
-@pytest.mark.parametrize("needs_completion", [False, True])
-def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_waits_for_completion(needs_completion):
+@pytest.mark.parametrize(("needs_completion", "min_users"), [(False, 4), (True, 2), (True, 4)])
+def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_waits_for_completion(needs_completion,
+                                                                                                  min_users):
     """Eight chats on a shared 256-token system prompt arrive at once on two
     idle replicas (each decided with its request id before any completes),
     priced as the live CPU Workers measure (an output token keeps a replica
@@ -40,10 +41,12 @@ def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_wait
     premium on promised blocks the first chat's replica draws the others
     (~14x the system prompt against ~100 tokens of queue each, until the
     load bound would stop it: here all eight); without it they split four
-    and four. Once the
+    and four, whether two or four waiting requests make a burst
+    (``premium_pending_min_users``: with 4 the fifth chat is the first sent
+    away, with 2 the third). Once the
     first has completed, the premium draws the next chats to it either way."""
     policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
-                         queue_decode_token_cost=4.0)
+                         premium_pending_min_users=min_users, queue_decode_token_cost=4.0)
     system = prompt(7, 256)
     chats = [request(system + prompt(100 + i, 32), num_output_tokens=16) for i in range(8)]
     chosen = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]
@@ -76,6 +79,11 @@ def test_the_cache_pressure_is_the_budget_share_of_full_caches():
     fill.check_invariants()
     fill.remove("r0")
     assert fill.pressure == 0.0
+    fill.report("r0", 9_600, 10_000)
+    fill.report("r1", 9_600, 10_000)
+    fill.report("r0", 100, 10_000)  # a later report replaces the earlier: r0 has room again
+    assert fill.pressure == pytest.approx(0.5)
+    fill.check_invariants()
 
 
 def test_once_every_cache_is_full_the_premium_counts_pending_blocks_again():
@@ -109,7 +117,7 @@ def test_users_count_the_requests_waiting_on_a_pending_block_until_each_complete
 
 
 def test_a_pending_prefix_keeps_its_premium_unless_its_waiting_requests_are_more_than_one_replicas_share():
-    """The premium is withheld only while at least two in-flight requests
+    """The premium is withheld only while at least ``premium_pending_min_users`` in-flight requests
     at the replica wait on the pending prefix and they are more than one
     replica's share of this router's requests in flight. A burst of chats on
     one system prompt splits; a burst of eight groups on two replicas, two
@@ -120,10 +128,11 @@ def test_a_pending_prefix_keeps_its_premium_unless_its_waiting_requests_are_more
     groups = [request(prompt(10 + g, 256) + prompt(300 + 2 * g + k, 32), num_output_tokens=16)
               for g in range(8) for k in range(2)]  # each group's two prompts one after the other
     placed = {}
-    for needs_completion in (False, True):
+    for needs_completion, min_users in ((False, 4), (True, 2), (True, 4)):
         policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
-                             queue_decode_token_cost=4.0)
-        placed[needs_completion] = [policy.rank(r, request_id=f"g{i}")[0] for i, r in enumerate(groups)]
+                             premium_pending_min_users=min_users, queue_decode_token_cost=4.0)
+        placed[needs_completion, min_users] = [policy.rank(r, request_id=f"g{i}")[0] for i, r in enumerate(groups)]
         policy.check_invariants()
-    assert all(placed[True][2 * g] == placed[True][2 * g + 1] for g in range(8))
-    assert sorted(placed[True].count(r) for r in REPLICAS[:2]) == [8, 8]
+    for rule in ((True, 2), (True, 4)):
+        assert all(placed[rule][2 * g] == placed[rule][2 * g + 1] for g in range(8))
+        assert sorted(placed[rule].count(r) for r in REPLICAS[:2]) == [8, 8]
