@@ -75,9 +75,10 @@ class PrefixAffinityPolicy:
        ``h`` replicas hold earns ``1/h`` of that premium at each: its later
        requests spread over the ``h``, and it stays cached whichever of them
        (or another replica) takes this one. With ``premium_needs_completion``
-       blocks an in-flight request there has yet to compute earn no premium
-       while most of this router's requests in flight wait on them and the
-       caches have room (:class:`PendingBlocks`, weighed by
+       (the default) blocks an in-flight request there has yet to compute
+       earn no premium while a burst of this router's requests in flight
+       (``premium_pending_min_users``, and more than one replica's share)
+       waits on them and the caches have room (:class:`PendingBlocks`, weighed by
        :class:`FleetCacheFill`): a burst sharing a prefix nobody has computed
        yet spreads instead of following the first request. The balance
        term (recent work in busy-time units, ``decode_token_cost`` per output
@@ -498,7 +499,7 @@ class PrefixAffinityPolicy:
         """(replica, cached tokens) -> those the affinity premium counts there
         (``premium_needs_completion``): all, unless an in-flight request there
         still computes some of the matched blocks *and* the in-flight requests
-        there waiting on the first of them are at least two and more than one
+        there waiting on the first of them are at least ``premium_pending_min_users`` and more than one
         replica's share of this router's requests in flight (the prefix's
         demand is more than one replica should carry: it will need a second
         copy anyway). Then the leading computed blocks count, plus the pending
@@ -508,7 +509,7 @@ class PrefixAffinityPolicy:
         premium holds as before). A within-block match counts whole only
         behind a computed chain."""
         pending, hashes, block_size = self._pending, request.block_hashes, self.config.block_size
-        pressure = self._fill.pressure
+        pressure, min_users = self._fill.pressure, self.config.premium_pending_min_users
         share = (self._loads.num_in_flight() + 1) / max(len(self._ring), 1)  # one replica's share in flight
 
         def computed(replica_id: str, cached: int) -> float:
@@ -519,7 +520,7 @@ class PrefixAffinityPolicy:
             if done == depth:
                 return cached
             users = pending.users(replica_id, hashes[done])
-            if users < 2 or users <= share:
+            if users < min_users or users <= share:
                 return cached  # one replica can take what waits on it: it keeps its premium
             done_tokens = min(cached, done * block_size)
             return done_tokens + pressure * (cached - done_tokens)

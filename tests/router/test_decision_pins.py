@@ -124,11 +124,15 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
 # (issue 14, item 4): every config below but "default" and "split_fetch" keeps it, so their pins, recorded
 # before, show that split_affinity_by_holders False with balance_weight 0.1 decides exactly as before.
 # fetch_min_tokens went 256 -> 64 after that: "min256" keeps the split default's decisions and pins.
-UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256}
+# premium_needs_completion became the default after these pins (2026-12-03): the configs pinned before it carry
+# it off, so their pins still check the rule they were recorded with; "default" is pinned anew with it on.
+PREMIUM_ALWAYS = {"premium_needs_completion": False}
+UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256, **PREMIUM_ALWAYS}
 
 CONFIGS = {
     "default": {},
-    "min256": {"fetch_min_tokens": 256},
+    "premium_always": PREMIUM_ALWAYS,  # the default before premium_needs_completion
+    "min256": {"fetch_min_tokens": 256, **PREMIUM_ALWAYS},
     "split_fetch": {"fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16,
                     "max_affinity_candidates": 8},
     "unsplit": UNSPLIT,
@@ -148,8 +152,10 @@ CONFIGS = {
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
 # and pinned anew for the split premium ("default", "split_fetch"; the others carry UNSPLIT).
 PINS: dict[tuple[str, int], str] = {
-    ("default", 0): "b114452e4df866582152",  # fetch_min_tokens 64
-    ("default", 1): "1f66a23e1e2778bc4176",
+    ("default", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
+    ("default", 1): "a72eb6a8d89cb095737f",
+    ("premium_always", 0): "b114452e4df866582152",  # fetch_min_tokens 64
+    ("premium_always", 1): "1f66a23e1e2778bc4176",
     ("min256", 0): "f20ca46eb2eb57dc184d",  # split_affinity_by_holders, balance_weight 0.2 (issue 14, item 4)
     ("min256", 1): "e5b3ba0684b2e808d927",
     ("split_fetch", 0): "2af2ebc465291ae15b4d",

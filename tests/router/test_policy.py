@@ -496,7 +496,8 @@ def test_tenants_do_not_share_affinity():
 @pytest.mark.parametrize("field, value", [
     ("block_size", 0), ("load_factor", 0.5), ("affinity_weight", 0.0), ("load_window_s", 0),
     ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("balance_output_price", "free"), ("num_ranked", 1.5), ("load_factor", True),
-    ("load_slack_sd", -1.0), ("reservation_timeout_s", 0),
+    ("load_slack_sd", -1.0), ("reservation_timeout_s", 0), ("premium_pending_min_users", 0),
+    ("premium_needs_completion", 1),
 ])
 def test_bad_config_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
