@@ -54,12 +54,17 @@ def _dist(values: list[float]) -> dict:
 def request_log(records: list[RequestRecord]) -> list[list]:
     """One row per answered request in send order: ``[session, turn,
     replica, sent s (from the run's first send), TTFT s, cached tokens,
-    prompt tokens]`` — where each request went and what it found there, for
-    tracing a run's placement decisions after the fact."""
+    prompt tokens, engine TTFT s]`` — where each request went, what it found
+    there and how much of its wait was the engine's, for tracing a run's
+    placement decisions after the fact."""
     ok = sorted((r for r in records if r.ok), key=lambda r: r.start_s)
     t0 = ok[0].start_s if ok else 0.0
-    return [[r.session_id, r.turn, r.replica_id, round(r.start_s - t0, 4),
-             None if r.ttft_s is None else round(r.ttft_s, 4), r.cached_tokens, r.prompt_tokens] for r in ok]
+    return [[r.session_id, r.turn, r.replica_id, round(r.start_s - t0, 4), _rounded(r.ttft_s), r.cached_tokens,
+             r.prompt_tokens, _rounded(r.server_ttft_s)] for r in ok]
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replicas: int | None = None) -> dict:
