@@ -5,6 +5,7 @@ tested in process, without Ray: tests/deploy/test_routes.py."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -12,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from harness.loadtest import main as loadtest
 from harness.sse import DONE, sse_event
 
 pytestmark = pytest.mark.ray
@@ -148,10 +150,6 @@ def test_the_load_test_script_runs_against_the_app_and_logs_where_each_request_w
     """``python -m harness.loadtest --url`` as a user runs it: closed-loop
     chats over real HTTP; the JSON lists every request (session, turn, the
     replica that served it, send time, TTFT, cached tokens) in send order."""
-    import json
-
-    from harness.loadtest import main as loadtest
-
     out = tmp_path / "loadtest.json"
     workload = {"num_chats": 2, "num_turns": 3, "system_tokens": 128, "question_tokens": 32, "output_tokens": 8}
     assert loadtest(["--url", live_app.url, "--workload", "multi-turn", "--workload-args", json.dumps(workload),
