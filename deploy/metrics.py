@@ -173,6 +173,16 @@ class IngressMetrics:
                                 ["route", "status"], registry=self.registry)
         self.rejected = Counter("kvroute_rejected", "Requests shed under overload, by where", ["reason"],
                                 registry=self.registry)
+        self.engine_phase_s = Histogram(
+            "kvroute_engine_phase_seconds", "Where a request's time in the engine went: queue (until a step took it), "
+            "prefill (then to the first token), decode (then to the last)", ["replica", "phase"],
+            buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.outside_engine_s = Histogram(
+            "kvroute_outside_engine_seconds", "A request's latency at the ingress less its time in the engine: routing, "
+            "the Ray calls both ways, the replica's own queue", ["replica"], buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.retries = Counter("kvroute_replica_retries", "Requests re-dispatched after a replica failure", registry=self.registry)
         self._vllm_histograms = None
         if model_name is not None:
@@ -183,6 +193,10 @@ class IngressMetrics:
                     ("time_to_first_token_seconds", "Histogram of time to first token in seconds"),
                     ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds"),
                     ("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds"),
+                    ("request_queue_time_seconds", "Seconds a request waited in the engine before a step took it"),
+                    ("request_prefill_time_seconds", "Seconds from a request's first step to its first token"),
+                    ("request_decode_time_seconds", "Seconds from a request's first token to its last"),
+                    ("request_inference_time_seconds", "Seconds from a request's first step to its last token"),
                 )
             }
         self._replicas = _ReplicaCollector(model_name)
@@ -211,6 +225,19 @@ class IngressMetrics:
             self._vllm_histograms["e2e_request_latency_seconds"].observe(latency_s)
         if not ttft_seen and result.ttft_s is not None:
             self.observe_ttft(replica, result.ttft_s)
+        phases = {"queue": result.queue_s, "prefill": result.prefill_s, "decode": result.decode_s}
+        for phase, seconds in phases.items():
+            if seconds is not None:
+                self.engine_phase_s.labels(replica=replica, phase=phase).observe(seconds)
+        if None in phases.values():
+            return
+        self.outside_engine_s.labels(replica=replica).observe(max(0.0, latency_s - sum(phases.values())))
+        if self._vllm_histograms:
+            vllm = self._vllm_histograms
+            vllm["request_queue_time_seconds"].observe(result.queue_s)
+            vllm["request_prefill_time_seconds"].observe(result.prefill_s)
+            vllm["request_decode_time_seconds"].observe(result.decode_s)
+            vllm["request_inference_time_seconds"].observe(result.prefill_s + result.decode_s)
 
     def render(self, replica_to_stats: dict[str, ReplicaStats]) -> bytes:
         self._replicas.replica_to_stats = {replica_id: s.engine for replica_id, s in replica_to_stats.items()}

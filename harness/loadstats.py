@@ -26,6 +26,7 @@ class RequestRecord:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     server_ttft_s: float | None = None  # the engine's own, from its submission (the done event's ttft_s)
+    server_queue_s: float | None = None  # of that, waiting before a step took it (the done event's queue_s)
 
     @property
     def latency_s(self) -> float:
@@ -54,13 +55,14 @@ def _dist(values: list[float]) -> dict:
 def request_log(records: list[RequestRecord]) -> list[list]:
     """One row per answered request in send order: ``[session, turn,
     replica, sent s (from the run's first send), TTFT s, cached tokens,
-    prompt tokens, engine TTFT s]`` — where each request went, what it found
-    there and how much of its wait was the engine's, for tracing a run's
-    placement decisions after the fact."""
+    prompt tokens, engine TTFT s, engine queue s]`` — where each request
+    went, what it found there and how much of its wait was the engine's
+    (and of that, waiting for a step), for tracing a run's placement
+    decisions after the fact."""
     ok = sorted((r for r in records if r.ok), key=lambda r: r.start_s)
     t0 = ok[0].start_s if ok else 0.0
     return [[r.session_id, r.turn, r.replica_id, round(r.start_s - t0, 4), _rounded(r.ttft_s), r.cached_tokens,
-             r.prompt_tokens, _rounded(r.server_ttft_s)] for r in ok]
+             r.prompt_tokens, _rounded(r.server_ttft_s), _rounded(r.server_queue_s)] for r in ok]
 
 
 def _rounded(seconds: float | None) -> float | None:

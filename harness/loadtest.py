@@ -101,6 +101,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, prompt: list[int], m
                     record.replica_id = event.get("replica_id")
                     record.cached_tokens = event.get("cached_tokens", 0)
                     record.server_ttft_s = event.get("ttft_s")
+                    record.server_queue_s = event.get("queue_s")
                 elif "token_id" in event:
                     token_times.append(time.perf_counter())
                     tokens.append(event["token_id"])

@@ -188,7 +188,7 @@ class Engine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
         """Run one forward over the scheduled batch; the tokens it produced."""
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._clock())
         self.last_step_ran = scheduled is not None
         if scheduled is None:
             return []

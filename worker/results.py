@@ -23,6 +23,15 @@ class GenerationResult:
     request was first admitted (0 on a miss); ``ttft_s``: seconds from
     submission to the first generated token; ``replica_id``: the Worker
     replica that served it ("" inside an engine).
+
+    Where the engine's time went (engine clock; None where unknown, e.g. a
+    request that never reached a step): ``queue_s`` from submission until a
+    step first took it (waiting for a batch slot or KV blocks), ``prefill_s``
+    from then to the first token, ``decode_s`` from the first token to the
+    last. ``queue_s + prefill_s = ttft_s``, and the three sum to the
+    engine's whole time for the request; a preemption's wait and recompute
+    count where they fall (in ``prefill_s`` before the first token, in
+    ``decode_s`` after).
     """
 
     token_ids: tuple[int, ...]
@@ -34,6 +43,9 @@ class GenerationResult:
     request_id: str = ""
     num_preemptions: int = 0
     replica_id: str = ""
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
     @property
     def done(self) -> bool:
@@ -52,6 +64,9 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "ttft_s": self.ttft_s,
             "num_preemptions": self.num_preemptions,
+            "queue_s": self.queue_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
         }
 
 

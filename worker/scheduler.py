@@ -141,7 +141,7 @@ class Scheduler:
         return None
 
     # -------------------------------------------------------------- scheduling
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self, now_s: float | None = None) -> ScheduledStep | None:
         budget = self.max_batch_tokens
         step = ScheduledStep([], [])
         preempted = False
@@ -159,7 +159,7 @@ class Scheduler:
             budget -= num
             index += 1
         if not preempted:  # a pool that just forced preemption admits nobody this step
-            self._admit(step, budget)
+            self._admit(step, budget, now_s)
         if not step.chunks:
             return None
         self.counters.steps += 1
@@ -179,7 +179,7 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _admit(self, step: ScheduledStep, budget: int) -> None:
+    def _admit(self, step: ScheduledStep, budget: int, now_s: float | None = None) -> None:
         admitted: list[Sequence] = []
         num_considered = 0
         for seq in list(self.waiting):
@@ -195,6 +195,8 @@ class Scheduler:
             self._copy(step, reserved.copy)
             self.waiting.remove(seq)
             self._start(seq, reserved.num_cached_tokens)
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = now_s
             num = min(len(seq.token_ids) - seq.num_computed, budget)
             step.chunks.append(ScheduledChunk(seq, seq.num_computed, num))
             budget -= num
@@ -279,6 +281,7 @@ class Scheduler:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
+                seq.finished_s = now_s
             sampled.append((seq, token, logprob))
         assert index == len(tokens), (index, len(tokens))
         return sampled

@@ -44,7 +44,9 @@ class Sequence:
     cached_tokens: int | None = None  # reuse at first admission
     num_preemptions: int = 0
     output_logprobs: list[float] = field(default_factory=list)
+    first_scheduled_s: float | None = None  # first admitted to a step (engine clock)
     first_token_s: float | None = None
+    finished_s: float | None = None
     finish_reason: FinishReason | None = None
     key: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # token_ids as array, refreshed on (re)queue
 
@@ -70,4 +72,12 @@ class Sequence:
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             request_id=self.request_id,
             num_preemptions=self.num_preemptions,
+            queue_s=_between(self.arrival_s, self.first_scheduled_s),
+            prefill_s=_between(self.first_scheduled_s, self.first_token_s),
+            decode_s=_between(self.first_token_s, self.finished_s),
         )
+
+
+def _between(start_s: float | None, end_s: float | None) -> float | None:
+    """``end_s - start_s``, or None if either is unknown."""
+    return None if start_s is None or end_s is None else end_s - start_s

@@ -162,6 +162,7 @@ def test_the_load_test_script_runs_against_the_app_and_logs_where_each_request_w
         rows = [row for row in log if row[0] == session]
         assert [row[1] for row in rows] == [0, 1, 2]  # a chat's turns go one after another
         assert all(row[2] in replicas and 0 < row[7] <= row[4] for row in rows)  # engine TTFT within the client's
+        assert all(0 <= row[8] < row[7] for row in rows)  # of which waiting for a step: some, never all
         assert rows[1][6] > rows[0][6] + 8  # each turn's prompt holds the previous prompt and answer
     assert [row[3] for row in log] == sorted(row[3] for row in log) and log[0][3] == 0.0
     assert sum(row[5] for row in log) > 0  # later turns found their history cached

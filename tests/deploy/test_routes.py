@@ -51,7 +51,9 @@ def test_health_models_stats_and_metrics(http):
     text = http.get("/metrics").text
     for name in ("kvroute_cache_hit_requests_total", "kvroute_cache_saved_tokens_total", "kvroute_prefill_tokens_total",
                  "kvroute_queue_depth", "kvroute_ttft_seconds_bucket", "kvroute_request_latency_seconds_count",
-                 'kvroute_decode_token_cost{replica="local"}', 'kvroute_queue_token_cost{replica="local"}'):
+                 'kvroute_decode_token_cost{replica="local"}', 'kvroute_queue_token_cost{replica="local"}',
+                 'kvroute_engine_phase_seconds_count{phase="prefill",replica="local"}',
+                 'kvroute_outside_engine_seconds_count{replica="local"}'):
         assert name in text, name
     assert 'kvroute_cache_hit_requests_total{replica="local"}' in text
 

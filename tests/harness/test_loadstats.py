@@ -77,9 +77,10 @@ def test_per_replica_sessions_and_decode_pace():
 
 def test_the_request_log_lists_answered_requests_in_send_order():
     records = [RequestRecord(session_id=1, turn=0, prompt_tokens=100, start_s=10.5, end_s=11.0, replica_id="b",
-                             cached_tokens=64, ttft_s=0.123456, server_ttft_s=0.0312345),
+                             cached_tokens=64, ttft_s=0.123456, server_ttft_s=0.0312345, server_queue_s=0.00456),
                RequestRecord(session_id=0, turn=0, prompt_tokens=90, start_s=10.0, end_s=10.4, replica_id="a",
                              ttft_s=0.2),
                RequestRecord(session_id=2, turn=0, prompt_tokens=80, start_s=10.2, status=503)]
-    assert request_log(records) == [[0, 0, "a", 0.0, 0.2, 0, 90, None], [1, 0, "b", 0.5, 0.1235, 64, 100, 0.0312]]
+    assert request_log(records) == [[0, 0, "a", 0.0, 0.2, 0, 90, None, None],
+                                    [1, 0, "b", 0.5, 0.1235, 64, 100, 0.0312, 0.0046]]
     assert request_log([]) == []

@@ -247,3 +247,28 @@ def test_result_fields_and_ttft(make_engine, tokens):
     assert result.prompt_tokens == 10 and result.cached_tokens == 0 and result.finish_reason == "length"
     assert result.ttft_s == 0.5 and len(result.logprobs) == 3 and result.request_id == request_id
     assert result.to_dict()["done"] is True and result.to_dict()["token_ids"] == list(result.token_ids)
+
+
+def test_time_splits_into_queue_prefill_and_decode(make_engine, tokens):
+    """With one sequence slot, the second request waits for the first to
+    finish: its queue time is the first's whole run. Every request's phases
+    add up to its TTFT and to its time in the engine."""
+    clock = [0.0]
+    engine = make_engine(max_num_seqs=1)
+
+    def tick() -> float:  # every read of the clock is 1 s later
+        clock[0] += 1.0
+        return clock[0]
+
+    engine._clock = tick
+    first = engine.add_request(tokens(10), SamplingParams(max_new_tokens=3))
+    second = engine.add_request(tokens(10), SamplingParams(max_new_tokens=1))
+    results = engine.run([first, second])
+    one, two = results[first], results[second]
+    for result in (one, two):
+        assert result.queue_s >= 0 and result.prefill_s > 0 and result.decode_s >= 0
+        assert result.queue_s + result.prefill_s == result.ttft_s
+        assert result.to_dict()["queue_s"] == result.queue_s
+    assert one.decode_s > 0  # two more tokens after the first
+    assert two.decode_s == 0  # its first token was its last
+    assert two.queue_s > one.prefill_s + one.decode_s  # waited out the first's whole run
