@@ -11,6 +11,13 @@ def _fmt(value, digits=3) -> str:
     return str(value)
 
 
+def _pair(dist: dict | None) -> str:
+    """``p50/p99`` of a ``_dist``, or "-" where the run had none."""
+    if not dist or dist.get("p50") is None:
+        return "-"
+    return f"{_fmt(dist['p50'])}/{_fmt(dist['p99'])}"
+
+
 def _counter(result: dict, key: str) -> str:
     """A figure of the replicas' /stats counters over the run(s) (harness/replica_counters.py)."""
     return _fmt(result.get("replica_counters", {}).get(key))
@@ -44,6 +51,9 @@ def print_table(report: dict) -> None:
         ("goodput req/s", lambda r: _fmt(r["goodput_rps"], 2)),
         ("TTFT p50 s", lambda r: _fmt(r["ttft_s"]["p50"])),
         ("TTFT p99 s", lambda r: _fmt(r["ttft_s"]["p99"])),
+        ("engine TTFT p50/p99 s", lambda r: _pair(r.get("server_ttft_s"))),
+        ("  of it queue p50/p99", lambda r: _pair(r.get("server_queue_s"))),
+        ("outside engine p50/p99", lambda r: _pair(r.get("ingress_overhead_s"))),
         ("ITL p50 s", lambda r: _fmt(r["itl_s"]["p50"])),
         ("ITL p99 s", lambda r: _fmt(r["itl_s"]["p99"])),
         ("latency p50 s", lambda r: _fmt(r["latency_s"]["p50"])),

@@ -111,6 +111,8 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
         "ttft_s": _dist(ttfts),
         # client TTFT less the engine's: HTTP proxy, ingress, routing, the Ray call, streaming back
         "server_ttft_s": _dist([r.server_ttft_s for r in ok if r.server_ttft_s is not None]),
+        # of the engine's TTFT, the wait before a step took the request (the rest is its prefill)
+        "server_queue_s": _dist([r.server_queue_s for r in ok if r.server_queue_s is not None]),
         "ingress_overhead_s": _dist(overheads),
         "ingress_overhead_samples_s": [round(x, 5) for x in sorted(overheads)],  # for a simulator to draw from
         "itl_samples_s": [round(x, 5) for x in sorted(itls)],  # each gap is one engine step, as the client saw it

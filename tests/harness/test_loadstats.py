@@ -52,8 +52,10 @@ def test_percentile_of_two_values():
 def test_ingress_overhead_is_client_ttft_less_the_engines_own():
     records = [record("a", 100, 0, ttft=0.05), record("b", 100, 0, ttft=0.09), record("b", 100, 0, ttft=0.2)]
     records[0].server_ttft_s, records[1].server_ttft_s = 0.03, 0.04  # the third reported none
+    records[0].server_queue_s = 0.01
     summary = summarize(records, wall_s=1.0, slo=SLO)
     assert summary["server_ttft_s"]["p50"] == pytest.approx(0.03)
+    assert summary["server_queue_s"]["p99"] == pytest.approx(0.01)  # only the one that reported it
     assert summary["ingress_overhead_s"]["p50"] == pytest.approx(0.02)
     assert summary["ingress_overhead_s"]["p99"] == pytest.approx(0.05)
     assert summary["ingress_overhead_samples_s"] == [0.02, 0.05]
@@ -84,3 +86,17 @@ def test_the_request_log_lists_answered_requests_in_send_order():
     assert request_log(records) == [[0, 0, "a", 0.0, 0.2, 0, 90, None, None],
                                     [1, 0, "b", 0.5, 0.1235, 64, 100, 0.0312, 0.0046]]
     assert request_log([]) == []
+
+
+def test_the_report_splits_ttft_into_engine_queue_and_outside(capsys):
+    from harness.loadreport import print_table
+
+    records = [record("a", 100, 0, ttft=0.05), record("a", 100, 0, ttft=0.09)]
+    records[0].server_ttft_s, records[0].server_queue_s = 0.03, 0.01
+    records[1].server_ttft_s, records[1].server_queue_s = 0.04, 0.02
+    print_table({"results": {"kvroute": summarize(records, wall_s=1.0, slo=SLO)},
+                 "meta": {}})
+    lines = {line[:22].strip(): line[22:].strip() for line in capsys.readouterr().out.splitlines()}
+    assert lines["engine TTFT p50/p99 s"] == "0.030/0.040"
+    assert lines["of it queue p50/p99"] == "0.010/0.020"
+    assert lines["outside engine p50/p99"] == "0.020/0.050"
