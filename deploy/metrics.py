@@ -180,7 +180,7 @@ class IngressMetrics:
         )
         self.outside_engine_s = Histogram(
             "kvroute_outside_engine_seconds", "A request's latency at the ingress less its time in the engine: routing, "
-            "the Ray calls both ways, the replica's own queue", ["replica"], buckets=_LATENCY_BUCKETS_S,
+            "the Ray calls both ways, the replica's own queue, a fetch's wait", ["replica"], buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self.retries = Counter("kvroute_replica_retries", "Requests re-dispatched after a replica failure", registry=self.registry)
