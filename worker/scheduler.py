@@ -179,7 +179,7 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _admit(self, step: ScheduledStep, budget: int, now_s: float | None = None) -> None:
+    def _admit(self, step: ScheduledStep, budget: int, now_s: float | None) -> None:
         admitted: list[Sequence] = []
         num_considered = 0
         for seq in list(self.waiting):
