@@ -77,6 +77,8 @@ from router.workload import from_sessions
 ROUTERS = {"kvroute": "ours", "pow2": "pow2", "prefix_affinity": "ray_prefix_tree"}  # live name -> simulated
 GOALS = {"hit": 0.02, "ttft_p50": 0.25, "ttft_p99": 0.40}  # absolute; relative; relative
 DEFAULT_PROFILE = "router/profiles/tiny_llama_cpu.json"
+LIVE_SUMMARY_PERIOD_S = 1.0  # deploy/config.yaml's routing_stats_period_s, for an arm that does not set it
+MODELLED_APP_ARGS = frozenset({"routing_stats_period_s"})  # the app args an arm's replay follows
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,14 @@ class SimArm:
     """How the replay runs one live arm: the simulated ``policy``, the arm's
     ``ingress_replicas`` (each with its own request router, so our policy
     runs as that many independent routers: :attr:`num_routers`; a peer is
-    replayed as one) and ``policy_args``, the arm's router kwargs (ours only)."""
+    replayed as one), ``policy_args``, the arm's router kwargs (ours only),
+    and ``summary_period_s``, the arm's ``routing_stats_period_s`` (how often
+    the routers hear the Workers' summaries)."""
 
     policy: str
     ingress_replicas: int = 1
     policy_args: dict = field(default_factory=dict)
+    summary_period_s: float = LIVE_SUMMARY_PERIOD_S
 
     @property
     def num_routers(self) -> int:
@@ -111,7 +116,8 @@ def live_arms(report: dict) -> dict[str, SimArm]:
             raise ValueError(f"arm {label!r}: router {router!r} has no simulated counterpart ({sorted(ROUTERS)})")
         ingress = ((spec.get("deployments") or {}).get("Ingress") or {}).get("num_replicas", default_ingress)
         kwargs = dict(spec.get("router_kwargs") or {}) if router == "kvroute" else {}
-        arms[label] = SimArm(ROUTERS[router], int(ingress), kwargs)
+        period_s = (spec.get("app_args") or {}).get("routing_stats_period_s", LIVE_SUMMARY_PERIOD_S)
+        arms[label] = SimArm(ROUTERS[router], int(ingress), kwargs, float(period_s))
     return arms
 
 
@@ -298,7 +304,7 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dic
                            else live_policy.decode_token_cost),
             decode_token_cost=live_policy.decode_token_cost,
             closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=arm_ingress_s),
-            reported_token_costs=token_costs, num_routers=arm.num_routers,
+            reported_token_costs=token_costs, num_routers=arm.num_routers, summary_period_s=arm.summary_period_s,
         )
         runs = [simulate(workload, config, [arm.policy], seeds=[s]) for s in range(seed, seed + seeds)]
         setups[label] = runs[0]["setup"]
@@ -408,8 +414,11 @@ def describe_arms(report: dict, arms: dict[str, SimArm], ingress_s: dict[str, fl
             line += f", {arm.num_routers} independent routers"
         if arm.policy_args:
             line += f", {arm.policy_args}"
-        if app_args.get(label):
-            line += f"; app args not modelled: {app_args[label]}"
+        if arm.summary_period_s != LIVE_SUMMARY_PERIOD_S:
+            line += f", summaries every {arm.summary_period_s:g} s"
+        unmodelled = {k: v for k, v in (app_args.get(label) or {}).items() if k not in MODELLED_APP_ARGS}
+        if unmodelled:
+            line += f"; app args not modelled: {unmodelled}"
         if several_ingress_counts:
             line += (f"; ingress {ingress_s[label] * 1e3:.1f} ms (median), drawn from the arms with "
                      f"{arm.ingress_replicas} Ingress replica(s)")

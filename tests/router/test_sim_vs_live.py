@@ -199,6 +199,32 @@ def test_live_arms_from_the_recorded_arms_or_the_labels():
         live_arms({"meta": {}, "results": {"prices-measured": {}}})
 
 
+def test_an_arms_summary_period_is_replayed_and_no_longer_called_unmodelled(tmp_path, capsys):
+    """An arm that set ``routing_stats_period_s`` is replayed with summaries
+    that often; the app args the replay does not follow are still named."""
+    from router.sim_vs_live import SimArm, describe_arms, live_arms
+
+    meta = {"arms": [
+        {"label": "slow", "router": "kvroute"},
+        {"label": "fast", "router": "kvroute", "app_args": {"routing_stats_period_s": 0.25, "fetch_enabled": False},
+         "deployments": {"Ingress": {"num_replicas": 2}}},
+    ]}
+    arms = live_arms({"meta": meta, "results": {}})
+    assert arms == {"slow": SimArm("ours"), "fast": SimArm("ours", 2, {}, 0.25)}
+    slow, fast = describe_arms({"meta": meta}, arms, None)
+    assert "summaries every" not in slow and "not modelled" not in slow
+    assert "summaries every 0.25 s" in fast and "not modelled: {'fetch_enabled': False}" in fast
+    report = live_report(tmp_path, {"slow": 0.8, "fast": 0.8}, {"slow": 0.05, "fast": 0.05})
+    report["meta"]["arms"] = meta["arms"]
+    path, out = tmp_path / "live.json", tmp_path / "cmp.json"
+    path.write_text(json.dumps(report))
+    args = json.dumps({"num_groups": 2, "prompts_per_group": 10})
+    assert main(["--live", str(path), "--workload-args", args, "--seeds", "1", "--json", str(out),
+                 "--engine-slowdown", "1"]) == 0
+    setups = json.loads(out.read_text())["simulated"]["setups"]
+    assert (setups["slow"]["summary_period_s"], setups["fast"]["summary_period_s"]) == (1.0, 0.25)
+
+
 def test_cli_replays_each_arm_with_its_routers_and_kwargs(tmp_path, capsys):
     report = live_report(tmp_path, {"one": 0.8, "two": 0.8}, {"one": 0.05, "two": 0.06})
     report["meta"]["arms"] = [
