@@ -111,6 +111,27 @@ class Admission:
         ticket.weight = 0  # a second release trips the assert
 
 
+class Refusal:
+    """The answer to a request over an admission limit: 429, OpenAI-style
+    JSON (``code: overloaded``) naming the limit, and ``Retry-After``. Built
+    once; :meth:`send` only fills in the limit (no parsing, no allocation
+    beyond the body)."""
+
+    def __init__(self, retry_after_s: int, counted: str = "worker requests",
+                 extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        self.retry_after_s = retry_after_s
+        self.message = f"server busy: {{limit}} {counted} in flight, the limit; retry after {retry_after_s} s"
+        self._body_template = json.dumps(error_body(429, self.message, code="overloaded"))
+        self._headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after_s).encode()),
+                         *extra_headers]
+
+    async def send(self, send, limit: int) -> None:
+        body = self._body_template.replace("{limit}", str(limit)).encode()
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": self._headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 class AdmissionGuard:
     """ASGI middleware: generation requests beyond :class:`Admission`'s limit
     get 429 ``engine_overloaded``-style JSON with ``Retry-After`` before their
@@ -133,9 +154,7 @@ class AdmissionGuard:
         self.refresh_period_s = refresh_period_s
         self.on_refused = on_refused
         self.retry_after_s = retry_after_s
-        self._message = f"server busy: {{limit}} worker requests in flight, the limit; retry after {retry_after_s} s"
-        self._body_template = json.dumps(error_body(429, self._message, code="overloaded"))
-        self._headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after_s).encode())]
+        self._refusal = Refusal(retry_after_s)
         self._next_refresh_s = 0.0
         self._recount_after_s = -math.inf  # loop time before which a refusal does not recount
         self._refreshing: asyncio.Task | None = None
@@ -152,11 +171,7 @@ class AdmissionGuard:
         if ticket is None:
             if self.on_refused:
                 self.on_refused()
-            body = self._body_template.replace("{limit}", str(self.admission.limit)).encode()
-            await send({"type": "http.response.start", "status": 429,
-                        "headers": self._headers + [(b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
+            return await self._refusal.send(send, self.admission.limit)
         scope[SCOPE_KEY] = (self, ticket)
         try:
             await self.app(scope, receive, send)
@@ -166,7 +181,7 @@ class AdmissionGuard:
     def refusal(self) -> APIError:
         if self.on_refused:
             self.on_refused()
-        return APIError(429, self._message.format(limit=self.admission.limit), code="overloaded",
+        return APIError(429, self._refusal.message.format(limit=self.admission.limit), code="overloaded",
                         retry_after_s=self.retry_after_s)
 
     async def _recounted(self) -> bool:

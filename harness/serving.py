@@ -63,7 +63,10 @@ class ServeApp:
     ``num_nodes``: Ray nodes to start on this machine (only without
     ``address``); with more than one, each Worker replica asks for a node's
     one worker slot, so there is at most one per node. ``object_store_memory``:
-    bytes per node's object store (None: Ray's default).
+    bytes per node's object store (None: Ray's default). ``cluster_env``:
+    environment variables for ``ray start`` and the serve CLI, which every
+    process of the cluster inherits (Serve's proxy reads its callbacks from
+    there, e.g. :func:`deploy.proxy_admission.environment`).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class ServeApp:
         ready_timeout_s: float = 240.0,
         num_nodes: int = 1,
         object_store_memory: int | None = None,
+        cluster_env: dict[str, str] | None = None,
     ) -> None:
         if type(num_nodes) is not int or num_nodes < 1:
             raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
@@ -92,6 +96,7 @@ class ServeApp:
         self.ready_timeout_s = ready_timeout_s
         self.num_nodes = num_nodes
         self.object_store_memory = object_store_memory
+        self.cluster_env = dict(cluster_env or {})
         self.dashboard_port: int | None = None
         self._temp_dir: str | None = None
         self._started_ray = False
@@ -133,6 +138,7 @@ class ServeApp:
             env["RAY_AUTH_TOKEN"] = self._auth_token
         if self.dashboard_port:
             env["RAY_DASHBOARD_ADDRESS"] = f"http://127.0.0.1:{self.dashboard_port}"
+        env.update(self.cluster_env)
         return env
 
     def _start_ray(self, attempts: int = 3) -> None:
