@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 from collections.abc import Awaitable, Callable
 
 from deploy.errors import APIError, error_body
@@ -41,6 +42,9 @@ RECOUNT_BEFORE_REFUSAL_S = 0.25  # a refusal recounts the live Workers first whe
 RECOUNT_TIMEOUT_S = 0.5  # and waits at most this for the count
 
 GENERATION_PATHS = frozenset({"/generate", "/generate_batch", "/v1/completions", "/v1/chat/completions"})
+# On every generation response (admitted or refused): "<guard token> <limit>", so a front that counts
+# requests (deploy/proxy_admission.py) can follow each Ingress replica's current limit; 0: admission off.
+LIMIT_HEADER = b"x-kvroute-admission-limit"
 
 
 class Ticket:
@@ -125,10 +129,10 @@ class Refusal:
         self._headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after_s).encode()),
                          *extra_headers]
 
-    async def send(self, send, limit: int) -> None:
+    async def send(self, send, limit: int, extra_headers: list | tuple = ()) -> None:
         body = self._body_template.replace("{limit}", str(limit)).encode()
         await send({"type": "http.response.start", "status": 429,
-                    "headers": self._headers + [(b"content-length", str(len(body)).encode())]})
+                    "headers": [*self._headers, (b"content-length", str(len(body)).encode()), *extra_headers]})
         await send({"type": "http.response.body", "body": body})
 
 
@@ -143,7 +147,9 @@ class AdmissionGuard:
     older than ``RECOUNT_BEFORE_REFUSAL_S`` (so a Worker that just started
     is counted before anyone is turned away for lack of it); under a flood of
     refusals that is one count per ``RECOUNT_BEFORE_REFUSAL_S``, the other
-    refusals wait on the same count or none."""
+    refusals wait on the same count or none. Every generation response it
+    sees (admitted or refused) carries :data:`LIMIT_HEADER`: this guard's
+    random token and its limit now (0 when off)."""
 
     def __init__(self, app, admission: Admission, retry_after_s: int,
                  count_workers: Callable[[], Awaitable[int]] | None = None, refresh_period_s: float = 2.0,
@@ -155,6 +161,8 @@ class AdmissionGuard:
         self.on_refused = on_refused
         self.retry_after_s = retry_after_s
         self._refusal = Refusal(retry_after_s)
+        self._token = secrets.token_hex(6)  # tells this guard's limit from another Ingress replica's
+        self._limit_header_for = (-1, (LIMIT_HEADER, b""))  # (limit, its header), rebuilt when the limit moves
         self._next_refresh_s = 0.0
         self._recount_after_s = -math.inf  # loop time before which a refusal does not recount
         self._refreshing: asyncio.Task | None = None
@@ -171,12 +179,23 @@ class AdmissionGuard:
         if ticket is None:
             if self.on_refused:
                 self.on_refused()
-            return await self._refusal.send(send, self.admission.limit)
+            return await self._refusal.send(send, self.admission.limit, (self._limit_header(),))
         scope[SCOPE_KEY] = (self, ticket)
+
+        async def send_with_limit(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._limit_header()]}
+            await send(message)
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_with_limit)
         finally:
             self.admission.release(ticket)
+
+    def _limit_header(self) -> tuple[bytes, bytes]:
+        limit = self.admission.limit if self.admission.is_enabled else 0
+        if self._limit_header_for[0] != limit:
+            self._limit_header_for = (limit, (LIMIT_HEADER, f"{self._token} {limit}".encode()))
+        return self._limit_header_for[1]
 
     def refusal(self) -> APIError:
         if self.on_refused:

@@ -206,7 +206,7 @@ def _app(args, **overrides):
     if args.proxy_admission is not None:
         from deploy.proxy_admission import environment
 
-        overrides["cluster_env"] = environment(args.proxy_admission)
+        overrides["cluster_env"] = environment(None if args.proxy_admission == "auto" else int(args.proxy_admission))
     if not (args.direct_ingress or args.haproxy):
         return ServeApp(args.config, **overrides)
     ingress_env = {**INGRESS_ENV, **dict(item.split("=", 1) for item in args.ingress_env)}
@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxy-limit", type=int, default=None, metavar="N",
                         help="overload: the Ingress takes N requests at once and Serve's proxy queues 1 more: the "
                              "proxy refuses the rest itself (plain-text 503 + Retry-After), before any Ray call")
-    parser.add_argument("--proxy-admission", type=int, default=None, metavar="N",
+    parser.add_argument("--proxy-admission", default=None, metavar="N|auto",
                         help="overload: kvroute's admission in Serve's Python proxy (deploy/proxy_admission.py): the "
-                             "proxy lets N generation requests through at once and refuses the rest with kvroute's "
-                             "JSON 429 + Retry-After, before any Ray call")
+                             "proxy lets N generation requests through at once (auto: the Ingress's limit, learned "
+                             "from its answers) and refuses the rest with kvroute's JSON 429 + Retry-After, before "
+                             "any Ray call")
     parser.add_argument("--direct-ingress", action="store_true",
                         help="Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the load goes to the Ingress "
                              "replica's own HTTP server, no proxy and no Ray call before kvroute's admission")

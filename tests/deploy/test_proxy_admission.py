@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from deploy.admission import LIMIT_HEADER
 from deploy.proxy_admission import (CALLBACK, MAX_IN_FLIGHT_ENV, RETRY_AFTER_ENV, ProxyAdmission, middlewares,
                                      settings_from_env)
 
@@ -102,14 +103,100 @@ def test_a_failed_or_abandoned_request_gives_its_place_back():
 
 
 def test_settings_come_from_the_environment_and_bad_values_are_named():
-    assert settings_from_env({}) == (0, 1)
+    assert settings_from_env({}) == (None, 1)  # follow the Ingress
+    assert settings_from_env({MAX_IN_FLIGHT_ENV: "auto"}) == (None, 1)
+    assert settings_from_env({MAX_IN_FLIGHT_ENV: "0"}) == (0, 1)
     assert settings_from_env({MAX_IN_FLIGHT_ENV: " 12 ", RETRY_AFTER_ENV: "2"}) == (12, 2)
     for env, name in (({MAX_IN_FLIGHT_ENV: "ten"}, MAX_IN_FLIGHT_ENV), ({MAX_IN_FLIGHT_ENV: "-1"}, MAX_IN_FLIGHT_ENV),
-                      ({RETRY_AFTER_ENV: "0"}, RETRY_AFTER_ENV), ({RETRY_AFTER_ENV: "1.5"}, RETRY_AFTER_ENV)):
+                      ({RETRY_AFTER_ENV: "0"}, RETRY_AFTER_ENV), ({RETRY_AFTER_ENV: "1.5"}, RETRY_AFTER_ENV),
+                      ({RETRY_AFTER_ENV: "auto"}, RETRY_AFTER_ENV)):
         with pytest.raises(ValueError, match=name):
             settings_from_env(env)
     with pytest.raises(ValueError, match="max_in_flight"):
         ProxyAdmission(HeldApp(), max_in_flight=0)
+
+
+class AnnouncingApp:
+    """Generation responses announce ``limits[i]`` from Ingress token ``i`` in turn."""
+
+    def __init__(self, announcements: list[bytes]) -> None:
+        self.announcements = list(announcements)
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self, scope, receive, send):
+        await self.release.wait()
+        headers = [(b"content-type", b"application/json")]
+        if self.announcements:
+            headers.append((LIMIT_HEADER, self.announcements.pop(0)))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_without_a_fixed_limit_it_follows_the_ingress_replicas_announcements():
+    now = [0.0]
+
+    async def main():
+        app = AnnouncingApp([b"aaa 3", b"bbb 2", b"junk", b"aaa 3", b"bbb 0"])
+        proxy = ProxyAdmission(app, clock=lambda: now[0], learn_window_s=10.0)
+        assert proxy.limit is None  # nothing heard: no limit, the Ingress decides
+        status, headers, _ = await call(proxy, "/generate")
+        assert status == 200 and "x-kvroute-admission-limit" not in headers  # taken off for the client
+        assert proxy.limit == 3
+        await call(proxy, "/generate")
+        assert proxy.limit == 5  # two Ingress replicas: their limits add up
+        await call(proxy, "/generate")  # an announcement it cannot read changes nothing
+        assert proxy.limit == 5
+        app.release.clear()
+        held = [asyncio.create_task(call(proxy, "/generate")) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        status, headers, body = await call(proxy, "/v1/completions")
+        assert status == 429 and headers["x-kvroute-refused-by"] == "proxy" and b"5 requests" in body
+        app.release.set()
+        await asyncio.gather(*held)  # their announcements: aaa 3, then bbb's admission off
+        assert proxy.limit is None  # an Ingress replica without admission: the proxy refuses nothing
+        now[0] = 11.0  # neither heard from within the window: both forgotten
+        app.announcements.append(b"aaa 3")
+        await call(proxy, "/generate")
+        assert proxy.limit == 3
+        return proxy
+
+    proxy = asyncio.run(main())
+    assert proxy.admission.num_in_flight == 0
+
+
+def test_a_fixed_limit_ignores_announcements_and_still_takes_them_off():
+    async def main():
+        proxy = ProxyAdmission(AnnouncingApp([b"aaa 50"]), max_in_flight=2)
+        status, headers, _ = await call(proxy, "/generate")
+        return proxy, status, headers
+
+    proxy, status, headers = asyncio.run(main())
+    assert status == 200 and "x-kvroute-admission-limit" not in headers and proxy.limit == 2
+
+
+def test_the_ingress_announces_its_token_and_limit_on_every_generation_response():
+    from deploy.admission import Admission, AdmissionGuard
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main():
+        admission = Admission(max_in_flight_per_worker=1, num_workers=2)
+        guard = AdmissionGuard(ok, admission, retry_after_s=1)
+        answers = await asyncio.gather(*(call(guard, "/generate") for _ in range(3)))
+        off = AdmissionGuard(ok, Admission(max_in_flight_per_worker=0), retry_after_s=1)
+        return answers, await call(off, "/v1/completions"), await call(guard, "/health", method="GET")
+
+    answers, off, health = asyncio.run(main())
+    assert sorted(status for status, *_ in answers) == [200, 200, 429]
+    tokens = {headers["x-kvroute-admission-limit"].split()[0] for _, headers, _ in answers}
+    assert len(tokens) == 1  # one guard, one token, on admitted and refused answers alike
+    assert all(headers["x-kvroute-admission-limit"].split()[1] == "2" for _, headers, _ in answers)
+    assert off[0] == 200 and off[1]["x-kvroute-admission-limit"].endswith(" 0")
+    assert "x-kvroute-admission-limit" not in health[1]
 
 
 def test_the_proxy_callback_installs_the_middleware_only_when_a_limit_is_set(monkeypatch):
@@ -119,8 +206,11 @@ def test_the_proxy_callback_installs_the_middleware_only_when_a_limit_is_set(mon
 
     module, _, function = CALLBACK.partition(":")
     assert (module, function) == ("deploy.proxy_admission", "middlewares")
-    monkeypatch.delenv(MAX_IN_FLIGHT_ENV, raising=False)
+    monkeypatch.setenv(MAX_IN_FLIGHT_ENV, "0")
     assert middlewares() == []
+    monkeypatch.delenv(MAX_IN_FLIGHT_ENV)
+    (following,) = validate_http_proxy_callback_return(middlewares())
+    assert following.cls is ProxyAdmission and following.kwargs["max_in_flight"] is None
     monkeypatch.setenv(MAX_IN_FLIGHT_ENV, "12")
     monkeypatch.setenv(RETRY_AFTER_ENV, "2")
     installed = validate_http_proxy_callback_return(middlewares())  # what Serve's proxy checks it with

@@ -1,11 +1,13 @@
 """kvroute's admission inside Serve's Python proxy (deploy/proxy_admission.py),
-live: with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` set for the cluster,
-the proxy on the app's own port refuses generation requests beyond its
-limit with kvroute's JSON 429 + ``Retry-After`` and never calls the Ingress
-for them; the Ingress's own admission is off here, so every 429 seen is the
-proxy's. A client that abandons a stream gives its place back.
+live: with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` set for the cluster
+and no limit of its own, the proxy on the app's own port learns the
+Ingress's limit from its responses and from then on refuses the generation
+requests beyond it with kvroute's JSON 429 + ``Retry-After`` itself,
+without calling the Ingress for them: every 429 of a burst is the proxy's.
+A client that abandons a stream gives its place back.
 
-Fails without the callback: nothing would refuse (the Ingress admits all)."""
+Fails without the callback: the 429s would be the Ingress's (no
+``x-kvroute-refused-by: proxy``), and its announcement would reach clients."""
 
 from __future__ import annotations
 
@@ -17,15 +19,15 @@ import pytest
 
 from deploy.proxy_admission import environment
 from harness.serving import ServeApp
-from tests.reliability.conftest import API_KEY, AUTH, assert_burst_is_served_or_refused_as_json, post_with_key
+from tests.reliability.conftest import ADMIT_TWO_ARGS, AUTH, assert_burst_is_served_or_refused_as_json, post_with_key
 
-PROXY_LIMIT = 2
+PROXY_LIMIT = 2  # what ADMIT_TWO_ARGS's Ingress admits with 2 Workers
 
 
 @pytest.fixture(scope="module")
 def app(exclusive):
-    app = ServeApp(num_cpus=2, cluster_env=environment(PROXY_LIMIT),
-                   args_overrides={"max_in_flight_per_worker": 0, "api_keys": [API_KEY], "stats_period_s": 0.5})
+    # the Ingress admits 1 per Worker: 2; the proxy follows it
+    app = ServeApp(num_cpus=2, cluster_env=environment(), args_overrides=ADMIT_TWO_ARGS)
     with app:
         app.deploy()
         yield app
@@ -48,6 +50,9 @@ def finished_requests(app) -> int:
 
 @pytest.mark.ray
 def test_the_proxy_refuses_the_excess_with_kvroutes_json_before_the_ingress(app):
+    short = {"prompt_token_ids": [40, 41], "max_new_tokens": 2, "ignore_eos": True}
+    first = post_with_key(f"{app.url}/generate", short)  # its answer tells the proxy the Ingress's limit
+    assert first.status_code == 200 and "x-kvroute-admission-limit" not in first.headers
     before = finished_requests(app)
     statuses = assert_burst_is_served_or_refused_as_json(app.url, count=12)
     print("FIGURES proxy admission burst:", statuses)
