@@ -149,7 +149,8 @@ class AdmissionGuard:
     refusals that is one count per ``RECOUNT_BEFORE_REFUSAL_S``, the other
     refusals wait on the same count or none. Every generation response it
     sees (admitted or refused) carries :data:`LIMIT_HEADER`: this guard's
-    random token and its limit now (0 when off)."""
+    random token and its limit now (0 when off, or before the first count
+    of live Workers)."""
 
     def __init__(self, app, admission: Admission, retry_after_s: int,
                  count_workers: Callable[[], Awaitable[int]] | None = None, refresh_period_s: float = 2.0,
@@ -162,6 +163,7 @@ class AdmissionGuard:
         self.retry_after_s = retry_after_s
         self._refusal = Refusal(retry_after_s)
         self._token = secrets.token_hex(6)  # tells this guard's limit from another Ingress replica's
+        self._counted = count_workers is None  # the limit is a real count, not the start-up guess of one Worker
         self._limit_header_for = (-1, (LIMIT_HEADER, b""))  # (limit, its header), rebuilt when the limit moves
         self._next_refresh_s = 0.0
         self._recount_after_s = -math.inf  # loop time before which a refusal does not recount
@@ -192,7 +194,11 @@ class AdmissionGuard:
             self.admission.release(ticket)
 
     def _limit_header(self) -> tuple[bytes, bytes]:
-        limit = self.admission.limit if self.admission.is_enabled else 0
+        """This guard's announcement; 0 (nothing to enforce) while admission
+        is off or the live Workers have not been counted yet (the start-up
+        limit of one Worker's share is a guess that a refusal here recounts,
+        which a front holding the figure could not)."""
+        limit = self.admission.limit if self.admission.is_enabled and self._counted else 0
         if self._limit_header_for[0] != limit:
             self._limit_header_for = (limit, (LIMIT_HEADER, f"{self._token} {limit}".encode()))
         return self._limit_header_for[1]
@@ -244,6 +250,7 @@ class AdmissionGuard:
             self._next_refresh_s = loop.time() + STARTUP_REFRESH_S
             return
         self._recount_after_s = loop.time() + RECOUNT_BEFORE_REFUSAL_S
+        self._counted = True
         if count != self.admission.num_workers:
             logger.info("admission: %d live Workers (was %d)", count, self.admission.num_workers)
         self.admission.set_num_workers(count)

@@ -353,15 +353,29 @@ def _alive(pid: int) -> bool:
 
 
 
+class ProxyAdmissionApp(ServeApp):
+    """A :class:`ServeApp` whose Serve proxy runs kvroute's admission
+    (deploy/proxy_admission.py, following the Ingress's limit) unless the
+    caller's ``cluster_env`` says otherwise."""
+
+    def __init__(self, *args, cluster_env: dict[str, str] | None = None, **kwargs) -> None:
+        from deploy.proxy_admission import environment
+
+        super().__init__(*args, cluster_env={**environment(), **(cluster_env or {})}, **kwargs)
+
+
 def ingress_app_class() -> type[ServeApp]:
-    """:class:`ServeApp`, or the HAProxy-ingress one when ``KVROUTE_INGRESS=haproxy``."""
+    """:class:`ServeApp`; the HAProxy-ingress one when ``KVROUTE_INGRESS=haproxy``;
+    :class:`ProxyAdmissionApp` when ``KVROUTE_INGRESS=proxy-admission``."""
     kind = os.environ.get("KVROUTE_INGRESS", "proxy")
     if kind == "haproxy":
         from harness.haproxy_ingress import HAProxyApp
 
         return HAProxyApp
+    if kind == "proxy-admission":
+        return ProxyAdmissionApp
     if kind != "proxy":
-        raise ValueError(f"KVROUTE_INGRESS must be 'proxy' or 'haproxy', got {kind!r}")
+        raise ValueError(f"KVROUTE_INGRESS must be 'proxy', 'haproxy' or 'proxy-admission', got {kind!r}")
     return ServeApp
 
 
@@ -370,7 +384,8 @@ def start_app(config_path: str | Path = "deploy/config.yaml", **overrides) -> Se
     on failure everything is stopped and the error carries the Serve logs.
 
     ``KVROUTE_INGRESS=haproxy`` in the environment runs it behind Serve's
-    HAProxy ingress (harness/haproxy_ingress.py) instead of its Python proxy."""
+    HAProxy ingress (harness/haproxy_ingress.py) instead of its Python proxy;
+    ``KVROUTE_INGRESS=proxy-admission`` with kvroute's admission in that proxy."""
     app = ingress_app_class()(config_path, **overrides)
     app.__enter__()
     try:

@@ -216,3 +216,32 @@ def test_the_proxy_callback_installs_the_middleware_only_when_a_limit_is_set(mon
     installed = validate_http_proxy_callback_return(middlewares())  # what Serve's proxy checks it with
     assert len(installed) == 1 and isinstance(installed[0], Middleware) and installed[0].cls is ProxyAdmission
     assert (installed[0].kwargs["max_in_flight"], installed[0].kwargs["retry_after_s"]) == (12, 2)
+
+
+def test_the_ingress_announces_no_limit_until_it_has_counted_the_workers():
+    """At start-up the Ingress guesses one Worker and recounts before refusing;
+    a front that took the guess for the limit would refuse what the Ingress admits."""
+    from deploy.admission import Admission, AdmissionGuard
+
+    counts = iter([0, 2])
+
+    async def count_workers():
+        return next(counts, 2)
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main():
+        guard = AdmissionGuard(ok, Admission(max_in_flight_per_worker=3), retry_after_s=1,
+                               count_workers=count_workers, refresh_period_s=30.0)
+        first = await call(guard, "/generate")  # no Worker has posted yet: the count reads 0
+        await asyncio.sleep(0.3)  # STARTUP_REFRESH_S later the next request counts again
+        await call(guard, "/generate")
+        await asyncio.sleep(0.05)
+        return first, await call(guard, "/generate")
+
+    first, later = asyncio.run(main())
+    assert first[1]["x-kvroute-admission-limit"].endswith(" 0")
+    assert later[1]["x-kvroute-admission-limit"].endswith(" 6")
+

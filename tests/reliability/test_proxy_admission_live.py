@@ -51,8 +51,14 @@ def finished_requests(app) -> int:
 @pytest.mark.ray
 def test_the_proxy_refuses_the_excess_with_kvroutes_json_before_the_ingress(app):
     short = {"prompt_token_ids": [40, 41], "max_new_tokens": 2, "ignore_eos": True}
-    first = post_with_key(f"{app.url}/generate", short)  # its answer tells the proxy the Ingress's limit
-    assert first.status_code == 200 and "x-kvroute-admission-limit" not in first.headers
+    for _ in range(60):  # the Ingress announces its limit once it has counted both Workers (their stats)
+        if len(httpx.get(f"{app.url}/stats", headers=AUTH, timeout=30, trust_env=False).json()["replicas"]) == 2:
+            break
+        time.sleep(0.5)
+    time.sleep(0.5)  # past the Ingress's start-up recount period
+    for _ in range(2):  # the answers tell the proxy the Ingress's limit
+        answer = post_with_key(f"{app.url}/generate", short)
+        assert answer.status_code == 200 and "x-kvroute-admission-limit" not in answer.headers
     before = finished_requests(app)
     statuses = assert_burst_is_served_or_refused_as_json(app.url, count=12)
     print("FIGURES proxy admission burst:", statuses)
