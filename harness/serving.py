@@ -365,9 +365,10 @@ class ProxyAdmissionApp(ServeApp):
 
 
 def ingress_app_class() -> type[ServeApp]:
-    """:class:`ServeApp`; the HAProxy-ingress one when ``KVROUTE_INGRESS=haproxy``;
-    :class:`ProxyAdmissionApp` when ``KVROUTE_INGRESS=proxy-admission``."""
-    kind = os.environ.get("KVROUTE_INGRESS", "proxy")
+    """The front the README's command 1 runs, :class:`ProxyAdmissionApp`
+    (``KVROUTE_INGRESS`` unset or ``proxy-admission``); plain
+    :class:`ServeApp` with ``proxy``; the HAProxy-ingress one with ``haproxy``."""
+    kind = os.environ.get("KVROUTE_INGRESS", "proxy-admission")
     if kind == "haproxy":
         from harness.haproxy_ingress import HAProxyApp
 
@@ -383,9 +384,10 @@ def start_app(config_path: str | Path = "deploy/config.yaml", **overrides) -> Se
     """A started and deployed :class:`ServeApp` (the caller ``__exit__``s it);
     on failure everything is stopped and the error carries the Serve logs.
 
-    ``KVROUTE_INGRESS=haproxy`` in the environment runs it behind Serve's
-    HAProxy ingress (harness/haproxy_ingress.py) instead of its Python proxy;
-    ``KVROUTE_INGRESS=proxy-admission`` with kvroute's admission in that proxy."""
+    By default Serve's Python proxy runs kvroute's admission, as the README's
+    command 1 sets up (:func:`ingress_app_class`); ``KVROUTE_INGRESS=proxy``
+    runs it without, ``KVROUTE_INGRESS=haproxy`` behind Serve's HAProxy
+    ingress (harness/haproxy_ingress.py)."""
     app = ingress_app_class()(config_path, **overrides)
     app.__enter__()
     try:
