@@ -55,6 +55,11 @@ CALLBACK = "deploy.proxy_admission:middlewares"  # the value of RAY_SERVE_HTTP_P
 REFUSED_BY = (b"x-kvroute-refused-by", b"proxy")
 AUTO = "auto"  # KVROUTE_PROXY_MAX_IN_FLIGHT: follow the Ingress replicas' announced limits (also when unset)
 LEARN_WINDOW_S = 30.0  # an Ingress replica not heard from for this long no longer adds to the limit
+# Following the Ingress, at most one request per this period goes on past the limit: the limit heard is
+# the Ingress's as of its last count of live Workers (up to its refresh period old), and the Ingress
+# recounts before it refuses, which the proxy cannot. The probe lets it; under a flood that is at most
+# 1 / PROBE_PERIOD_S refusals a second made by the Ingress instead of the proxy.
+PROBE_PERIOD_S = 0.25
 
 
 class ProxyAdmission:
@@ -65,8 +70,11 @@ class ProxyAdmission:
     responses (:data:`~deploy.admission.LIMIT_HEADER`: each replica's token
     and limit): the sum over the replicas heard from in the last
     ``learn_window_s``; none heard yet, or one whose admission is off:
-    no limit (the Ingress's own admission still holds). The header is
-    taken off the response either way. Invariant: ``admission.num_in_flight``
+    no limit (the Ingress's own admission still holds); over it, one request
+    per ``PROBE_PERIOD_S`` goes on to the Ingress, which recounts its Workers
+    before refusing (a limit heard before Workers were added would otherwise
+    hold until the Ingress's next periodic count). The header is taken off
+    the response either way. Invariant: ``admission.num_in_flight``
     = the generation requests inside ``app`` now (an exception or a client
     that went away releases its place like a response does)."""
 
@@ -85,6 +93,7 @@ class ProxyAdmission:
         self.learn_window_s = learn_window_s
         self._heard: dict[bytes, tuple[int, float]] = {}  # Ingress replica's token -> (limit, when announced)
         self._next_expiry_s = 0.0
+        self._next_probe_s = 0.0
         self._refusal = Refusal(retry_after_s, counted="requests", extra_headers=(REFUSED_BY,))
 
     async def __call__(self, scope, receive, send):
@@ -93,6 +102,9 @@ class ProxyAdmission:
         if self.learns and self.clock() >= self._next_expiry_s:
             self._set_limit()
         ticket = self.admission.try_admit()
+        if ticket is None and self.learns and self.clock() >= self._next_probe_s:
+            self._next_probe_s = self.clock() + PROBE_PERIOD_S
+            ticket = self.admission.admit_over_limit()  # the Ingress recounts its Workers; its answer brings news
         if ticket is None:
             if self.on_refused is not None:
                 self.on_refused()

@@ -150,10 +150,18 @@ def test_without_a_fixed_limit_it_follows_the_ingress_replicas_announcements():
         app.release.clear()
         held = [asyncio.create_task(call(proxy, "/generate")) for _ in range(5)]
         await asyncio.sleep(0.01)
-        status, headers, body = await call(proxy, "/v1/completions")
+        probe = asyncio.create_task(call(proxy, "/generate"))  # past the limit: one probe goes on to the Ingress
+        await asyncio.sleep(0.01)
+        assert not probe.done() and proxy.admission.num_in_flight == 6
+        status, headers, body = await call(proxy, "/v1/completions")  # within the probe period: refused here
         assert status == 429 and headers["x-kvroute-refused-by"] == "proxy" and b"5 requests" in body
+        now[0] = 0.3  # a probe period later, the next one goes on too
+        second_probe = asyncio.create_task(call(proxy, "/generate"))
+        await asyncio.sleep(0.01)
+        assert proxy.admission.num_in_flight == 7 and (await call(proxy, "/generate"))[0] == 429
+        held += [probe, second_probe]
         app.release.set()
-        await asyncio.gather(*held)  # their announcements: aaa 3, then bbb's admission off
+        await asyncio.gather(*held)  # their announcements: aaa 3, then bbb's admission off (the rest: none)
         assert proxy.limit is None  # an Ingress replica without admission: the proxy refuses nothing
         now[0] = 11.0  # neither heard from within the window: both forgotten
         app.announcements.append(b"aaa 3")
@@ -165,14 +173,21 @@ def test_without_a_fixed_limit_it_follows_the_ingress_replicas_announcements():
     assert proxy.admission.num_in_flight == 0
 
 
-def test_a_fixed_limit_ignores_announcements_and_still_takes_them_off():
+def test_a_fixed_limit_ignores_announcements_sends_no_probe_and_still_takes_them_off():
     async def main():
-        proxy = ProxyAdmission(AnnouncingApp([b"aaa 50"]), max_in_flight=2)
+        app = AnnouncingApp([b"aaa 50"])
+        proxy = ProxyAdmission(app, max_in_flight=1)
         status, headers, _ = await call(proxy, "/generate")
-        return proxy, status, headers
+        app.release.clear()
+        held = asyncio.create_task(call(proxy, "/generate"))
+        await asyncio.sleep(0.01)
+        over = await call(proxy, "/generate")  # no probe past a limit the operator fixed
+        app.release.set()
+        await held
+        return proxy, status, headers, over[0]
 
-    proxy, status, headers = asyncio.run(main())
-    assert status == 200 and "x-kvroute-admission-limit" not in headers and proxy.limit == 2
+    proxy, status, headers, over = asyncio.run(main())
+    assert status == 200 and "x-kvroute-admission-limit" not in headers and proxy.limit == 1 and over == 429
 
 
 def test_the_ingress_announces_its_token_and_limit_on_every_generation_response():

@@ -3,7 +3,8 @@ live: with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` set for the cluster
 and no limit of its own, the proxy on the app's own port learns the
 Ingress's limit from its responses and from then on refuses the generation
 requests beyond it with kvroute's JSON 429 + ``Retry-After`` itself,
-without calling the Ingress for them: every 429 of a burst is the proxy's.
+without calling the Ingress for them: every 429 of a burst is the proxy's
+but for its probes (one per ``PROBE_PERIOD_S`` goes on to the Ingress).
 A client that abandons a stream gives its place back.
 
 Fails without the callback: the 429s would be the Ingress's (no
@@ -73,7 +74,9 @@ def test_the_proxy_refuses_the_excess_with_kvroutes_json_before_the_ingress(app)
                                           for _ in range(8)))
 
     refused = [r for r in asyncio.run(burst()) if r.status_code == 429]
-    assert refused and all(r.headers["x-kvroute-refused-by"] == "proxy" for r in refused)
+    by_proxy = [r for r in refused if r.headers.get("x-kvroute-refused-by") == "proxy"]
+    # all but the probes: past the limit one request per PROBE_PERIOD_S goes on, and the Ingress may refuse it
+    assert by_proxy and len(refused) - len(by_proxy) <= 2, [dict(r.headers) for r in refused]
     # the refusals never reached a Worker: only the admitted requests were generated
     generated = finished_requests(app) - before
     assert generated == statuses.count(200) + 1 + (8 - len(refused)), (generated, statuses, len(refused))
