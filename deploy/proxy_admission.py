@@ -102,8 +102,8 @@ class ProxyAdmission:
         if self.learns and self.clock() >= self._next_expiry_s:
             self._set_limit()
         ticket = self.admission.try_admit()
-        if ticket is None and self.learns and self.clock() >= self._next_probe_s:
-            self._next_probe_s = self.clock() + PROBE_PERIOD_S
+        if ticket is None and self.learns and (now := self.clock()) >= self._next_probe_s:
+            self._next_probe_s = now + PROBE_PERIOD_S
             ticket = self.admission.admit_over_limit()  # the Ingress recounts its Workers; its answer brings news
         if ticket is None:
             if self.on_refused is not None:
@@ -112,13 +112,13 @@ class ProxyAdmission:
 
         async def send_reading_the_limit(message):
             if message["type"] == "http.response.start":
-                headers = message.get("headers") or ()
-                kept = [header for header in headers if header[0] != LIMIT_HEADER]
-                if len(kept) != len(headers):
+                kept, heard = [], []
+                for header in message.get("headers") or ():
+                    (heard if header[0] == LIMIT_HEADER else kept).append(header)
+                if heard:
                     if self.learns:
-                        for name, value in headers:
-                            if name == LIMIT_HEADER:
-                                self.hear(value)
+                        for _, value in heard:
+                            self.hear(value)
                     message = {**message, "headers": kept}
             await send(message)
         try:
