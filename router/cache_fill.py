@@ -26,6 +26,11 @@ class FleetCacheFill:
         """The budget share of full caches, 0 before any report."""
         return self._full / self._budget if self._budget else 0.0
 
+    def free_tokens(self, replica_id: str) -> int | None:
+        """Budget tokens ``replica_id``'s cache had free at its latest report; None before one."""
+        report = self._reports.get(replica_id)
+        return None if report is None else report[1] - report[0]
+
     def report(self, replica_id: str, num_cached_tokens: int, budget_tokens: int) -> None:
         """A replica's latest report (O(1)); a budget of 0 (none reported) leaves it out."""
         self.remove(replica_id)

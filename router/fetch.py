@@ -44,13 +44,14 @@ class RoutingDecision:
     only when there is no candidate). ``fetch``: for the first choice only.
 
     Invariants: ``fetch`` is None when fetch is disabled
-    (``PolicyConfig.fetch_enabled``), when ``ranked`` is empty, when the
-    first choice already holds at least as much of the prompt as any holder
-    minus ``fetch_min_tokens`` (a difference of at most ``fetch_min_tokens``
-    is not worth a fetch), or when the owner is the first choice. Otherwise
-    ``fetch.owner`` is a replica known to hold the prompt's first
-    ``fetch.num_tokens`` tokens, more than ``fetch_min_tokens`` beyond what
-    the first choice holds.
+    (``PolicyConfig.fetch_enabled``), when ``ranked`` is empty, or when the
+    owner is the first choice. Otherwise ``fetch.owner`` is a replica known
+    to hold the prompt's first ``fetch.num_tokens`` tokens, and either
+    those are more than ``fetch_min_tokens`` beyond what the first choice
+    holds (a smaller difference is not worth a fetch), or the hint is a
+    *backup* (``PolicyConfig.backup_fetch_hints``): the first choice is
+    known to hold them too, ``owner`` is a second holder, and the hint only
+    matters if the first choice evicted them since it last reported.
     """
 
     ranked: tuple[str, ...]
@@ -130,11 +131,50 @@ class FetchPlan:
         return fetch_credit(self.fetchable, replica_id, self.held(replica_id, cached), self._min_tokens,
                             self._fetch_token_cost)
 
-    def hint(self, first_id: str, cached: int) -> FetchHint | None:
+    def hint(self, first_id: str, cached: int, backup: bool = False) -> FetchHint | None:
+        """The first choice's hint (:func:`hint_for`); with ``backup``, a
+        first choice that is itself one of the deepest holders gets a hint
+        naming another of them (:meth:`backup_hint`)."""
+        if backup:
+            spare = self.backup_hint(first_id)
+            if spare is not None:
+                return spare
         held = self.held(first_id, cached)
         if self._num_fetchable - held <= self._min_tokens:
             return None  # nothing worth a fetch, whoever the owner (hint_for; no owner looked up)
         return hint_for(first_id, held, self.fetchable, self._min_tokens)
+
+    def backup_hint(self, first_id: str) -> FetchHint | None:
+        """For a first choice the index counts among the deepest holders
+        when another candidate holds as deep: a hint naming that other one
+        (the least loaded), so that a first choice which evicted the prefix
+        since its last report fetches it instead of recomputing it. A
+        receiver that still holds it ignores the hint (the worker checks its
+        own cache first). None otherwise, or for a prefix of at most
+        ``min_tokens``."""
+        depths = self._depths
+        if self._num_fetchable <= self._min_tokens or first_id not in depths:
+            return None
+        deepest = max(depths.values())
+        if depths[first_id] != deepest:
+            return None
+        others = [r for r, d in depths.items() if d == deepest and r != first_id]
+        if not others:
+            return None
+        return FetchHint(min(others, key=lambda r: (self._load_of(r), r)), self._num_fetchable)
+
+    def replica_credit(self, has_room: Callable[[str, int], bool]) -> Callable[[str, int], float]:
+        """The credit of a decision that may make another holder of a hot
+        prefix (``replicate_hot_prefixes``): :func:`fetch_credit` for every
+        candidate whose cache ``has_room(replica_id, tokens)`` for the
+        fetchable tokens, 0 for the others (whatever the credit scope)."""
+        fetchable, min_tokens, cost = self.fetchable, self._min_tokens, self._fetch_token_cost
+
+        def credit(replica_id: str, cached: int) -> float:
+            if fetchable is None or not has_room(replica_id, fetchable[1]):
+                return 0.0
+            return fetch_credit(fetchable, replica_id, self.held(replica_id, cached), min_tokens, cost)
+        return credit
 
     def booked_tokens(self, hint: FetchHint | None) -> int:
         """Tokens the reservation counts as fetched (at ``fetch_token_cost``):

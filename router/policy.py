@@ -17,6 +17,7 @@ from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
 from router.pending_blocks import PendingBlocks
 from router.policy_config import PolicyConfig
+from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex
 from router.queue_priced import QueuePricedWork
 from router.request import RoutingRequest
@@ -179,7 +180,8 @@ class PrefixAffinityPolicy:
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._share = RouterShare(self.config.load_window_s)
         self._pending = PendingBlocks(self.config.in_flight_timeout_s)  # premium_needs_completion
-        self._fill = FleetCacheFill()  # how far the premium on pending blocks is withheld (kept only with it on)
+        self._fill = FleetCacheFill()  # premium on pending blocks withheld; a new holder's room (kept for those)
+        self._demand = PrefixDemand(self.config.load_window_s, self.config.max_demand_entries)  # hot prefixes
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
         self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
                                            history=self.config.price_history)
@@ -258,7 +260,7 @@ class PrefixAffinityPolicy:
             self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
-        if self.config.premium_needs_completion:  # the only reader of the fill
+        if self.config.premium_needs_completion or self.config.replicate_hot_prefixes:  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
         if self.config.learn_token_costs:
             was_measured = self._prices.is_measured
@@ -267,6 +269,7 @@ class PrefixAffinityPolicy:
             if not was_measured and self._prices.is_measured:
                 self._loads.forget_recent()  # booked at the priors: see _reprice
                 self._queue_priced.forget_recent()
+                self._demand.clear()  # compared with recent work: the same window
         reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                               summary.num_output_tokens_total, self._clock(), reported_work)
@@ -429,6 +432,10 @@ class PrefixAffinityPolicy:
             done = self._pending.computed_depth(replica_id, hashes, depth)
             anchor = hashes[done] if done < len(hashes) else None  # the first block it waits for there
             self._pending.add(request_id, replica_id, hashes[depth:], now, anchor)
+        if self.config.replicate_hot_prefixes:
+            num_known = found.num_known if found is not None else self._index.deepest_holders(hashes, 1)[0]
+            if num_known > 0:
+                self._demand.add(hashes[num_known - 1], work, now)
         self._index.learn(replica_id, hashes, now)
         if self._partial is not None and routing.token_ids:
             parent = hashes[-1] if hashes else salt_seed(routing.salt)
@@ -456,6 +463,8 @@ class PrefixAffinityPolicy:
                          request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
+        if credit is None and plan is not None and self._is_hot(request, found, scoring.mean_recent, now):
+            credit, scoring.fetch_share = plan.replica_credit(self._has_room), 1.0  # it may gain a holder
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring
@@ -469,8 +478,26 @@ class PrefixAffinityPolicy:
         if config.cold_home != "cost" and ranked:
             ranked = self._home_first(request, found, live, cached_at, ranked, now)
         ranked = ranked[: config.num_ranked]
-        hint = plan.hint(ranked[0], cached_at.get(ranked[0], 0)) if plan is not None and ranked else None
+        hint = (plan.hint(ranked[0], cached_at.get(ranked[0], 0), config.backup_fetch_hints)
+                if plan is not None and ranked else None)
         return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
+
+    def _is_hot(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float) -> bool:
+        """Whether the request's known prefix (its first ``m`` blocks) drew,
+        per replica known to hold it, more than ``hot_prefix_share`` of a
+        replica's mean recent work (``replicate_hot_prefixes``; step 5)."""
+        if not self.config.replicate_hot_prefixes or found.num_known <= 0:
+            return False
+        key = request.block_hashes[found.num_known - 1]
+        num_holders = max(self._index.num_holders(key), 1)
+        return self._demand.value(key, now) > self.config.hot_prefix_share * mean_recent * num_holders
+
+    def _has_room(self, replica_id: str, num_tokens: int) -> bool:
+        """Whether ``replica_id``'s cache had room, at its last report, for
+        ``replica_room_factor`` x ``num_tokens`` (True before any report):
+        a copy that evicts may take a prefix's only copy with it."""
+        free = self._fill.free_tokens(replica_id)
+        return free is None or free >= self.config.replica_room_factor * num_tokens
 
     def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
         """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""
@@ -586,6 +613,7 @@ class PrefixAffinityPolicy:
         self._queue_priced.check_invariants(nodes)
         self._pending.check_invariants()
         self._fill.check_invariants()
+        self._demand.check_invariants()
         self._prices.check_invariants(nodes)
         assert (self.config.decode_token_cost, self.config.queue_token_cost) == (
             self._prices.decode_token_cost, self._prices.queue_token_cost) or not self.config.learn_token_costs, \

@@ -177,16 +177,22 @@ class PolicyConfig:
     fetch_token_cost: float = 0.1  # a fetched token's cost in computed-token units (credit and its booking)
     fetch_affinity_share: float = 0.0  # share of the fetchable tokens weighed like cached ones (affinity_weight)
     fetch_credit_scope: str = "never"  # when fetchable tokens lower a non-owner's cost: never | over_bound | always
+    replicate_hot_prefixes: bool = True  # a prefix drawing more than hot_prefix_share per holder may gain a fetched holder
+    hot_prefix_share: float = 0.25  # its recent work per holder, in shares of a replica's mean recent work
+    replica_room_factor: float = 2.0  # a new holder's last report has room for this many times the fetched tokens
+    max_demand_entries: int = 1 << 16  # prefixes whose demand is remembered (memory bound)
+    backup_fetch_hints: bool = True  # a first choice among several deepest holders gets a hint naming another
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
                      "max_blocks_per_replica", "num_ranked", "max_partial_entries", "prior_output_tokens", "price_history",
-                     "premium_pending_min_users"):
+                     "premium_pending_min_users", "max_demand_entries"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
-                          ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0)):
+                          ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0),
+                          ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < low:
@@ -198,7 +204,7 @@ class PolicyConfig:
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
-                     "premium_needs_completion",
+                     "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
                      "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -103,6 +103,10 @@ class PrefixIndex:
         entries = self._entries.get(replica_id)
         return len(entries) if entries is not None else 0
 
+    def num_holders(self, block_hash: int) -> int:
+        """How many replicas are believed to hold ``block_hash`` (and so its whole chain). O(1)."""
+        return self._holders.get(block_hash, 0).bit_count()
+
     def holds(self, replica_id: str, block_hash: int) -> bool:
         slot = self._slot.get(replica_id)
         return slot is not None and bool(self._holders.get(block_hash, 0) >> slot & 1)

@@ -18,9 +18,11 @@ class Scoring:
 
     ``cost(r) = load(r) + T - w(r) * saved(r) - (cached(r) + credit(r) -
     saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)``
-    with ``saved = cached + fetch_affinity_share * credit`` and ``w = 1 +
-    (affinity_weight - 1) * premium(r) / T``, ``premium = saved`` or, with
-    ``premium`` given, ``premium(cached) + fetch_affinity_share * credit``
+    with ``saved = cached + fetch_share * credit`` (``fetch_share``:
+    ``fetch_affinity_share``, or 1 where a hot prefix may gain a holder)
+    and ``w = 1 + (affinity_weight - 1) * premium(r) / T``, ``premium =
+    saved`` or, with ``premium`` given, ``premium(cached) + fetch_share *
+    credit``
     (:func:`holder_premium`), ``cached`` there only its computed part where
     ``computed`` is given (:class:`router.pending_blocks.PendingBlocks`);
     ``r`` is over the bound when
@@ -48,6 +50,7 @@ class Scoring:
     balance_work: Callable[[str], float] | None = None  # None: ``recent``
     premium: Callable[[int], float] | None = None  # cached tokens -> those ``w`` counts (holder_premium); None: all
     computed: Callable[[str, int], float] | None = None  # (replica, cached) -> those the premium counts; None: all
+    fetch_share: float | None = None  # fetchable tokens weighed like cached ones; None: fetch_affinity_share
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -82,7 +85,8 @@ class Scoring:
         depths, ring_rank, within_replica, within_tokens = (found.depths, found.ring_rank, found.within_replica,
                                                             found.within_tokens)
         num_ring, last_token, prompt_or_1 = len(ring_rank), num_prompt - 1, max(num_prompt, 1)
-        per_saved, saved_share = config.affinity_weight - 1.0, config.fetch_affinity_share
+        per_saved = config.affinity_weight - 1.0
+        saved_share = config.fetch_affinity_share if self.fetch_share is None else self.fetch_share
         decode_token_cost, tie_by_recent = config.decode_token_cost, config.tie_by_recent_work
         balance, mean_balance, dead = self.balance, self.mean_balance, self.dead
         load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas

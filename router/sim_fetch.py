@@ -85,8 +85,9 @@ class SimFetch:
 class FetchPlan:
     """What the receiver does: ``num_units`` leading units fetched (0: it
     recomputes), in ``transfer_s``; ``reason`` for the figures:
-    ``"fetched"``, ``"evicted"`` (the owner holds no more than the receiver),
-    ``"slower"`` (recomputing was cheaper)."""
+    ``"fetched"``, ``"held"`` (the receiver holds every hinted unit itself:
+    a backup hint it did not need), ``"evicted"`` (the owner holds no more
+    than the receiver), ``"slower"`` (recomputing was cheaper)."""
 
     num_units: int
     num_tokens: int
@@ -105,6 +106,8 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     request's rule, at most prompt - 1). If the fetch pays, the owner is
     charged its export time at ``now``."""
     hinted = units[:min(fetch.num_tokens // unit_tokens, len(units))]
+    if num_own_units >= len(hinted):
+        return FetchPlan(0, 0, 0.0, "held")
     held = fetch.owner.match_units(hinted)  # the owner's cache now: it may have evicted them
     own_tokens = cached_tokens(num_own_units)
     missing = cached_tokens(held) - own_tokens
@@ -122,6 +125,7 @@ class FetchCounts:
     """Per replica: fetches received by outcome, tokens fetched, export time given."""
 
     num_fetched: int = 0
+    num_held: int = 0
     num_evicted: int = 0
     num_slower: int = 0
     num_fetched_tokens: int = 0
@@ -131,6 +135,8 @@ class FetchCounts:
         if plan.reason == "fetched":
             self.num_fetched += 1
             self.num_fetched_tokens += plan.num_tokens
+        elif plan.reason == "held":
+            self.num_held += 1
         elif plan.reason == "evicted":
             self.num_evicted += 1
         else:

@@ -126,15 +126,21 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
 # fetch_min_tokens went 256 -> 64 after that: "min256" keeps the split default's decisions and pins.
 # premium_needs_completion became the default after these pins (2026-12-03): the configs pinned before it carry
 # it off, so their pins still check the rule they were recorded with; "default" is pinned anew with it on.
-PREMIUM_ALWAYS = {"premium_needs_completion": False}
+# replicate_hot_prefixes and backup_fetch_hints became the default after all the pins below but "default"'s
+# (2026-12-04): every other config carries both off (BEFORE_REPLICATION), so its pins still check the rule it
+# was recorded with, and "before_replication" checks that the default with both off decides exactly as the
+# default pinned before them.
+BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+PREMIUM_ALWAYS = {"premium_needs_completion": False, **BEFORE_REPLICATION}
 UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256, **PREMIUM_ALWAYS}
 
 CONFIGS = {
     "default": {},
+    "before_replication": BEFORE_REPLICATION,  # the default before replicate_hot_prefixes
     "premium_always": PREMIUM_ALWAYS,  # the default before premium_needs_completion
     "min256": {"fetch_min_tokens": 256, **PREMIUM_ALWAYS},
     "split_fetch": {"fetch_credit_scope": "always", "fetch_affinity_share": 0.5, "fetch_min_tokens": 16,
-                    "max_affinity_candidates": 8},
+                    "max_affinity_candidates": 8, **BEFORE_REPLICATION},
     "unsplit": UNSPLIT,
     "small_index": {**UNSPLIT, "max_blocks_per_replica": 60, "max_partial_entries": 16, "learned_grace_s": 0.5},
     "fetch_over_bound": {**UNSPLIT, "fetch_credit_scope": "over_bound", "load_factor": 1.0, "fetch_min_tokens": 16},
@@ -152,8 +158,10 @@ CONFIGS = {
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
 # and pinned anew for the split premium ("default", "split_fetch"; the others carry UNSPLIT).
 PINS: dict[tuple[str, int], str] = {
-    ("default", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
-    ("default", 1): "a72eb6a8d89cb095737f",
+    ("default", 0): "aaae508ae586792b01ee",  # replicate_hot_prefixes and backup_fetch_hints on (2026-12-04)
+    ("default", 1): "a8b3c382eb8c4356ccce",
+    ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
+    ("before_replication", 1): "a72eb6a8d89cb095737f",
     ("premium_always", 0): "b114452e4df866582152",  # fetch_min_tokens 64
     ("premium_always", 1): "1f66a23e1e2778bc4176",
     ("min256", 0): "f20ca46eb2eb57dc184d",  # split_affinity_by_holders, balance_weight 0.2 (issue 14, item 4)

@@ -14,6 +14,12 @@ REPLICAS = [f"replica-{i}" for i in range(4)]
 SHARED = [7000 + i for i in range(32)]  # 8 blocks every request of a hot group shares
 
 
+# The rule before replicate_hot_prefixes and backup_fetch_hints (both on by default since 2026-12-04):
+# the tests of the "never" scope's identity and of the owner-over-bound hint use it; the new rule's are in
+# tests/router/test_replication.py.
+BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+
+
 def make_policy(clock=None, **config):
     config = {"fetch_min_tokens": BLOCK, **config}
     policy = PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK, **config), clock=clock or Clock())
@@ -45,7 +51,7 @@ def route_hot_group(policy, clock, num_requests=60, salt=None):
 
 def test_a_hint_names_the_owner_when_the_owner_is_over_its_bound():
     clock = Clock()
-    policy = make_policy(clock)
+    policy = make_policy(clock, **BEFORE_REPLICATION)
     decisions = route_hot_group(policy, clock)
     owner = decisions[0][1].ranked[0]
     assert decisions[0][1].fetch is None  # cold: nobody to fetch from
@@ -159,9 +165,10 @@ def test_a_hinted_reservation_counts_the_fetched_tokens_at_the_fetch_cost_where_
     assert policy.loads.load(target) - load_before[target] == pytest.approx(len(SHARED) + 6 - counted + queue_decode)
 
 
-def test_every_hint_keeps_the_decision_invariants():
+@pytest.mark.parametrize("knobs", [{}, BEFORE_REPLICATION])
+def test_every_hint_keeps_the_decision_invariants(knobs):
     clock = Clock()
-    policy = make_policy(clock, fetch_min_tokens=2 * BLOCK)
+    policy = make_policy(clock, fetch_min_tokens=2 * BLOCK, **knobs)
     rng = random.Random(11)
     prefixes = [[rng.randrange(10**6) for _ in range(4 * rng.randint(1, 10))] for _ in range(6)]
     num_hints = 0
@@ -178,7 +185,8 @@ def test_every_hint_keeps_the_decision_invariants():
             assert hint.owner != first and hint.owner in REPLICAS
             assert hint.num_tokens % BLOCK == 0 and 0 < hint.num_tokens < len(tokens)
             assert held[hint.owner] >= hint.num_tokens
-            assert hint.num_tokens - held[first] > 2 * BLOCK
+            is_backup = held[first] >= hint.num_tokens  # the first choice holds it too (backup_fetch_hints)
+            assert hint.num_tokens - held[first] > 2 * BLOCK or (is_backup and policy.config.backup_fetch_hints)
         policy.on_routed(req, first, str(i))
         if rng.random() < 0.6:
             policy.on_completed(str(rng.randrange(i + 1)))
@@ -283,7 +291,8 @@ def test_under_scope_never_fetch_only_adds_hints_to_the_no_fetch_decisions(seed)
     first choice is not the owner and lacks more than fetch_min_tokens of
     it (the no-fetch rule spilled or queued the request away from its home)."""
     clocks = Clock(), Clock()
-    with_fetch, without = make_policy(clocks[0]), make_policy(clocks[1], fetch_enabled=False)
+    with_fetch = make_policy(clocks[0], **BEFORE_REPLICATION)
+    without = make_policy(clocks[1], fetch_enabled=False, **BEFORE_REPLICATION)
     assert with_fetch.config.fetch_credit_scope == "never" == PolicyConfig().fetch_credit_scope
     num_hints = 0
     for (req, decision), (_, plain) in zip(route_mixed(with_fetch, clocks[0], seed),

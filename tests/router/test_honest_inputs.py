@@ -93,7 +93,8 @@ def test_a_fetch_hint_reaches_the_chosen_replica_and_the_policy_still_sees_only_
     figures = replay(workload, config, "ours")
     num_hints = sum(1 for c in SpyPolicy.calls if c[0] == "decide" and c[1].num_prompt_tokens > 64)
     assert num_hints == len(workload.requests) == figures["num_fetch_hints"]
-    planned = figures["num_fetches"] + figures["num_fetch_evicted"] + figures["num_fetch_slower"]
+    planned = (figures["num_fetches"] + figures["num_fetch_held"] + figures["num_fetch_evicted"]
+               + figures["num_fetch_slower"])
     assert planned == num_hints  # every hint planned once, by the chosen replica-0
     assert {c[0] for c in SpyPolicy.calls} == {"set_replicas", "decide", "on_routed", "on_completed", "on_summary"}
     assert all(type(c[1]) is RoutingRequest for c in SpyPolicy.calls if c[0] in ("decide", "on_routed"))

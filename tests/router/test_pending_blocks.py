@@ -45,8 +45,10 @@ def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_wait
     (``premium_pending_min_users``: with 4 the fifth chat is the first sent
     away, with 2 the third). Once the
     first has completed, the premium draws the next chats to it either way."""
+    # replicate_hot_prefixes off: it would split the burst too (tests/router/test_replication.py)
     policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
-                         premium_pending_min_users=min_users, queue_decode_token_cost=4.0)
+                         premium_pending_min_users=min_users, queue_decode_token_cost=4.0,
+                         replicate_hot_prefixes=False)
     system = prompt(7, 256)
     chats = [request(system + prompt(100 + i, 32), num_output_tokens=16) for i in range(8)]
     chosen = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]

@@ -1,0 +1,216 @@
+"""Hot prefixes gain fetched holders (replicate_hot_prefixes), backup fetch
+hints (backup_fetch_hints), and the demand they are measured by
+(router.prefix_demand)."""
+
+import math
+import random
+
+import pytest
+
+from router.fetch import FetchHint, FetchPlan
+from router.prefix_demand import PrefixDemand
+from router.sim_fetch import SimFetch, plan_fetch
+from router.policy_config import PolicyConfig
+from router.simulate import SimConfig, simulate
+from router.workload import shared_prefix
+from tests.router.fake_clock import Clock
+from tests.router.test_fetch import BLOCK, REPLICAS, SHARED, hot_request, make_policy, request, route_hot_group
+from tests.router.test_policy import summary
+from tests.router.test_sim_fetch import FAST, make_replica, warm_owner
+from tests.router.test_sim_fetch import request as sim_request
+
+OFF = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+
+
+# ------------------------------------------------------------------ PrefixDemand
+def test_demand_decays_over_the_window_and_adds_up():
+    demand = PrefixDemand(window_s=10.0)
+    demand.add(7, 100.0, now=0.0)
+    assert demand.value(7, 0.0) == 100.0
+    assert demand.value(7, 10.0) == pytest.approx(100.0 / math.e)
+    demand.add(7, 50.0, now=10.0)
+    assert demand.value(7, 10.0) == pytest.approx(100.0 / math.e + 50.0)
+    assert demand.value(8, 10.0) == 0.0  # never booked
+    demand.add(8, -5.0, now=10.0)  # no negative demand
+    assert demand.value(8, 10.0) == 0.0
+    demand.check_invariants()
+    demand.clear()
+    assert len(demand) == 0 and demand.value(7, 10.0) == 0.0
+
+
+def test_demand_forgets_the_least_recently_booked_prefix_beyond_its_bound():
+    demand = PrefixDemand(window_s=10.0, max_keys=2)
+    demand.add(1, 1.0, now=0.0)
+    demand.add(2, 1.0, now=1.0)
+    demand.add(1, 1.0, now=2.0)  # 1 is the most recent now
+    demand.add(3, 1.0, now=3.0)  # 2 goes
+    assert len(demand) == 2 and demand.value(2, 3.0) == 0.0 and demand.value(1, 3.0) > 0.0
+    demand.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [{"window_s": 0.0}, {"window_s": 1.0, "max_keys": 0},
+                                 {"window_s": 1.0, "max_keys": 1.5}])
+def test_demand_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        PrefixDemand(**bad)
+
+
+def test_demand_matches_a_naive_sum_of_decayed_bookings():
+    rng = random.Random(3)
+    demand, bookings, now = PrefixDemand(window_s=5.0, max_keys=1000), [], 0.0
+    for _ in range(2000):
+        now += rng.uniform(0.0, 0.3)
+        key, work = rng.randrange(20), rng.uniform(0.0, 100.0)
+        demand.add(key, work, now)
+        bookings.append((key, work, now))
+        probe = rng.randrange(25)
+        naive = sum(w * math.exp((t - now) / 5.0) for k, w, t in bookings if k == probe)
+        assert demand.value(probe, now) == pytest.approx(naive, rel=1e-9, abs=1e-9)
+    demand.check_invariants()
+
+
+# ------------------------------------------------------------------ the policy
+def serve_a_quarter_hot(policy, clock, num_requests=120):
+    """Every fourth request shares one prefix, the rest are cold; six in
+    flight, so no replica goes over the load bound. The replicas the hot
+    requests went to, in order; each hint checked against the index."""
+    rng, in_flight, hot = random.Random(1), [], []
+    for i in range(num_requests):
+        clock.now += 0.05
+        req = hot_request(i) if i % 4 == 0 else request([rng.randrange(10**6) for _ in range(38)])
+        held = {r: policy.index.depth(r, req.block_hashes) * BLOCK for r in REPLICAS}
+        decision = policy.decide(req, request_id=str(i))
+        policy.on_routed(req, decision.ranked[0], str(i))
+        in_flight.append(str(i))
+        if len(in_flight) > 6:
+            policy.on_completed(in_flight.pop(0))
+        if i % 4 == 0:
+            hot.append(decision.ranked[0])
+            if decision.fetch is not None:
+                assert held[decision.fetch.owner] >= decision.fetch.num_tokens == len(SHARED)
+        policy.check_invariants()
+    return hot
+
+
+def test_a_hot_prefix_gains_fetched_holders_while_its_holders_are_within_the_bound():
+    """A quarter of the traffic shares one prefix: without replication it
+    keeps to the two replicas that came to hold it (the premium keeps it
+    there; nobody is over the bound). Its demand per holder is far above a
+    quarter of a replica's mean work, so with replication a lighter replica
+    is credited the fetchable prefix as if cached: the group spreads over
+    all four, each newcomer hinted to fetch it from a holder (the premium
+    on pending blocks, which splits bursts in flight too, is off here)."""
+    served = {}
+    for name, knobs in (("on", {}), ("off", OFF)):
+        clock = Clock()
+        served[name] = serve_a_quarter_hot(make_policy(clock, premium_needs_completion=False, **knobs), clock)[:20]
+    assert len(set(served["off"])) == 2
+    assert len(set(served["on"])) == 4
+
+
+def test_a_new_holder_needs_room_for_the_copy():
+    """Every replica reports a full cache: a copy would evict, maybe the only
+    copy of something else, so no credit opens and the hot prefix goes
+    exactly where the rule without replication sends it."""
+    served = {}
+    for name, knobs in (("on", {}), ("off", OFF)):
+        clock = Clock()
+        policy = make_policy(clock, premium_needs_completion=False, **knobs)
+        for version, replica_id in enumerate(REPLICAS, 1):
+            unrelated = [[10**6 * version + 1000 * k + i for i in range(1000)] for k in range(4)]
+            assert policy.on_summary(summary(replica_id, version, unrelated, budget_tokens=4000))  # full
+        served[name] = serve_a_quarter_hot(policy, clock)[:20]
+    assert served["on"] == served["off"]
+
+
+def test_a_prefix_reused_now_and_then_is_not_replicated():
+    """Forty prefixes, each reused once in a while: none draws a quarter of a
+    replica's work, so every decision is the one the rule without
+    replication makes."""
+    chosen = {}
+    for name, knobs in (("on", {}), ("off", OFF)):
+        clock = Clock()
+        policy = make_policy(clock, **{**knobs, "backup_fetch_hints": False})
+        rng = random.Random(5)
+        prefixes = [[100_000 * p + i for i in range(16)] for p in range(40)]
+        out = []
+        for i in range(400):
+            clock.now += 0.05
+            req = request(rng.choice(prefixes) + [rng.randrange(10**6) for _ in range(5)])
+            decision = policy.decide(req, request_id=str(i))
+            policy.on_routed(req, decision.ranked[0], str(i))
+            if i >= 8:
+                policy.on_completed(str(i - 8))
+            out.append((decision.ranked, decision.fetch))
+        policy.check_invariants()
+        chosen[name] = out
+    assert chosen["on"] == chosen["off"]
+
+
+def test_a_first_choice_among_two_holders_gets_a_backup_hint_naming_the_other():
+    for backup in (True, False):
+        clock = Clock()
+        policy = make_policy(clock, replicate_hot_prefixes=False, backup_fetch_hints=backup)
+        for i, replica_id in enumerate(REPLICAS[:2]):  # two replicas hold the prefix
+            policy.on_routed(hot_request(i), replica_id, f"seed{i}")
+            policy.on_completed(f"seed{i}")
+        clock.now += 1.0
+        decision = policy.decide(hot_request(9), request_id="next")
+        first = decision.ranked[0]
+        assert first in REPLICAS[:2]
+        other = next(r for r in REPLICAS[:2] if r != first)
+        assert decision.fetch == (FetchHint(other, len(SHARED)) if backup else None)
+        policy.check_invariants()
+
+
+def test_a_backup_hint_needs_a_second_holder_as_deep_and_a_prefix_worth_fetching():
+    loads = {"a": 1.0, "b": 0.0, "c": 0.0}.get
+    plan = FetchPlan({"a": 4, "b": 4, "c": 2}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never")
+    assert plan.backup_hint("a") == FetchHint("b", 16)
+    assert plan.backup_hint("b") == FetchHint("a", 16)
+    assert plan.backup_hint("c") is None  # not among the deepest: the ordinary hint rule applies
+    assert plan.hint("c", 8, backup=True) == FetchHint("b", 16)  # the least loaded of the deepest
+    assert FetchPlan({"a": 4}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
+    assert FetchPlan({"a": 1, "b": 1}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
+
+
+def test_the_replica_credit_is_the_fetch_credit_where_there_is_room():
+    plan = FetchPlan({"owner": 4, "light": 0, "full": 0}, lambda r: 0, BLOCK, 40, lambda r: 0.0, 0, 0.1, "never")
+    credit = plan.replica_credit(lambda replica_id, num_tokens: replica_id != "full" and num_tokens == 16)
+    assert credit("light", 0) == pytest.approx(0.9 * 16)
+    assert credit("full", 0) == 0.0
+    assert credit("owner", 16) == 0.0  # the owner fetches nothing
+    assert not plan.credit_open and plan.booked_tokens(plan.hint("light", 0)) == 0  # booked as without fetch
+
+
+# ------------------------------------------------------------------ the simulator
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_receiver_holding_the_hinted_prefix_ignores_a_backup_hint(model):
+    owner = warm_owner(model)
+    receiver = warm_owner(model)  # holds it too
+    plan = plan_fetch(SimFetch(owner, 400, FAST), tuple(range(410)), 1, 400, lambda n: min(n, 409),
+                      receiver.cost if model == "fifo" else receiver.profile, 1.0)
+    assert (plan.reason, plan.num_units, plan.num_tokens) == ("held", 0, 0)
+    receiver.submit(1, sim_request(10.0, tuple(range(400)) + (9, 9)), 10.0, SimFetch(owner, 400, FAST))
+    receiver.advance(math.inf)
+    counts = receiver.fetch_counts
+    assert (counts.num_held, counts.num_fetched, counts.num_evicted) == (1, 0, 0)
+    assert receiver.outcomes[1].cached_tokens == 400 and receiver.outcomes[1].fetched_tokens == 0
+    assert make_replica(model, "fresh").fetch_counts.num_held == 0
+
+
+def test_shared_prefix_fifo_spreads_its_hot_groups_at_the_same_hit_rate():
+    """Workload seed 3, where the rule without replication homes three of the
+    16 groups on one replica (imbalance 1.225, BENCHMARKS.md): with it, the
+    hot groups gain fetched holders, every system prompt is still computed
+    once, and the imbalance and the TTFT tail fall."""
+    figures = {}
+    for name, knobs in (("on", {}), ("off", OFF)):
+        config = SimConfig(num_replicas=8, budget_tokens=8000, seed=3, policy=PolicyConfig(**knobs))
+        result = simulate(shared_prefix(seed=3), config, ["ours"], progress=False, seeds=range(3, 4))
+        figures[name] = result["policies"]["ours"]
+    on, off = figures["on"], figures["off"]
+    assert on["hit_rate"] == off["hit_rate"] == pytest.approx(15 / 16 * 1024 / 1088)
+    assert on["num_fetches"] > off["num_fetches"]
+    assert on["load_imbalance"] < off["load_imbalance"] - 0.1
+    assert on["ttft_p99_s"] < 0.6 * off["ttft_p99_s"]
