@@ -122,6 +122,22 @@ class PrefixAffinityPolicy:
        candidate lacking those tokens counts them saved at ``1 -
        fetch_token_cost`` (a share ``fetch_affinity_share`` weighed like
        cached ones, ``w``), booked at that cost. Owners are in-tenant (salt).
+       **Hot prefixes** (``replicate_hot_prefixes``, the default): where the
+       request's known prefix (its first ``m`` blocks) drew, per replica
+       holding it, more than ``hot_prefix_share`` of a replica's mean recent
+       work (:class:`PrefixDemand`: the work routed to requests reusing it,
+       decayed over ``load_window_s``), a candidate whose cache had room at
+       its last report for ``replica_room_factor`` x the copy weighs the
+       fetchable tokens as if cached, less ``fetch_token_cost`` each for the
+       fetch (whatever the scope; booked as without fetch): the lighter of the holders and would-be
+       holders takes it, and a hot prefix gains fetched holders while its
+       holders' queues are within the bound, instead of queueing at its
+       home until the bound spills it (re-prefilled). A copy that would
+       evict (no room) is not offered: it may take a prefix's only copy.
+       **Backup hints** (``backup_fetch_hints``): a first choice that is one
+       of several deepest holders is hinted to another, so a copy evicted
+       since its last report is fetched back, not recomputed (a receiver
+       that still holds it ignores the hint).
     6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
        falls back to the next when the first is full. Given a
        ``request_id``, the first choice is *reserved* at once (its work
@@ -464,7 +480,9 @@ class PrefixAffinityPolicy:
                          config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
         if credit is None and plan is not None and self._is_hot(request, found, scoring.mean_recent, now):
-            credit, scoring.fetch_share = plan.replica_credit(self._has_room), 1.0  # it may gain a holder
+            credit = plan.replica_credit(self._has_room)  # it may gain a holder: the prefix weighs as if cached
+            cost = config.fetch_token_cost
+            scoring.fetch_share = 1.0 / (1.0 - cost) if cost < 1.0 else 1.0  # saved = what the fetch brings
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring

@@ -89,6 +89,33 @@ class PolicyConfig:
     (shared-prefix and multi-turn FIFO/batching seeds 0-15 and at 2 and 4
     routers, Mooncake 1.25M at 0.9/1.0/1.1 s periods, 6.25M, heavy load).
 
+    ``replicate_hot_prefixes`` = True with ``hot_prefix_share`` = 0.25 and
+    ``replica_room_factor`` = 2 (2026-12-04; BENCHMARKS.md "Hot prefixes
+    gain fetched holders"): a prefix whose recent work per holder is above
+    a quarter of a replica's mean recent work credits a candidate whose
+    last report had room for twice the copy its fetchable tokens as if
+    cached, so the lighter of holders and would-be holders takes the
+    request and fetches the prefix. Before it, at 8 replicas x 16 equally
+    popular groups, the cost rule homed 3 groups on one replica in some
+    workload seeds, and that replica stayed the hot spot until the bound's
+    chance slack ran out. Over workload seeds 0-15: shared-prefix FIFO
+    imbalance 1.119 -> 1.090 (max 1.225 -> 1.294, seed 8), TTFT p99 0.445 ->
+    0.275 s, hit 0.8824 either way (the optimum); batching 1.096 -> 1.094;
+    multi-turn FIFO 1.052 -> 1.057 (p99 1.094 -> 1.088 s), batching 1.084
+    -> 1.104 (seeds 0-39: 1.091 -> 1.093, noise); Mooncake 1.25M/6.25M
+    FIFO/batching and heavy load: every decision's figures identical (no
+    prefix there draws a quarter of a replica per holder with room for a
+    copy). Without the room check shared-prefix FIFO lost 0.0010 of hit
+    (copies evicted the only copy of another group); ``hot_prefix_share``
+    0.2 lost 0.0012, 0.3 gave imbalance 1.092 and batching 1.119. It needs
+    fetch that pays: where every transfer is slower than recomputing (the
+    worker then recomputes), the requests it moves re-prefill.
+    ``backup_fetch_hints`` = True: a first choice that is one of several
+    deepest holders is hinted to another; a replica that evicted its copy
+    since its last report fetches it instead of recomputing (shared-prefix
+    FIFO with replication but no backup hints: hit 0.8810). Alone, it
+    changes no simulated figure.
+
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the
     transfer, fixed cost included, against recomputing with its own

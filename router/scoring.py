@@ -19,7 +19,9 @@ class Scoring:
     ``cost(r) = load(r) + T - w(r) * saved(r) - (cached(r) + credit(r) -
     saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)``
     with ``saved = cached + fetch_share * credit`` (``fetch_share``:
-    ``fetch_affinity_share``, or 1 where a hot prefix may gain a holder)
+    ``fetch_affinity_share``, or ``1 / (1 - fetch_token_cost)`` where a hot
+    prefix may gain a holder: ``saved`` is then every fetched token, and
+    the last term charges ``fetch_token_cost`` for each)
     and ``w = 1 + (affinity_weight - 1) * premium(r) / T``, ``premium =
     saved`` or, with ``premium`` given, ``premium(cached) + fetch_share *
     credit``
@@ -50,7 +52,9 @@ class Scoring:
     balance_work: Callable[[str], float] | None = None  # None: ``recent``
     premium: Callable[[int], float] | None = None  # cached tokens -> those ``w`` counts (holder_premium); None: all
     computed: Callable[[str, int], float] | None = None  # (replica, cached) -> those the premium counts; None: all
-    fetch_share: float | None = None  # fetchable tokens weighed like cached ones; None: fetch_affinity_share
+    # share of the fetch credit weighed like cached tokens; None: fetch_affinity_share. Where a hot prefix may
+    # gain a holder, 1 / (1 - fetch_token_cost): every fetched token weighs as cached, less its fetch cost once
+    fetch_share: float | None = None
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:

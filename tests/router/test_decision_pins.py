@@ -158,7 +158,7 @@ CONFIGS = {
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
 # and pinned anew for the split premium ("default", "split_fetch"; the others carry UNSPLIT).
 PINS: dict[tuple[str, int], str] = {
-    ("default", 0): "aaae508ae586792b01ee",  # replicate_hot_prefixes and backup_fetch_hints on (2026-12-04)
+    ("default", 0): "1210e37c7b2030c9ee54",  # replicate_hot_prefixes and backup_fetch_hints on (2026-12-04)
     ("default", 1): "a8b3c382eb8c4356ccce",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",
