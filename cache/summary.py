@@ -61,6 +61,7 @@ _COMPACT_KEYS = {
     "num_queued_tokens": "q", "num_running_tokens": "r", "num_running": "nr", "num_waiting": "nw",
     "num_prefill_tokens_total": "pt", "num_output_tokens_total": "ot", "mean_output_tokens": "mo",
     "decode_token_cost": "dc", "queue_token_cost": "qc", "base_version": "bv",
+    "fetch_token_cost": "fc", "fetch_overhead_tokens": "fo",
 }
 _COUNT_FIELDS = (
     "num_cached_tokens",
@@ -73,7 +74,8 @@ _COUNT_FIELDS = (
     "num_output_tokens_total",
 )
 
-_RATE_FIELDS = ("mean_output_tokens", "decode_token_cost", "queue_token_cost")  # floats >= 0, absent reads as 0.0
+_RATE_FIELDS = ("mean_output_tokens", "decode_token_cost", "queue_token_cost", "fetch_token_cost",
+                "fetch_overhead_tokens")  # floats >= 0, absent reads as 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,15 @@ class CacheSummary:
         one decoding sequence adds to every step it shares (its row only);
         0.0 while not measured. The router prices expected output with them
         (``PolicyConfig.learn_token_costs``) instead of a configured guess.
+      fetch_token_cost / fetch_overhead_tokens: what fetching a cached
+        prefix from another replica costs this one, in prefill-token
+        equivalents, as its fetcher estimates it from measured bandwidth,
+        fixed cost and prefill rate (``worker.kv_fetch.PrefixFetcher``): a
+        fetch of ``n`` tokens costs ``n * fetch_token_cost +
+        fetch_overhead_tokens``, against ``n`` to recompute them (scaled by
+        the worker's required speed-up); 0.0 while not measured. The router
+        offers a hot prefix a fetched holder only where fetching pays
+        (``PolicyConfig.replicate_hot_prefixes``).
       num_prefill_tokens_total / num_output_tokens_total: tokens this replica
         process has run through prefill and generated since it started (its
         epoch): counters every router reads alike, so routers that see only
@@ -129,6 +140,7 @@ class CacheSummary:
          "rm"?: the same of removed_hashes (a delta),
          "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?: the counts,
          "mo"?: mean_output_tokens, "dc"?, "qc"?: the token costs,
+         "fc"?, "fo"?: the fetch costs,
          "bv"?: base_version}
 
     where a field left out is 0 (empty for hashes, "" for the epoch): a
@@ -152,7 +164,8 @@ class CacheSummary:
          "num_queued_tokens": int, "num_running_tokens": int,
          "num_running": int, "num_waiting": int,
          "mean_output_tokens": float,  # absent reads as 0.0
-         "decode_token_cost": float, "queue_token_cost": float}  # the same
+         "decode_token_cost": float, "queue_token_cost": float,
+         "fetch_token_cost": float, "fetch_overhead_tokens": float}  # the same
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
     ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field;
@@ -179,6 +192,8 @@ class CacheSummary:
     removed_hashes: frozenset[int] = frozenset()
     decode_token_cost: float = 0.0
     queue_token_cost: float = 0.0
+    fetch_token_cost: float = 0.0
+    fetch_overhead_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -233,6 +248,8 @@ class CacheSummary:
         num_output_tokens_total: int = 0,
         decode_token_cost: float = 0.0,
         queue_token_cost: float = 0.0,
+        fetch_token_cost: float = 0.0,
+        fetch_overhead_tokens: float = 0.0,
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -252,6 +269,8 @@ class CacheSummary:
             num_output_tokens_total=num_output_tokens_total,
             decode_token_cost=float(decode_token_cost),
             queue_token_cost=float(queue_token_cost),
+            fetch_token_cost=float(fetch_token_cost),
+            fetch_overhead_tokens=float(fetch_overhead_tokens),
         )
 
     def to_dict(self, compact: bool = True) -> dict:

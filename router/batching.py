@@ -170,6 +170,7 @@ class BatchingReplica:
         self.radix = RadixCache(budget_units, block_size=1)
         self.profile = profile
         self.reported_token_costs: tuple[float, float] | None = None  # None: the profile's
+        self.reported_fetch_costs: tuple[float, float] = (0.0, 0.0)  # what a fetch costs here (FetchModel)
         self.busy_s = 0.0
         self.outcomes: dict[int, Outcome] = {}
         self._clock_s = 0.0  # when the next step may start

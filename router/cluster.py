@@ -153,6 +153,7 @@ class SimReplica:
         self._prefill_total = self._output_total = 0  # counted when done (prefill at submit: FIFO order)
         self.fetch_counts = FetchCounts()
         self.reported_token_costs: tuple[float, float] | None = None
+        self.reported_fetch_costs: tuple[float, float] = (0.0, 0.0)  # what a fetch costs here (FetchModel)
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
@@ -242,7 +243,7 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
                      num_waiting: int, num_running: int, queued: int, running: int) -> CacheSummary:
     """The summary a simulated replica (either model) reports: only what a live
     worker fills (its cache, queued/running tokens and counts, mean output,
-    token counters, the token prices its steps cost), in tokens of
+    token counters, the token prices its steps cost, what a fetch costs it), in tokens of
     ``unit_tokens`` per simulated unit."""
     decode_token_cost, queue_token_cost = replica.token_costs
     return CacheSummary(
@@ -262,4 +263,6 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
         num_output_tokens_total=replica._output_total,  # noqa: SLF001
         decode_token_cost=decode_token_cost,
         queue_token_cost=queue_token_cost,
+        fetch_token_cost=replica.reported_fetch_costs[0],
+        fetch_overhead_tokens=replica.reported_fetch_costs[1],
     )

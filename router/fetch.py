@@ -163,12 +163,15 @@ class FetchPlan:
             return None
         return FetchHint(min(others, key=lambda r: (self._load_of(r), r)), self._num_fetchable)
 
-    def replica_credit(self, has_room: Callable[[str, int], bool]) -> Callable[[str, int], float]:
+    def replica_credit(self, has_room: Callable[[str, int], bool],
+                       token_cost: float | None = None) -> Callable[[str, int], float]:
         """The credit of a decision that may make another holder of a hot
-        prefix (``replicate_hot_prefixes``): :func:`fetch_credit` for every
-        candidate whose cache ``has_room(replica_id, tokens)`` for the
-        fetchable tokens, 0 for the others (whatever the credit scope)."""
-        fetchable, min_tokens, cost = self.fetchable, self._min_tokens, self._fetch_token_cost
+        prefix (``replicate_hot_prefixes``): :func:`fetch_credit` at
+        ``token_cost`` (default ``fetch_token_cost``) for every candidate
+        whose cache ``has_room(replica_id, tokens)`` for the fetchable
+        tokens, 0 for the others (whatever the credit scope)."""
+        fetchable, min_tokens = self.fetchable, self._min_tokens
+        cost = self._fetch_token_cost if token_cost is None else token_cost
 
         def credit(replica_id: str, cached: int) -> float:
             if fetchable is None or not has_room(replica_id, fetchable[1]):

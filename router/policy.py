@@ -12,6 +12,7 @@ from router.cache_fill import FleetCacheFill
 from router.candidates import Candidates, gather, within_block
 from router.cold_home import home_first
 from router.fetch import FetchHint, FetchPlan, RoutingDecision
+from router.fetch_cost import ReportedFetchCost
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
@@ -128,8 +129,10 @@ class PrefixAffinityPolicy:
        work (:class:`PrefixDemand`: the work routed to requests reusing it,
        decayed over ``load_window_s``), a candidate whose cache had room at
        its last report for ``replica_room_factor`` x the copy weighs the
-       fetchable tokens as if cached, less ``fetch_token_cost`` each for the
-       fetch (whatever the scope; booked as without fetch): the lighter of the holders and would-be
+       fetchable tokens as if cached, less what the fetch costs
+       (:class:`ReportedFetchCost`: the replicas' measured bandwidth, fixed
+       cost and prefill rate, ``fetch_token_cost`` until they report), if a
+       fetch pays at all (whatever the scope; booked as without fetch): the lighter of the holders and would-be
        holders takes it, and a hot prefix gains fetched holders while its
        holders' queues are within the bound, instead of queueing at its
        home until the bound spills it (re-prefilled). A copy that would
@@ -198,6 +201,7 @@ class PrefixAffinityPolicy:
         self._pending = PendingBlocks(self.config.in_flight_timeout_s)  # premium_needs_completion
         self._fill = FleetCacheFill()  # premium on pending blocks withheld; a new holder's room (kept for those)
         self._demand = PrefixDemand(self.config.load_window_s, self.config.max_demand_entries)  # hot prefixes
+        self._fetch_cost = ReportedFetchCost(self.config.fetch_token_cost, history=self.config.price_history)
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
         self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
                                            history=self.config.price_history)
@@ -240,6 +244,7 @@ class PrefixAffinityPolicy:
         self._queue_priced.remove_replica(replica_id)
         self._pending.remove_replica(replica_id)
         self._fill.remove(replica_id)
+        self._fetch_cost.remove(replica_id)
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
@@ -278,6 +283,8 @@ class PrefixAffinityPolicy:
         self._outputs.report(replica_id, summary.mean_output_tokens)
         if self.config.premium_needs_completion or self.config.replicate_hot_prefixes:  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
+        if self.config.replicate_hot_prefixes and self.config.learn_token_costs:
+            self._fetch_cost.report(replica_id, summary.fetch_token_cost, summary.fetch_overhead_tokens)
         if self.config.learn_token_costs:
             was_measured = self._prices.is_measured
             if self._prices.report(replica_id, summary.decode_token_cost, summary.queue_token_cost):
@@ -480,9 +487,11 @@ class PrefixAffinityPolicy:
                          config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
         if credit is None and plan is not None and self._is_hot(request, found, scoring.mean_recent, now):
-            credit = plan.replica_credit(self._has_room)  # it may gain a holder: the prefix weighs as if cached
-            cost = config.fetch_token_cost
-            scoring.fetch_share = 1.0 / (1.0 - cost) if cost < 1.0 else 1.0  # saved = what the fetch brings
+            fetchable = plan.fetchable
+            cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
+            if cost < 1.0:  # a fetch pays (else the new holder would recompute: no gain, a copy)
+                credit = plan.replica_credit(self._has_room, cost)  # it may gain a holder
+                scoring.fetch_share = 1.0 / (1.0 - cost)  # saved = every fetched token, its cost charged once
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring
@@ -632,6 +641,7 @@ class PrefixAffinityPolicy:
         self._pending.check_invariants()
         self._fill.check_invariants()
         self._demand.check_invariants()
+        self._fetch_cost.check_invariants(nodes)
         self._prices.check_invariants(nodes)
         assert (self.config.decode_token_cost, self.config.queue_token_cost) == (
             self._prices.decode_token_cost, self._prices.queue_token_cost) or not self.config.learn_token_costs, \

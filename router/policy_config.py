@@ -99,15 +99,17 @@ class PolicyConfig:
     popular groups, the cost rule homed 3 groups on one replica in some
     workload seeds, and that replica stayed the hot spot until the bound's
     chance slack ran out. Over workload seeds 0-15: shared-prefix FIFO
-    imbalance 1.119 -> 1.090 (max 1.225 -> 1.294, seed 8), TTFT p99 0.445 ->
-    0.275 s, hit 0.8824 either way (the optimum); batching 1.096 -> 1.094;
+    imbalance 1.119 -> 1.090 (max 1.225 -> 1.266, seed 8), TTFT p99 0.445 ->
+    0.265 s, hit 0.8824 either way (the optimum); batching 1.096 -> 1.095;
     multi-turn FIFO 1.052 -> 1.057 (p99 1.094 -> 1.088 s), batching 1.084
     -> 1.104 (seeds 0-39: 1.091 -> 1.093, noise); Mooncake 1.25M/6.25M
     FIFO/batching and heavy load: every decision's figures identical (no
     prefix there draws a quarter of a replica per holder with room for a
-    copy). Without the room check shared-prefix FIFO lost 0.0010 of hit
-    (copies evicted the only copy of another group); ``hot_prefix_share``
-    0.2 lost 0.0012, 0.3 gave imbalance 1.092 and batching 1.119. It needs
+    copy). Measured with the first weighting (0.9 of each fetched token,
+    then the affinity weight): without the room check shared-prefix FIFO
+    lost 0.0010 of hit (copies evicted the only copy of another group);
+    ``hot_prefix_share`` 0.2 lost 0.0012, 0.3 gave imbalance 1.092 and
+    batching 1.119. It needs
     fetch that pays: where every transfer is slower than recomputing (the
     worker then recomputes), the requests it moves re-prefill.
     ``backup_fetch_hints`` = True: a first choice that is one of several

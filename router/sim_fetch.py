@@ -58,6 +58,14 @@ class FetchModel:
     def export_s(self, num_tokens: int) -> float:
         return self.export_fraction * self.transfer_s(num_tokens)
 
+    def reported_costs(self, prefill_s_per_token: float) -> tuple[float, float]:
+        """``(fetch_token_cost, fetch_overhead_tokens)`` a receiver that
+        prefills a token in ``prefill_s_per_token`` reports in its summary, as
+        a live worker's fetcher does (``CacheSummary``): the transfer per
+        token and its fixed latency, in prefill-token equivalents."""
+        return (self.kv_bytes_per_token / self.bandwidth_bytes_per_s / prefill_s_per_token,
+                self.latency_s / prefill_s_per_token)
+
 
 class Owner(Protocol):
     """What a fetch needs of the owning replica (both models provide it)."""

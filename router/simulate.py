@@ -120,8 +120,11 @@ def make_replicas(config: SimConfig, budget_units: int) -> list:
         replicas = [SimReplica(f"replica-{i}", budget_units, config.cost) for i in range(config.num_replicas)]
     else:
         replicas = [BatchingReplica(f"replica-{i}", budget_units, config.profile) for i in range(config.num_replicas)]
+    prefill_s_per_token = (1.0 / config.cost.prefill_tokens_per_s if config.replica_model == "fifo"
+                           else config.profile.prefill_token_s)
     for replica in replicas:
         replica.reported_token_costs = config.reported_token_costs
+        replica.reported_fetch_costs = config.fetch.reported_costs(prefill_s_per_token)
     return replicas
 
 

@@ -290,6 +290,24 @@ class PrefixFetcher:
                 "fetch_bandwidth_bytes_per_s": bandwidth, "fetch_overhead_s": overhead_s,
                 "prefill_s_per_token": self._engine.prefill_s_per_token}
 
+    def fetch_prices(self) -> dict[str, float]:
+        """What a fetch costs this replica in prefill-token equivalents, for
+        its cache summary (``CacheSummary.fetch_token_cost`` /
+        ``fetch_overhead_tokens``): moving ``n`` tokens takes as long as
+        prefilling ``n * fetch_token_cost + fetch_overhead_tokens`` of them,
+        times ``min_speedup`` (the worker fetches only past that). Both 0.0
+        while the bandwidth or the prefill rate is unmeasured, with fetch off,
+        or with ``min_speedup`` 0 (every hint fetched): the router's prior."""
+        s_per_token, terms = self._engine.prefill_s_per_token, self.transfer.terms()
+        if not self._config.enabled or not self._config.min_speedup or not s_per_token or terms is None:
+            return {"fetch_token_cost": 0.0, "fetch_overhead_tokens": 0.0}
+        overhead_s, bandwidth = terms
+        if not bandwidth > 0:
+            return {"fetch_token_cost": 0.0, "fetch_overhead_tokens": 0.0}
+        scale = self._config.min_speedup / s_per_token
+        return {"fetch_token_cost": self._engine.engine.bytes_per_token / bandwidth * scale,
+                "fetch_overhead_tokens": overhead_s * scale}
+
     # ----------------------------------------------------------------- receiver
     def should_fetch(self, num_tokens: int, num_missing: int) -> bool:
         """Step 2: is moving ``num_tokens`` positions ``min_speedup`` times faster than computing ``num_missing``?"""

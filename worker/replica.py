@@ -82,8 +82,10 @@ class Worker:
         return self._reporter.stats()
 
     async def record_routing_stats(self) -> dict:
-        """The cache summary for Serve's routing stats: whole, or a stream's delta (``cache.summary_sender``)."""
-        return self._summaries.encode(await self._reporter.routing_summary())
+        """The cache summary for Serve's routing stats (with what a fetch costs here): whole, or a
+        stream's delta (``cache.summary_sender``)."""
+        summary = dataclasses.replace(await self._reporter.routing_summary(), **self._fetcher.fetch_prices())
+        return self._summaries.encode(summary)
 
     def check_health(self) -> None:
         self.engine.check_health()

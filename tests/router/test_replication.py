@@ -7,7 +7,9 @@ import random
 
 import pytest
 
+from cache.summary import CacheSummary
 from router.fetch import FetchHint, FetchPlan
+from router.fetch_cost import ReportedFetchCost
 from router.prefix_demand import PrefixDemand
 from router.sim_fetch import SimFetch, plan_fetch
 from router.policy_config import PolicyConfig
@@ -67,6 +69,30 @@ def test_demand_matches_a_naive_sum_of_decayed_bookings():
         naive = sum(w * math.exp((t - now) / 5.0) for k, w, t in bookings if k == probe)
         assert demand.value(probe, now) == pytest.approx(naive, rel=1e-9, abs=1e-9)
     demand.check_invariants()
+
+
+# ------------------------------------------------------------------ ReportedFetchCost
+def test_the_fetch_cost_is_the_prior_until_measured_then_the_pooled_medians():
+    cost = ReportedFetchCost(prior_token_cost=0.1, history=2)
+    assert cost.cost(1000) == pytest.approx(0.1)
+    cost.report("a", 0.0, 0.0)  # not measured
+    assert cost.cost(1000) == pytest.approx(0.1)
+    cost.report("a", 0.2, 100.0)
+    assert cost.cost(1000) == pytest.approx(0.2 + 0.1) and cost.cost(100) == pytest.approx(1.2)
+    cost.report("b", 0.4, 300.0)
+    assert (cost.token_cost, cost.overhead_tokens) == (pytest.approx(0.3), pytest.approx(200.0))
+    for value in (0.6, 0.6):  # "a" keeps its last 2 reports: [0.6, 0.6]
+        cost.report("a", value, 0.0)
+    assert cost.token_cost == pytest.approx(0.6) and cost.overhead_tokens == pytest.approx(0.0)
+    cost.check_invariants({"a", "b"})
+    cost.remove("a")
+    assert cost.token_cost == pytest.approx(0.4)
+    cost.remove("b")  # nobody left: the last measured cost stays
+    assert cost.token_cost == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        ReportedFetchCost(-1.0)
+    with pytest.raises(ValueError):
+        ReportedFetchCost(0.1, history=0)
 
 
 # ------------------------------------------------------------------ the policy
@@ -214,3 +240,23 @@ def test_shared_prefix_fifo_spreads_its_hot_groups_at_the_same_hit_rate():
     assert on["num_fetches"] > off["num_fetches"]
     assert on["load_imbalance"] < off["load_imbalance"] - 0.1
     assert on["ttft_p99_s"] < 0.6 * off["ttft_p99_s"]
+
+
+@pytest.mark.parametrize("fetch_token_cost, spreads", [(0.1, True), (1.5, False)])
+def test_a_hot_prefix_gains_holders_only_where_the_replicas_report_that_a_fetch_pays(fetch_token_cost, spreads):
+    """Every replica reports (empty caches, room for anything) what a fetch
+    costs it: at 0.1 prefill tokens per fetched token the hot prefix
+    spreads; at 1.5 a new holder would recompute rather than fetch, so the
+    policy decides exactly as without replication."""
+    served = {}
+    for name, knobs in (("on", {}), ("off", OFF)):
+        clock = Clock()
+        policy = make_policy(clock, premium_needs_completion=False, **knobs)
+        for version, replica_id in enumerate(REPLICAS, 1):
+            assert policy.on_summary(CacheSummary(replica_id, version, 0.0, BLOCK, frozenset(), budget_tokens=10_000,
+                                                  fetch_token_cost=fetch_token_cost, fetch_overhead_tokens=4.0))
+        served[name] = serve_a_quarter_hot(policy, clock)[:20]
+    if spreads:
+        assert len(set(served["on"])) == 4 > len(set(served["off"]))
+    else:
+        assert served["on"] == served["off"]

@@ -574,3 +574,39 @@ def test_a_bundle_pickles_its_rows_out_of_band(dtype, make_engine, tokens):
     assert arrived.rows.dtype == getattr(torch, dtype) and torch.equal(arrived.rows, bundle.rows)
     assert arrived.token_ids == bundle.token_ids and arrived.checksum == bundle.checksum
     engine.check_bundle(arrived)
+
+
+def test_the_fetch_prices_a_summary_reports_agree_with_the_fetch_decision(pair, tokens):
+    """``fetch_prices`` (CacheSummary.fetch_token_cost / fetch_overhead_tokens,
+    what the router reads to offer a hot prefix a fetched holder) prices a
+    fetch of n tokens at ``n * token_cost + overhead_tokens`` prefill tokens,
+    times ``min_speedup``: below n exactly when ``should_fetch(n, n)``; 0.0
+    for both until the prefill rate is measured, with fetch off, or when
+    every hint is fetched."""
+    _, receiver_engine = pair
+    transport = Answers(None)
+    unmeasured = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), transport, bandwidth_bytes_per_s=1e8)
+    assert unmeasured.fetch_prices() == {"fetch_token_cost": 0.0, "fetch_overhead_tokens": 0.0}
+
+    async def main():
+        await receiver_engine.generate(tokens(80), GREEDY)  # measures the prefill rate
+        s_per_token = receiver_engine.prefill_s_per_token
+        breakeven = receiver_engine.engine.bytes_per_token / s_per_token
+        for bandwidth, overhead_s, speedup in ((breakeven * 2, 0.0, 1.0), (breakeven / 2, 0.0, 1.0),
+                                               (breakeven * 4, 30 * s_per_token, 1.0),
+                                               (breakeven * 4, 30 * s_per_token, 3.0)):
+            fetcher = PrefixFetcher(receiver_engine, RECEIVER,
+                                    FetchConfig(prior_overhead_s=overhead_s, min_speedup=speedup), transport,
+                                    bandwidth_bytes_per_s=bandwidth)
+            prices = fetcher.fetch_prices()
+            assert prices["fetch_token_cost"] == pytest.approx(breakeven / bandwidth * speedup)
+            assert prices["fetch_overhead_tokens"] == pytest.approx(overhead_s / s_per_token * speedup)
+            for n in (8, 64, 512):
+                cost = n * prices["fetch_token_cost"] + prices["fetch_overhead_tokens"]
+                if abs(cost - n) > 1e-6 * n:  # off the break-even point
+                    assert (cost < n) == fetcher.should_fetch(n, n), (bandwidth, overhead_s, speedup, n)
+        for config in (FetchConfig(enabled=False), FetchConfig(min_speedup=0.0)):
+            fetcher = PrefixFetcher(receiver_engine, RECEIVER, config, transport, bandwidth_bytes_per_s=1e8)
+            assert fetcher.fetch_prices() == {"fetch_token_cost": 0.0, "fetch_overhead_tokens": 0.0}
+
+    asyncio.run(main())
