@@ -132,7 +132,8 @@ class PrefixAffinityPolicy:
        fetchable tokens as if cached, less what the fetch costs
        (:class:`ReportedFetchCost`: the replicas' measured bandwidth, fixed
        cost and prefill rate, ``fetch_token_cost`` until they report), if a
-       fetch pays at all (whatever the scope; booked as without fetch): the lighter of the holders and would-be
+       fetch costs at most ``max_replica_fetch_cost`` of a recompute
+       (whatever the scope; booked as without fetch): the lighter of the holders and would-be
        holders takes it, and a hot prefix gains fetched holders while its
        holders' queues are within the bound, instead of queueing at its
        home until the bound spills it (re-prefilled). A copy that would
@@ -489,7 +490,7 @@ class PrefixAffinityPolicy:
         if credit is None and plan is not None and self._is_hot(request, found, scoring.mean_recent, now):
             fetchable = plan.fetchable
             cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
-            if cost < 1.0:  # a fetch pays (else the new holder would recompute: no gain, a copy)
+            if cost <= min(self.config.max_replica_fetch_cost, 0.999):  # a fetch pays, with a margin
                 credit = plan.replica_credit(self._has_room, cost)  # it may gain a holder
                 scoring.fetch_share = 1.0 / (1.0 - cost)  # saved = every fetched token, its cost charged once
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4

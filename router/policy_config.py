@@ -99,8 +99,8 @@ class PolicyConfig:
     popular groups, the cost rule homed 3 groups on one replica in some
     workload seeds, and that replica stayed the hot spot until the bound's
     chance slack ran out. Over workload seeds 0-15: shared-prefix FIFO
-    imbalance 1.119 -> 1.090 (max 1.225 -> 1.266, seed 8), TTFT p99 0.445 ->
-    0.265 s, hit 0.8824 either way (the optimum); batching 1.096 -> 1.095;
+    imbalance 1.119 -> 1.088 (max 1.225 -> 1.266, seed 8), TTFT p99 0.445 ->
+    0.265 s, hit 0.8824 either way (the optimum); batching 1.096 -> 1.096;
     multi-turn FIFO 1.052 -> 1.057 (p99 1.094 -> 1.088 s), batching 1.084
     -> 1.104 (seeds 0-39: 1.091 -> 1.093, noise); Mooncake 1.25M/6.25M
     FIFO/batching and heavy load: every decision's figures identical (no
@@ -109,9 +109,18 @@ class PolicyConfig:
     then the affinity weight): without the room check shared-prefix FIFO
     lost 0.0010 of hit (copies evicted the only copy of another group);
     ``hot_prefix_share`` 0.2 lost 0.0012, 0.3 gave imbalance 1.092 and
-    batching 1.119. It needs
-    fetch that pays: where every transfer is slower than recomputing (the
-    worker then recomputes), the requests it moves re-prefill.
+    batching 1.119. It needs fetch that pays, and asks the Workers: each reports what a fetch costs
+    it (``CacheSummary.fetch_token_cost`` / ``fetch_overhead_tokens``), and
+    where that is a recompute's cost or more (the CPU demo: tiny-llama's
+    1,024-token prefix recomputes in ~10 ms against a ~50 ms fetch) no
+    holder is offered; live there, the first version, which assumed
+    ``fetch_token_cost``, moved requests whose fetches all fell back
+    (hit 0.849 -> 0.803, BENCHMARKS.md). ``max_replica_fetch_cost`` = 0.5:
+    offered only where a fetch costs at most half a recompute. A fetch is
+    only an estimate until it runs; at the break-even the CPU demo's
+    Workers reported ~1 (tiny-llama), opened now and then, and a moved
+    request outwaited a 6 MB/s fetch (hit 0.849 -> 0.833); the simulated
+    H100 links cost 0.12, a ~125M model on this CPU ~0.2.
     ``backup_fetch_hints`` = True: a first choice that is one of several
     deepest holders is hinted to another; a replica that evicted its copy
     since its last report fetches it instead of recomputing (shared-prefix
@@ -209,6 +218,7 @@ class PolicyConfig:
     replicate_hot_prefixes: bool = True  # a prefix drawing more than hot_prefix_share per holder may gain a fetched holder
     hot_prefix_share: float = 0.25  # its recent work per holder, in shares of a replica's mean recent work
     replica_room_factor: float = 2.0  # a new holder's last report has room for this many times the fetched tokens
+    max_replica_fetch_cost: float = 0.5  # ... and a fetch costs it at most this share of recomputing (reported)
     max_demand_entries: int = 1 << 16  # prefixes whose demand is remembered (memory bound)
     backup_fetch_hints: bool = True  # a first choice among several deepest holders gets a hint naming another
 
@@ -221,7 +231,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
                           ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0),
-                          ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0)):
+                          ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0),
+                          ("max_replica_fetch_cost", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < low:

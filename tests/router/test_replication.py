@@ -242,11 +242,12 @@ def test_shared_prefix_fifo_spreads_its_hot_groups_at_the_same_hit_rate():
     assert on["ttft_p99_s"] < 0.6 * off["ttft_p99_s"]
 
 
-@pytest.mark.parametrize("fetch_token_cost, spreads", [(0.1, True), (1.5, False)])
+@pytest.mark.parametrize("fetch_token_cost, spreads", [(0.1, True), (0.7, False), (1.5, False)])
 def test_a_hot_prefix_gains_holders_only_where_the_replicas_report_that_a_fetch_pays(fetch_token_cost, spreads):
     """Every replica reports (empty caches, room for anything) what a fetch
     costs it: at 0.1 prefill tokens per fetched token the hot prefix
-    spreads; at 1.5 a new holder would recompute rather than fetch, so the
+    spreads; at 1.5 a new holder would recompute rather than fetch, and at
+    0.7 the margin (``max_replica_fetch_cost`` 0.5) is not there, so the
     policy decides exactly as without replication."""
     served = {}
     for name, knobs in (("on", {}), ("off", OFF)):
