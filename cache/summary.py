@@ -78,6 +78,13 @@ _RATE_FIELDS = ("mean_output_tokens", "decode_token_cost", "queue_token_cost", "
                 "fetch_overhead_tokens")  # floats >= 0, absent reads as 0.0
 
 
+def rounded_rate(value: float, digits: int = 3) -> float:
+    """``value`` to ``digits`` significant digits: what a replica puts in a
+    rate field it reports every period (a fetch cost), so the wire carries
+    ~5 characters, not 18, of a figure the router takes a median of."""
+    return float(f"{value:.{digits}g}")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheSummary:
     """One replica's cache contents and load at one moment, as the router sees it.

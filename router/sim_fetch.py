@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from cache.summary import rounded_rate
+
 # Llama-3.1-8B in bf16: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
 LLAMA_8B_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 
@@ -63,8 +65,8 @@ class FetchModel:
         prefills a token in ``prefill_s_per_token`` reports in its summary, as
         a live worker's fetcher does (``CacheSummary``): the transfer per
         token and its fixed latency, in prefill-token equivalents."""
-        return (self.kv_bytes_per_token / self.bandwidth_bytes_per_s / prefill_s_per_token,
-                self.latency_s / prefill_s_per_token)
+        return (rounded_rate(self.kv_bytes_per_token / self.bandwidth_bytes_per_s / prefill_s_per_token),
+                rounded_rate(self.latency_s / prefill_s_per_token))
 
 
 class Owner(Protocol):

@@ -66,6 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from cache.summary import rounded_rate
 from worker.config import FetchConfig
 from worker.kv_bundle import KVBundle
 from worker.messages import ExportReply, ExportRequest
@@ -305,8 +306,8 @@ class PrefixFetcher:
         if not bandwidth > 0:
             return {"fetch_token_cost": 0.0, "fetch_overhead_tokens": 0.0}
         scale = self._config.min_speedup / s_per_token
-        return {"fetch_token_cost": self._engine.engine.bytes_per_token / bandwidth * scale,
-                "fetch_overhead_tokens": overhead_s * scale}
+        return {"fetch_token_cost": rounded_rate(self._engine.engine.bytes_per_token / bandwidth * scale),
+                "fetch_overhead_tokens": rounded_rate(overhead_s * scale)}
 
     # ----------------------------------------------------------------- receiver
     def should_fetch(self, num_tokens: int, num_missing: int) -> bool:

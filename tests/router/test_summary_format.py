@@ -138,3 +138,23 @@ def test_compact_timestamp_is_kept_to_the_millisecond():
     summary = CacheSummary("r", 1, 1234.56789012, 4, frozenset({5}))
     assert CacheSummary.from_dict(summary.to_dict()).timestamp_s == 1234.568
     assert CacheSummary.from_dict(summary.to_dict(compact=False)) == summary  # v1 keeps every digit
+
+
+def test_fetch_costs_round_trip_and_an_older_worker_reads_as_unmeasured():
+    from cache.summary import rounded_rate
+
+    radix = RadixCache(1000, 4)
+    summary = CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0,
+                                      fetch_token_cost=rounded_rate(0.10485760000001), fetch_overhead_tokens=20.0)
+    assert summary.fetch_token_cost == 0.105
+    wire = summary.to_dict()
+    assert (wire["fc"], wire["fo"]) == (0.105, 20.0) and len(json.dumps({"fc": wire["fc"]})) < 14
+    assert CacheSummary.from_dict(wire) == summary
+    assert CacheSummary.from_dict(summary.to_dict(compact=False)) == summary
+    for old in (summary.to_dict(), summary.to_dict(compact=False)):
+        for key in ("fc", "fo", "fetch_token_cost", "fetch_overhead_tokens"):
+            old.pop(key, None)  # a worker from before the fields
+        read = CacheSummary.from_dict(old)
+        assert (read.fetch_token_cost, read.fetch_overhead_tokens) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="fetch_token_cost"):
+        CacheSummary("r", 1, 0.0, 4, frozenset(), fetch_token_cost=-0.5)

@@ -599,11 +599,12 @@ def test_the_fetch_prices_a_summary_reports_agree_with_the_fetch_decision(pair, 
                                     FetchConfig(prior_overhead_s=overhead_s, min_speedup=speedup), transport,
                                     bandwidth_bytes_per_s=bandwidth)
             prices = fetcher.fetch_prices()
-            assert prices["fetch_token_cost"] == pytest.approx(breakeven / bandwidth * speedup)
-            assert prices["fetch_overhead_tokens"] == pytest.approx(overhead_s / s_per_token * speedup)
+            # rounded to 3 significant digits for the wire (cache.summary.rounded_rate)
+            assert prices["fetch_token_cost"] == pytest.approx(breakeven / bandwidth * speedup, rel=5e-3)
+            assert prices["fetch_overhead_tokens"] == pytest.approx(overhead_s / s_per_token * speedup, rel=5e-3)
             for n in (8, 64, 512):
                 cost = n * prices["fetch_token_cost"] + prices["fetch_overhead_tokens"]
-                if abs(cost - n) > 1e-6 * n:  # off the break-even point
+                if abs(cost - n) > 1e-2 * n:  # off the break-even point
                     assert (cost < n) == fetcher.should_fetch(n, n), (bandwidth, overhead_s, speedup, n)
         for config in (FetchConfig(enabled=False), FetchConfig(min_speedup=0.0)):
             fetcher = PrefixFetcher(receiver_engine, RECEIVER, config, transport, bandwidth_bytes_per_s=1e8)
