@@ -215,7 +215,8 @@ class ServeApp:
                      app_args: dict | None = None, deployments: dict | None = None) -> str:
         """The patched config in a temp file: ``args_overrides``, then this
         deployment's ``app_args`` (e.g. ``{"fetch_enabled": False}``), then
-        ``router`` / ``router_kwargs``, then the deployment overrides, then
+        ``router`` / ``router_kwargs`` (another router than kvroute without
+        kwargs of its own gets none: the config's are kvroute's), then the deployment overrides, then
         this deployment's ``deployments`` (e.g. ``{"Ingress": {"num_replicas":
         2}}``), and one Worker per node when there are several nodes."""
         config = yaml.safe_load(self.config_path.read_text())
@@ -226,6 +227,8 @@ class ServeApp:
         app["args"].update(app_args or {})
         if router is not None:
             app["args"]["router"] = router
+            if router_kwargs is None and router != "kvroute":
+                app["args"].pop("router_kwargs", None)  # the config's are the kvroute router's knobs
         if router_kwargs is not None:
             app["args"]["router_kwargs"] = router_kwargs
         for deployment in app.get("deployments", []):

@@ -77,6 +77,19 @@ def test_an_arms_deployment_options_are_written_over_the_app_wide_ones():
     os.unlink(plain)
 
 
+def test_a_peer_router_does_not_inherit_the_configs_kvroute_kwargs():
+    app = ServeApp()
+    written = {}
+    for router, kwargs in (("kvroute", None), ("pow2", None), ("pow2", {"x": 1}), (None, None)):
+        path = app.write_config(router=router, router_kwargs=kwargs)
+        written[(router, str(kwargs))] = yaml.safe_load(open(path))["applications"][0]["args"].get("router_kwargs")
+        os.unlink(path)
+    ours = written[("kvroute", "None")]
+    assert ours == written[(None, "None")] and "replicate_hot_prefixes" in ours  # deploy/config.yaml's
+    assert written[("pow2", "None")] is None
+    assert written[("pow2", str({"x": 1}))] == {"x": 1}
+
+
 def test_cpu_per_request_by_role_pools_the_rounds_that_recorded_it(capsys):
     from harness.loadreport import _cpu_by_role
     from harness.loadtest import cpu_ms_per_request
