@@ -133,8 +133,8 @@ class PrefixAffinityPolicy:
        (:class:`ReportedFetchCost`: the replicas' measured bandwidth, fixed
        cost and prefill rate, ``fetch_token_cost`` until they report), if a
        fetch costs at most ``max_replica_fetch_cost`` of a recompute
-       (whatever the scope; booked as without fetch): the lighter of the holders and would-be
-       holders takes it, and a hot prefix gains fetched holders while its
+       (whatever the scope; booked as without fetch): the lighter of the
+       holders and would-be holders takes it, and a hot prefix gains fetched holders while its
        holders' queues are within the bound, instead of queueing at its
        home until the bound spills it (re-prefilled). A copy that would
        evict (no room) is not offered: it may take a prefix's only copy.
