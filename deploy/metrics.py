@@ -61,6 +61,13 @@ _REPLICA_METRICS = {
     "fetch_outwaited": ("kvroute_fetch_outwaited",
                         "Fetch-hinted requests that stopped waiting after their recompute time and recomputed", True),
     "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
+    # what a fetch costs this Worker, as its cache summary reports it (the router offers hot prefixes a
+    # fetched holder only where n x this + the overhead is at most half of n: PolicyConfig.max_replica_fetch_cost)
+    "fetch_token_cost": ("kvroute_fetch_token_cost",
+                         "Fetching one cached token, in prefill-token equivalents, times the required speed-up "
+                         "(0: not measured)", False),
+    "fetch_overhead_tokens": ("kvroute_fetch_overhead_tokens",
+                              "A fetch's fixed cost, in prefill-token equivalents (0: not measured)", False),
     # routing summaries (issue 14, item 5): what each Worker sent through Serve's routing stats
     "summary_messages": ("kvroute_summary_messages", "Cache summaries sent to the routers", True),
     "summary_bytes": ("kvroute_summary_bytes", "Wire bytes of the cache summaries sent (JSON; an object ref counted at 254)", True),

@@ -289,7 +289,7 @@ class PrefixFetcher:
         overhead_s, bandwidth = self.transfer.terms() or (None, None)
         return {**self.counters.to_stats(), "fetch_enabled": self._config.enabled,
                 "fetch_bandwidth_bytes_per_s": bandwidth, "fetch_overhead_s": overhead_s,
-                "prefill_s_per_token": self._engine.prefill_s_per_token}
+                "prefill_s_per_token": self._engine.prefill_s_per_token, **self.fetch_prices()}
 
     def fetch_prices(self) -> dict[str, float]:
         """What a fetch costs this replica in prefill-token equivalents, for

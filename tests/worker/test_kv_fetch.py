@@ -371,6 +371,8 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
     assert f'kvroute_fetched_tokens_total{{replica="{RECEIVER}"}} 128.0' in text
     assert f'kvroute_fetch_fallbacks_total{{reason="timeout",replica="{RECEIVER}"}} 3.0' in text
     assert f'kvroute_fetch_outwaited_total{{replica="{RECEIVER}"}} 2.0' in text
+    assert f'kvroute_fetch_token_cost{{replica="{RECEIVER}"}} 0.0' in text  # no prefill timed yet
+    assert stats.engine["fetch_overhead_tokens"] == 0.0
     reasons = {line.split('reason="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("kvroute_fetch_fallbacks_total{")}
     assert reasons == set(FALLBACK_REASONS)  # a fixed label set
