@@ -24,7 +24,8 @@ PHASE_COUNTERS = ("fetch_call_seconds", "fetch_import_seconds", "fetch_export_wa
 LATER_COUNTERS = ("fetch_outwaited",)
 FALLBACK_PREFIX = "fetch_fallback_"
 # Point-in-time estimates (not counters): taken from the snapshot after the run.
-GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled")
+GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled",
+          "fetch_token_cost", "fetch_overhead_tokens")
 
 
 def _is_number(value) -> bool:
@@ -57,7 +58,9 @@ def run_counters(before: dict, after: dict) -> dict:
     run's fetched bytes ÷ the fetches' wall time (round trip, owner's copy
     and import included); ``estimated_bandwidth_bytes_per_s`` /
     ``estimated_overhead_s``: each replica's own transfer model after the
-    run (start-up probe, refined by fetches). ``num_joined``: hinted
+    run (start-up probe, refined by fetches); ``reported_fetch_costs``:
+    what each reported a fetch costs it (``[per token, fixed]`` in prefill
+    tokens, ``CacheSummary.fetch_token_cost`` / ``fetch_overhead_tokens``). ``num_joined``: hinted
     requests that waited on a fetch already under way for the same prefix;
     ``num_outwaited``: hinted requests that stopped waiting for their fetch
     after their estimated recompute time and recomputed;
@@ -97,6 +100,9 @@ def run_counters(before: dict, after: dict) -> dict:
                                             if _is_number(row.get("fetch_bandwidth_bytes_per_s"))},
         "estimated_overhead_s": {r: row["fetch_overhead_s"] for r, row in deltas.items()
                                  if _is_number(row.get("fetch_overhead_s"))},
+        # what each replica reported a fetch costs it (prefill tokens per token, fixed), for the router
+        "reported_fetch_costs": {r: [row["fetch_token_cost"], row.get("fetch_overhead_tokens", 0.0)]
+                                 for r, row in deltas.items() if _is_number(row.get("fetch_token_cost"))},
         "fetch_enabled": sorted({row["fetch_enabled"] for row in deltas.values() if "fetch_enabled" in row}),
         **_summary_figures(totals),
         "per_replica": deltas,

@@ -25,7 +25,7 @@ AFTER = snapshot(
     a={"prefill_tokens": 1100, "tokens_saved": 3000, "hits": 4, "misses": 3, "fetch_count": 2, "fetch_tokens": 2048,
        "fetch_bytes": 2048 * 1024, "fetch_seconds": 0.5, "fetch_exports": 0, "fetch_fallback_slower": 0,
        "fetch_fallback_timeout": 1, "fetch_bandwidth_bytes_per_s": 5e8, "fetch_overhead_s": 0.04,
-       "fetch_enabled": True, "fetch_hints": 4,
+       "fetch_enabled": True, "fetch_hints": 4, "fetch_token_cost": 0.25, "fetch_overhead_tokens": 12.0,
        "summary_messages": 20, "summary_bytes": 5000, "summary_snapshots": 1, "summary_bases_put": 5},
     b={"prefill_tokens": 2050, "tokens_saved": 1010, "hits": 2, "misses": 3, "fetch_count": 0, "fetch_tokens": 0,
        "fetch_bytes": 0, "fetch_seconds": 0.0, "fetch_exports": 2, "fetch_fallback_slower": 3,
@@ -50,6 +50,7 @@ def test_the_run_splits_prompt_tokens_into_computed_fetched_and_reused_and_names
     assert run["fallbacks"] == {"slower": 3, "timeout": 1}
     assert run["fetch_bandwidth_bytes_per_s"] == pytest.approx(2048 * 1024 / 0.5)
     assert run["estimated_bandwidth_bytes_per_s"] == {"a": 5e8, "b": 2e9} and run["estimated_overhead_s"] == {"a": 0.04}
+    assert run["reported_fetch_costs"] == {"a": [0.25, 12.0]}  # "b" is a build from before the figure
     assert run["fetch_enabled"] == [True] and run["missing"] == ["fetch_exported_bytes", "fetch_hints_ignored", "fetch_joined"]
     assert (run["summary_messages"], run["summary_bytes"], run["summary_snapshots"], run["summary_bases_put"]) == (10, 4000, 0, 3)
     assert run["summary_bytes_per_message"] == 400
