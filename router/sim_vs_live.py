@@ -52,6 +52,15 @@ has its own request router, which sees its own decisions and every
 summary); a peer as one router. An arm's app args (e.g. ``fetch_enabled``)
 are printed as not modelled.
 
+Fetches (issue 13) move KV as the live run measured it: ``--fetch
+measured`` (the default) replays them with the live Workers' own transfer
+model (:func:`live_fetch_model`: the served model's KV bytes per token, the
+medians of each Worker's estimated bandwidth and fixed cost after its
+rounds) and has the simulated Workers report the fetch costs the live ones
+reported (:func:`live_fetch_costs`), so our router weighs a fetch as it did
+live; ``--fetch model`` keeps the simulator's default link (Llama-3.1-8B
+over 25 GB/s), which on the CPU demo makes a fetch ~1,000 × too cheap.
+
 Compared: token hit rate (goal: within 0.02), TTFT p50 (within 25 %) and
 p99 (within 40 %), and imbalance as the load test measures it (max / mean
 prompt tokens per replica); and whether the routers rank alike on each.
@@ -71,6 +80,7 @@ from harness.workloads import build_workload
 from router.batching import StepProfile
 from router.closed_loop import ClosedLoopConfig, client_ttft
 from router.policy_config import PolicyConfig
+from router.sim_fetch import FetchModel
 from router.simulate import SimConfig, simulate
 from router.workload import from_sessions
 
@@ -244,6 +254,53 @@ def live_token_costs(report: dict, arms: dict[str, SimArm] | None = None) -> tup
     return statistics.median(d for d, _ in reports), statistics.median(q for _, q in reports)
 
 
+def _our_rounds(report: dict, arms: dict[str, SimArm] | None) -> list[dict]:
+    """Every round of the arms our router ran (``arms`` None: the one labelled kvroute)."""
+    ours = [label for label, arm in arms.items() if arm.policy == "ours"] if arms is not None else ["kvroute"]
+    return [round_ for label in ours for round_ in report["results"].get(label, {}).get("rounds", ())]
+
+
+def live_fetch_model(report: dict, arms: dict[str, SimArm] | None = None) -> FetchModel | None:
+    """The KV transfer the live Workers measured, as the replay's
+    :class:`FetchModel`: the served model's ``kv_bytes_per_token`` (the
+    engines' ``/stats``; else the run's fetched bytes over fetched tokens),
+    and the medians over our arms' rounds and Workers of each Worker's
+    transfer model after the round (``estimated_bandwidth_bytes_per_s`` and
+    ``estimated_overhead_s``: its start-up probe, refined by the fetches it
+    made). The owner's export share stays the model's default. None when
+    the run recorded no bandwidth or no bytes per token (an older load
+    test, fetch off)."""
+    rounds = _our_rounds(report, arms)
+    per_token = [stats["kv_bytes_per_token"] for round_ in rounds
+                 for stats in round_.get("server_stats", {}).get("replicas", {}).values()
+                 if isinstance(stats.get("kv_bytes_per_token"), int) and stats["kv_bytes_per_token"] > 0]
+    if not per_token:
+        fetched = [(c.get("fetched_bytes"), c.get("fetched_tokens")) for c in
+                   (round_.get("replica_counters") or {} for round_ in rounds)]
+        fetched = [(b, t) for b, t in fetched if b and t]
+        per_token = [round(sum(b for b, _ in fetched) / sum(t for _, t in fetched))] if fetched else []
+    counters = [round_.get("replica_counters") or {} for round_ in rounds]
+    bandwidths = [v for c in counters for v in (c.get("estimated_bandwidth_bytes_per_s") or {}).values() if v > 0]
+    overheads = [v for c in counters for v in (c.get("estimated_overhead_s") or {}).values() if v >= 0]
+    if not per_token or not bandwidths:
+        return None
+    return FetchModel(int(statistics.median(per_token)), float(statistics.median(bandwidths)),
+                      latency_s=float(statistics.median(overheads)) if overheads else FetchModel().latency_s)
+
+
+def live_fetch_costs(report: dict, arms: dict[str, SimArm] | None = None) -> tuple[float, float] | None:
+    """The fetch costs our router heard live (``CacheSummary.fetch_token_cost``
+    / ``fetch_overhead_tokens``, prefill tokens per fetched token and fixed):
+    the medians over our arms' rounds and Workers of what each reported
+    (``replica_counters["reported_fetch_costs"]``). None when none was
+    recorded."""
+    reports = [cost for round_ in _our_rounds(report, arms)
+               for cost in ((round_.get("replica_counters") or {}).get("reported_fetch_costs") or {}).values()]
+    if not reports:
+        return None
+    return float(statistics.median(c[0] for c in reports)), float(statistics.median(c[1] for c in reports))
+
+
 def measured_ingress_s(live: dict[str, dict]) -> float:
     """Median over routers of the median client-less-engine TTFT; ValueError if the run did not record it."""
     values = [f["ingress_p50"] for f in live.values() if f["ingress_p50"] is not None]
@@ -275,12 +332,16 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dic
                       workload_args: dict, trace: str | None, seed: int, num_replicas: int, budget_tokens: int,
                       block_tokens: int, seeds: int, ingress_samples: list[float] | dict[str, list[float]] = (),
                       token_costs: tuple[float, float] | None = None,
-                      arms: dict[str, SimArm] | None = None) -> tuple[dict[str, dict], dict]:
+                      arms: dict[str, SimArm] | None = None, fetch: FetchModel | None = None,
+                      fetch_costs: tuple[float, float] | None = None) -> tuple[dict[str, dict], dict]:
     """Each arm (``arms``; None: :func:`live_arms` of ``report``) replayed on
     ``seeds`` seeds. ``ingress_s`` / ``ingress_samples``: one for every arm,
     or per arm label (:func:`ingress_by_arm`). ``token_costs``: the (busy, queue) prices the simulated
     replicas report (:func:`live_token_costs`: what the live Workers
-    reported); None: the profile's."""
+    reported); None: the profile's. ``fetch``: the KV transfer of a fetch
+    (:func:`live_fetch_model`; None: the simulator's default link);
+    ``fetch_costs``: what the simulated replicas report a fetch costs them
+    (:func:`live_fetch_costs`; None: ``fetch``'s own)."""
     meta = report["meta"]
     if meta.get("mode", "closed") != "closed":
         raise ValueError(f"the live run was {meta['mode']}-loop; this compares closed-loop runs")
@@ -305,6 +366,7 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dic
             decode_token_cost=live_policy.decode_token_cost,
             closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=arm_ingress_s),
             reported_token_costs=token_costs, num_routers=arm.num_routers, summary_period_s=arm.summary_period_s,
+            **({"fetch": fetch} if fetch is not None else {}), reported_fetch_costs=fetch_costs,
         )
         runs = [simulate(workload, config, [arm.policy], seeds=[s]) for s in range(seed, seed + seeds)]
         setups[label] = runs[0]["setup"]
@@ -476,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-costs", choices=("measured", "profile"), default="measured",
                         help="the token prices the simulated Workers report: the live Workers' median (when "
                              "recorded) or the profile's")
+    parser.add_argument("--fetch", choices=("measured", "model"), default="measured",
+                        help="the KV transfer of a fetch and the fetch costs the simulated Workers report: the live "
+                             "Workers' (when recorded) or the simulator's default link")
     parser.add_argument("--policy-args", default="{}",
                         help="what-if: JSON PolicyConfig changes for our router in every arm, over the arm's own "
                              "(the live figures stay what ran)")
@@ -501,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = slowed(profile, slowdown)
     factors = step_factors(report) if args.step_variability == "measured" else ()
     token_costs = live_token_costs(report, arms) if args.token_costs == "measured" else None
+    fetch = live_fetch_model(report, arms) if args.fetch == "measured" else None
+    fetch_costs = live_fetch_costs(report, arms) if args.fetch == "measured" else None
     if factors:
         engine = VariableSteps(**engine.to_dict(), factors=factors, seed=args.seed)
     sim, result = simulated_figures(report, engine, arm_ingress_s,
@@ -508,13 +575,17 @@ def main(argv: list[str] | None = None) -> int:
                                     num_replicas=args.replicas, budget_tokens=args.budget_tokens,
                                     block_tokens=args.block_tokens, seeds=args.seeds,
                                     ingress_samples=arm_samples,
-                                    token_costs=token_costs, arms=arms)
+                                    token_costs=token_costs, arms=arms, fetch=fetch, fetch_costs=fetch_costs)
     comparison = compare(live, sim)
     print(f"step times: x{slowdown:.2f} the profile's"
           + (f", prefill/mixed steps varied by {len(factors)} live inter-token gaps" if factors else ", fixed"))
     print("token prices the simulated Workers report: " + (
         f"the live Workers' median, {token_costs[0]:.1f} busy / {token_costs[1]:.2f} queued" if token_costs
         else f"the profile's, {profile.decode_token_cost:.1f} busy / {profile.queue_token_cost:.2f} queued"))
+    print("fetches: " + (f"the live Workers' link, {fetch.kv_bytes_per_token} B/token at "
+                         f"{fetch.bandwidth_bytes_per_s / 1e6:.1f} MB/s + {fetch.latency_s * 1e3:.1f} ms" if fetch
+                         else "the simulator's default link")
+          + (f"; reported costs {fetch_costs[0]:.3g} per token + {fetch_costs[1]:.3g}" if fetch_costs else ""))
     per_arm_ingress = arm_ingress_s if isinstance(arm_ingress_s, dict) else None
     for line in describe_arms(report, arms, per_arm_ingress):
         print(line)
@@ -525,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"ingress_s": ingress_s, "ingress_s_by_arm": arm_ingress_s if isinstance(arm_ingress_s, dict)
                        else None, "engine_slowdown": slowdown, "profile": args.profile,
                        "token_costs": token_costs,
+                       "fetch_model": asdict(fetch) if fetch else None, "fetch_costs": fetch_costs,
                        "step_variability": bool(factors), "comparison": comparison,
                        "simulated": result, "live_meta": report["meta"]}, handle, indent=2)
     return 0

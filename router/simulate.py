@@ -86,6 +86,9 @@ class SimConfig:
     # The (busy, queue) token prices the replicas report as their engines' measurement; None: their cost
     # model's. sim_vs_live passes what the live Workers reported, whose engine measures its own.
     reported_token_costs: tuple[float, float] | None = None
+    # The (per token, fixed) fetch costs the replicas report (CacheSummary.fetch_token_cost /
+    # fetch_overhead_tokens); None: their FetchModel's. sim_vs_live passes what the live Workers reported.
+    reported_fetch_costs: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -124,7 +127,8 @@ def make_replicas(config: SimConfig, budget_units: int) -> list:
                            else config.profile.prefill_token_s)
     for replica in replicas:
         replica.reported_token_costs = config.reported_token_costs
-        replica.reported_fetch_costs = config.fetch.reported_costs(prefill_s_per_token)
+        replica.reported_fetch_costs = (config.reported_fetch_costs if config.reported_fetch_costs is not None
+                                        else config.fetch.reported_costs(prefill_s_per_token))
     return replicas
 
 

@@ -1,6 +1,7 @@
 """router.sim_vs_live and the faithful Ray prefix-tree peer it compares against."""
 
 import json
+from dataclasses import asdict
 import statistics
 
 import pytest
@@ -279,3 +280,57 @@ def test_policy_args_change_our_router_in_every_arm_of_the_replay(tmp_path):
     assert setups["kvroute"]["policy_config"]["balance_weight"] == 0.5
     with pytest.raises(SystemExit):
         main(args + ["--policy-args", '{"balance": 0.5}'])
+
+
+def test_the_replay_fetches_over_the_link_the_live_workers_measured(tmp_path):
+    """The replay's fetches take the live Workers' transfer model (bytes per
+    token of the served model, the medians of their estimated bandwidth and
+    fixed cost), and its Workers report the fetch costs the live ones did;
+    ``--fetch model`` keeps the simulator's default link."""
+    from router.sim_fetch import FetchModel
+    from router.sim_vs_live import live_fetch_costs, live_fetch_model
+
+    def round_with(bandwidths, overheads, costs, per_token=1024):
+        return {"server_stats": {"replicas": {r: {"kv_bytes_per_token": per_token} for r in bandwidths}},
+                "replica_counters": {"estimated_bandwidth_bytes_per_s": bandwidths,
+                                     "estimated_overhead_s": overheads, "reported_fetch_costs": costs}}
+
+    report = {"results": {
+        "kvroute": {"rounds": [round_with({"w0": 6e6, "w1": 8e6}, {"w0": 0.010, "w1": 0.030},
+                                          {"w0": [2.0, 40.0], "w1": [3.0, 60.0]}),
+                               round_with({"w0": 7e6}, {"w0": 0.020}, {"w0": [2.5, 50.0]})]},
+        "pow2": {"rounds": [round_with({"w0": 9e9}, {"w0": 9.0}, {"w0": [0.001, 0.0]}, per_token=8)]}}}
+    assert live_fetch_model(report) == FetchModel(1024, 7e6, latency_s=0.020)
+    assert live_fetch_costs(report) == (2.5, 50.0)
+    # no bytes per token in /stats: the run's fetched bytes over its fetched tokens
+    older = round_with({"w0": 6e6}, {}, {}) | {"server_stats": {"replicas": {"w0": {}}}}
+    older["replica_counters"] |= {"fetched_bytes": 3 * 2048, "fetched_tokens": 3}
+    assert live_fetch_model({"results": {"kvroute": {"rounds": [older]}}}) == FetchModel(2048, 6e6)
+    assert live_fetch_model({"results": {"kvroute": {"rounds": [{"server_stats": {}}]}}}) is None
+    assert live_fetch_costs({"results": {"kvroute": {"rounds": [{}]}}}) is None
+
+    report = live_report(tmp_path, {"kvroute": 0.8, "pow2": 0.5, "prefix_affinity": 0.7},
+                         {"kvroute": 0.05, "pow2": 0.07, "prefix_affinity": 0.09})
+    report["results"]["kvroute"]["rounds"] = [round_with({"w0": 6e6}, {"w0": 0.01}, {"w0": [4.0, 30.0]})]
+    path, out = tmp_path / "live.json", tmp_path / "cmp.json"
+    path.write_text(json.dumps(report))
+    args = ["--live", str(path), "--workload-args", json.dumps({"num_groups": 2, "prompts_per_group": 10}),
+            "--seeds", "1", "--json", str(out), "--engine-slowdown", "1"]
+    assert main(args) == 0
+    replayed = json.loads(out.read_text())
+    assert replayed["fetch_model"]["bandwidth_bytes_per_s"] == 6e6 and replayed["fetch_costs"] == [4.0, 30.0]
+    assert replayed["simulated"]["setup"]["fetch"]["bandwidth_bytes_per_s"] == 6e6
+    assert main(args + ["--fetch", "model"]) == 0
+    replayed = json.loads(out.read_text())
+    assert replayed["fetch_model"] is None and replayed["fetch_costs"] is None
+    assert replayed["simulated"]["setup"]["fetch"] == asdict(FetchModel())
+
+
+def test_simulated_replicas_report_the_fetch_costs_they_are_given():
+    from router.simulate import SimConfig, make_replicas
+
+    given = make_replicas(SimConfig(num_replicas=2, budget_tokens=1000, reported_fetch_costs=(3.0, 70.0)), 100)
+    assert [r.reported_fetch_costs for r in given] == [(3.0, 70.0)] * 2
+    own = make_replicas(SimConfig(num_replicas=1, budget_tokens=1000), 100)
+    assert own[0].reported_fetch_costs == SimConfig(num_replicas=1, budget_tokens=1).fetch.reported_costs(
+        1.0 / SimConfig(num_replicas=1, budget_tokens=1).cost.prefill_tokens_per_s)
