@@ -1,8 +1,11 @@
 """Measure a step profile for the simulator from the real engine.
 
-    flock /tmp/kvroute-heavy.lock python -m router.calibrate --json profile.json [--threads 1] [--repeats 5]
+    flock /tmp/kvroute-heavy.lock python -m router.calibrate --json profile.json [--threads 1] [--repeats 5] \
+        [--tiny-llama-shape tiny|bench|125m]
 
-Times ``worker.Engine.step()`` on tiny-llama with the serving config's engine
+Times ``worker.Engine.step()`` on tiny-llama (``--tiny-llama-shape``: the
+built-in shape, or one of ``worker.bench.MODELS`` such as the ~125M random
+Llama the live fetch runs use) with the serving config's engine
 settings (deploy/config.yaml: block 16, 512-token steps, one torch thread per
 replica) over prefill chunks of several sizes, decode batches of several
 sizes and contexts, and mixed steps, then fits
@@ -22,13 +25,14 @@ import sys
 import time
 
 
-def _engine(threads: int, max_batch_tokens: int, kv_pool_tokens: int):
+def _engine(threads: int, max_batch_tokens: int, kv_pool_tokens: int, shape: str = "tiny"):
+    from worker.bench import MODELS
     from worker.config import EngineConfig
     from worker.engine import Engine
 
     return Engine(EngineConfig(block_size=16, cache_budget_tokens=65536, kv_pool_tokens=kv_pool_tokens,
                                max_batch_tokens=max_batch_tokens, max_num_seqs=64, num_threads=threads,
-                               device="cpu", dtype="float32"))
+                               device="cpu", dtype="float32", tiny_llama=MODELS[shape]))
 
 
 def _prompt(seed: int, num_tokens: int) -> list[int]:
@@ -41,13 +45,13 @@ def _timed_step(engine) -> float:
     return time.perf_counter() - started
 
 
-def measure(threads: int = 1, repeats: int = 5, max_batch_tokens: int = 512) -> list[dict]:
+def measure(threads: int = 1, repeats: int = 5, max_batch_tokens: int = 512, shape: str = "tiny") -> list[dict]:
     """Samples ``{prefill, decode, context, step_s}`` (median of ``repeats``)."""
     from worker.sampling import SamplingParams
 
     samples = []
     seed = iter(range(10**6))
-    engine = _engine(threads, max_batch_tokens, 131072)
+    engine = _engine(threads, max_batch_tokens, 131072, shape)
     for _ in range(3):  # warm-up: first forwards allocate and pack weights
         engine.add_request(_prompt(next(seed), 256), SamplingParams(max_new_tokens=2, ignore_eos=True))
         while engine.has_work():
@@ -118,14 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--kv-capacity-tokens", type=int, default=131072 - 65536)
+    parser.add_argument("--tiny-llama-shape", default="tiny", choices=("tiny", "bench", "125m"),
+                        help="the random Llama's shape (worker.bench.MODELS; tiny: the built-in default)")
     args = parser.parse_args(argv)
     from router.batching import StepProfile
 
     started = time.time()
-    samples = measure(args.threads, args.repeats, args.max_batch_tokens)
+    samples = measure(args.threads, args.repeats, args.max_batch_tokens, args.tiny_llama_shape)
     (base, prefill, decode, context), max_error = fit(samples)
     profile = StepProfile(base, prefill, decode, context, args.max_batch_tokens, args.kv_capacity_tokens,
-                          name=f"tiny-llama-cpu-{args.threads}t",
+                          name=("tiny-llama" if args.tiny_llama_shape == "tiny" else f"llama-{args.tiny_llama_shape}")
+                          + f"-cpu-{args.threads}t",
                           source=f"python -m router.calibrate on {platform.node()} ({platform.processor() or 'cpu'}), "
                                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     out = {**profile.to_dict(), "samples": samples, "max_relative_error": max_error,

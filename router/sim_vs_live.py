@@ -211,6 +211,27 @@ class VariableSteps(StepProfile):
         return super().step_s(num_prefill_tokens, num_decode_seqs, num_context_tokens) * self._draws.choice(self.factors)
 
 
+def workers_profile(report: dict, profile: StepProfile) -> StepProfile:
+    """``profile`` with the step model the live Workers fitted to their own
+    steps in the run (``worker.step_costs``; medians over every arm's rounds
+    and Workers of what ``/stats`` reports: ``prefill_s_per_token`` = the
+    per-token term, ``queue_token_cost`` x it = the per-sequence term,
+    ``decode_token_cost - queue_token_cost`` x it = the base), keeping its
+    context term and limits. Measured from the engines' step timings under
+    the run's own contention, not from the compared TTFTs; ValueError when no
+    Worker reported both prices (an older load test, too few steps)."""
+    rows = [stats for result in report["results"].values() for round_ in result.get("rounds", ())
+            for stats in round_.get("server_stats", {}).get("replicas", {}).values()
+            if stats.get("decode_token_cost", 0.0) > 0 and (stats.get("prefill_s_per_token") or 0.0) > 0]
+    if not rows:
+        raise ValueError("the live run's Workers reported no fitted step prices; use --engine-slowdown")
+    per_token = statistics.median(r["prefill_s_per_token"] for r in rows)
+    busy = statistics.median(r["decode_token_cost"] for r in rows)
+    queue = statistics.median(r.get("queue_token_cost", 0.0) for r in rows)
+    return replace(profile, base_s=max(busy - queue, 0.0) * per_token, prefill_token_s=per_token,
+                   decode_seq_s=queue * per_token, name=f"{profile.name}, the live Workers' own step fit")
+
+
 def step_factors(report: dict) -> tuple[float, ...]:
     """The live inter-token gaps over their mean, every router pooled (empty: not recorded)."""
     gaps = [x for result in report["results"].values() for x in result.get("itl_samples_s", ())]
@@ -527,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     parser.add_argument("--ingress-s", default="measured", help="'measured' (from the live run) or seconds")
     parser.add_argument("--engine-slowdown", default="measured",
-                        help="'measured' (live mean ITL / the profile's mean step), or a factor (1: the profile as is)")
+                        help="'measured' (live mean ITL / the profile's mean step), 'workers' (the step model the live "
+                             "Workers fitted to their own steps, in place of the profile's terms), or a factor (1: "
+                             "the profile as is)")
     parser.add_argument("--replicas", type=int, default=2, help="deploy/config.yaml: Worker num_replicas")
     parser.add_argument("--budget-tokens", type=int, default=65536, help="deploy/config.yaml: cache_budget_tokens")
     parser.add_argument("--block-tokens", type=int, default=64, help="deploy/config.yaml: router_block_size")
@@ -562,7 +585,14 @@ def main(argv: list[str] | None = None) -> int:
     ingress_s = measured_ingress_s(live) if args.ingress_s == "measured" else float(args.ingress_s)
     arm_ingress_s, arm_samples = ingress_by_arm(report, live, arms) if args.ingress_s == "measured" else (ingress_s, ())
     profile = StepProfile.load(args.profile)
-    slowdown = measured_slowdown(report, profile) if args.engine_slowdown == "measured" else float(args.engine_slowdown)
+    try:
+        if args.engine_slowdown == "workers":
+            profile, slowdown = workers_profile(report, profile), 1.0
+        else:
+            slowdown = (measured_slowdown(report, profile) if args.engine_slowdown == "measured"
+                        else float(args.engine_slowdown))
+    except ValueError as error:
+        parser.error(str(error))
     engine = slowed(profile, slowdown)
     factors = step_factors(report) if args.step_variability == "measured" else ()
     token_costs = live_token_costs(report, arms) if args.token_costs == "measured" else None
@@ -577,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                                     ingress_samples=arm_samples,
                                     token_costs=token_costs, arms=arms, fetch=fetch, fetch_costs=fetch_costs)
     comparison = compare(live, sim)
-    print(f"step times: x{slowdown:.2f} the profile's"
+    print(f"step times: x{slowdown:.2f} {profile.name}'s"
           + (f", prefill/mixed steps varied by {len(factors)} live inter-token gaps" if factors else ", fixed"))
     print("token prices the simulated Workers report: " + (
         f"the live Workers' median, {token_costs[0]:.1f} busy / {token_costs[1]:.2f} queued" if token_costs
@@ -595,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as handle:
             json.dump({"ingress_s": ingress_s, "ingress_s_by_arm": arm_ingress_s if isinstance(arm_ingress_s, dict)
                        else None, "engine_slowdown": slowdown, "profile": args.profile,
+                       "step_profile": StepProfile.to_dict(engine),
                        "token_costs": token_costs,
                        "fetch_model": asdict(fetch) if fetch else None, "fetch_costs": fetch_costs,
                        "step_variability": bool(factors), "comparison": comparison,

@@ -83,3 +83,14 @@ def test_profile_round_trips_through_json(tmp_path):
     assert H100_LLAMA_8B.prefill_s(8192) == pytest.approx(0.004 + 8192 * 50e-6 + 8192 * 40e-9)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         StepProfile(0.0, 1e-6, 0.0, 0.0, 0, 10)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama_cpu.json", "llama_125m_cpu.json", "llama8b_h100.json"])
+def test_the_shipped_profiles_load_with_positive_step_times(name):
+    """Every profile in router/profiles/ loads (the calibration's extra
+    samples ignored) and prices a step above its base."""
+    from pathlib import Path
+
+    profile = StepProfile.load(Path(__file__).parents[2] / "router" / "profiles" / name)
+    assert profile.max_batch_tokens > 0 and profile.kv_capacity_tokens > 0
+    assert profile.prefill_s(512) > profile.base_s >= 0

@@ -1,7 +1,7 @@
 """router.sim_vs_live and the faithful Ray prefix-tree peer it compares against."""
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 import statistics
 
 import pytest
@@ -334,3 +334,39 @@ def test_simulated_replicas_report_the_fetch_costs_they_are_given():
     own = make_replicas(SimConfig(num_replicas=1, budget_tokens=1000), 100)
     assert own[0].reported_fetch_costs == SimConfig(num_replicas=1, budget_tokens=1).fetch.reported_costs(
         1.0 / SimConfig(num_replicas=1, budget_tokens=1).cost.prefill_tokens_per_s)
+
+
+def test_the_replay_can_step_at_the_live_workers_own_step_fit(tmp_path):
+    """``--engine-slowdown workers``: the profile's per-token, per-sequence and
+    base terms become those the live Workers fitted to their own steps (the
+    medians of what /stats reports), its context term and limits kept."""
+    from router.sim_vs_live import workers_profile
+
+    def round_with(*rows):
+        return {"server_stats": {"replicas": {f"w{i}": dict(zip(("prefill_s_per_token", "decode_token_cost",
+                                                                 "queue_token_cost"), row))
+                                              for i, row in enumerate(rows)}}}
+
+    profile = replace(PROFILE, context_token_s=1e-9)
+    report = {"results": {"kvroute": {"rounds": [round_with((2e-3, 30.0, 0.5), (0.0, 0.0, 0.0))]},  # 2nd: unmeasured
+                          "pow2": {"rounds": [round_with((4e-3, 20.0, 1.5), (3e-3, 25.0, 1.0))]}}}
+    fitted = workers_profile(report, profile)
+    assert fitted.prefill_token_s == pytest.approx(3e-3)
+    assert fitted.decode_seq_s == pytest.approx(1.0 * 3e-3)
+    assert fitted.base_s == pytest.approx((25.0 - 1.0) * 3e-3)
+    assert (fitted.context_token_s, fitted.max_batch_tokens, fitted.kv_capacity_tokens) == (
+        1e-9, profile.max_batch_tokens, profile.kv_capacity_tokens)
+    with pytest.raises(ValueError, match="no fitted step prices"):
+        workers_profile({"results": {"kvroute": {"rounds": [round_with((0.0, 0.0, 0.0))]}}}, profile)
+
+    report = live_report(tmp_path, {"kvroute": 0.8, "pow2": 0.5, "prefix_affinity": 0.7},
+                         {"kvroute": 0.05, "pow2": 0.07, "prefix_affinity": 0.09})
+    report["results"]["kvroute"]["rounds"] = [round_with((2e-5, 60.0, 0.5))]
+    path, out = tmp_path / "live.json", tmp_path / "cmp.json"
+    path.write_text(json.dumps(report))
+    assert main(["--live", str(path), "--workload-args", json.dumps({"num_groups": 2, "prompts_per_group": 10}),
+                 "--seeds", "1", "--json", str(out), "--engine-slowdown", "workers"]) == 0
+    replayed = json.loads(out.read_text())
+    assert replayed["engine_slowdown"] == 1.0
+    assert replayed["step_profile"]["prefill_token_s"] == pytest.approx(2e-5)
+    assert replayed["step_profile"]["base_s"] == pytest.approx(59.5 * 2e-5)
