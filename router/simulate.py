@@ -377,6 +377,7 @@ def simulate(
             "router_block_tokens": workload.router_block_tokens,
             "policy_config": asdict(config.policy),
             "fetch": asdict(config.fetch),
+            "reported_fetch_costs": config.reported_fetch_costs,
         },
     }
     for name in names:

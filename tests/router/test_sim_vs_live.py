@@ -320,6 +320,7 @@ def test_the_replay_fetches_over_the_link_the_live_workers_measured(tmp_path):
     replayed = json.loads(out.read_text())
     assert replayed["fetch_model"]["bandwidth_bytes_per_s"] == 6e6 and replayed["fetch_costs"] == [4.0, 30.0]
     assert replayed["simulated"]["setup"]["fetch"]["bandwidth_bytes_per_s"] == 6e6
+    assert replayed["simulated"]["setup"]["reported_fetch_costs"] == [4.0, 30.0]
     assert main(args + ["--fetch", "model"]) == 0
     replayed = json.loads(out.read_text())
     assert replayed["fetch_model"] is None and replayed["fetch_costs"] is None
