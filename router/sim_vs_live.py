@@ -59,7 +59,8 @@ medians of each Worker's estimated bandwidth and fixed cost after its
 rounds) and has the simulated Workers report the fetch costs the live ones
 reported (:func:`live_fetch_costs`), so our router weighs a fetch as it did
 live; ``--fetch model`` keeps the simulator's default link (Llama-3.1-8B
-over 25 GB/s), which on the CPU demo makes a fetch ~1,000 × too cheap.
+over 25 GB/s with 1 ms fixed), whose fixed cost is ~50 × below what the
+CPU demo's Workers measure.
 
 Compared: token hit rate (goal: within 0.02), TTFT p50 (within 25 %) and
 p99 (within 40 %), and imbalance as the load test measures it (max / mean
@@ -255,6 +256,12 @@ def ingress_samples(report: dict) -> list[float]:
     return sorted(x for result in report["results"].values() for x in result.get("ingress_overhead_samples_s", ()))
 
 
+def _our_rounds(report: dict, arms: dict[str, SimArm] | None) -> list[dict]:
+    """Every round of the arms our router ran (``arms`` None: the one labelled kvroute)."""
+    ours = [label for label, arm in arms.items() if arm.policy == "ours"] if arms is not None else ["kvroute"]
+    return [round_ for label in ours for round_ in report["results"].get(label, {}).get("rounds", ())]
+
+
 def live_token_costs(report: dict, arms: dict[str, SimArm] | None = None) -> tuple[float, float] | None:
     """The (busy, queue) token prices our router learned live: the median over
     every round's Workers of the prices they reported in ``/stats`` (with
@@ -264,21 +271,13 @@ def live_token_costs(report: dict, arms: dict[str, SimArm] | None = None) -> tup
     report this instead of the profile's prices (the profile was calibrated
     on cold single-chunk prompts, the Workers measure what they serve). None
     when the run recorded none (an older load test)."""
-    ours = [label for label, arm in arms.items() if arm.policy == "ours"] if arms is not None else ["kvroute"]
     reports = [(stats["decode_token_cost"], stats.get("queue_token_cost", 0.0))
-               for label in ours
-               for round_figures in report["results"].get(label, {}).get("rounds", ())
+               for round_figures in _our_rounds(report, arms)
                for stats in round_figures.get("server_stats", {}).get("replicas", {}).values()
                if stats.get("decode_token_cost", 0.0) > 0]
     if not reports:
         return None
     return statistics.median(d for d, _ in reports), statistics.median(q for _, q in reports)
-
-
-def _our_rounds(report: dict, arms: dict[str, SimArm] | None) -> list[dict]:
-    """Every round of the arms our router ran (``arms`` None: the one labelled kvroute)."""
-    ours = [label for label, arm in arms.items() if arm.policy == "ours"] if arms is not None else ["kvroute"]
-    return [round_ for label in ours for round_ in report["results"].get(label, {}).get("rounds", ())]
 
 
 def live_fetch_model(report: dict, arms: dict[str, SimArm] | None = None) -> FetchModel | None:
@@ -295,12 +294,11 @@ def live_fetch_model(report: dict, arms: dict[str, SimArm] | None = None) -> Fet
     per_token = [stats["kv_bytes_per_token"] for round_ in rounds
                  for stats in round_.get("server_stats", {}).get("replicas", {}).values()
                  if isinstance(stats.get("kv_bytes_per_token"), int) and stats["kv_bytes_per_token"] > 0]
-    if not per_token:
-        fetched = [(c.get("fetched_bytes"), c.get("fetched_tokens")) for c in
-                   (round_.get("replica_counters") or {} for round_ in rounds)]
-        fetched = [(b, t) for b, t in fetched if b and t]
-        per_token = [round(sum(b for b, _ in fetched) / sum(t for _, t in fetched))] if fetched else []
     counters = [round_.get("replica_counters") or {} for round_ in rounds]
+    if not per_token:
+        fetched = [(c["fetched_bytes"], c["fetched_tokens"]) for c in counters
+                   if c.get("fetched_bytes") and c.get("fetched_tokens")]
+        per_token = [round(sum(b for b, _ in fetched) / sum(t for _, t in fetched))] if fetched else []
     bandwidths = [v for c in counters for v in (c.get("estimated_bandwidth_bytes_per_s") or {}).values() if v > 0]
     overheads = [v for c in counters for v in (c.get("estimated_overhead_s") or {}).values() if v >= 0]
     if not per_token or not bandwidths:
