@@ -90,10 +90,10 @@ class PolicyConfig:
     routers, Mooncake 1.25M at 0.9/1.0/1.1 s periods, 6.25M, heavy load).
 
     ``replicate_hot_prefixes`` = True with ``hot_prefix_share`` = 0.25 and
-    ``replica_room_factor`` = 2 (2026-12-04; BENCHMARKS.md "Hot prefixes
+    ``replica_room_factor`` = 2, now 1.5 (2026-12-04; BENCHMARKS.md "Hot prefixes
     gain fetched holders"): a prefix whose recent work per holder is above
     a quarter of a replica's mean recent work credits a candidate whose
-    last report had room for twice the copy its fetchable tokens as if
+    last report had room for 1.5 copies its fetchable tokens as if
     cached, so the lighter of holders and would-be holders takes the
     request and fetches the prefix. Before it, at 8 replicas x 16 equally
     popular groups, the cost rule homed 3 groups on one replica in some
@@ -109,7 +109,15 @@ class PolicyConfig:
     then the affinity weight): without the room check shared-prefix FIFO
     lost 0.0010 of hit (copies evicted the only copy of another group);
     ``hot_prefix_share`` 0.2 lost 0.0012, 0.3 gave imbalance 1.092 and
-    batching 1.119. It needs fetch that pays, and asks the Workers: each reports what a fetch costs
+    batching 1.119. ``replica_room_factor`` 2 -> 1.5 (2026-12-04, later;
+    BENCHMARKS.md "Room for one and a half copies"): at 2 the only replicas
+    with room were sometimes those already holding two groups, and a hot
+    group's new holders piled there (seed 8: 1.266); over seeds 0-39
+    shared-prefix FIFO 0.8823 / 1.095 / 0.285 s -> 0.8824 / 1.075 / 0.275 s
+    (every seed at the optimal hit), batching 1.102 -> 1.100, multi-turn and
+    Mooncake identical; below 1.5 a copy made at the edge of room evicted
+    a group's other copies within a summary period (seed 7: hit 0.8787).
+    It needs fetch that pays, and asks the Workers: each reports what a fetch costs
     it (``CacheSummary.fetch_token_cost`` / ``fetch_overhead_tokens``), and
     where that is a recompute's cost or more (the CPU demo: tiny-llama's
     1,024-token prefix recomputes in ~10 ms against a ~50 ms fetch) no
@@ -217,7 +225,7 @@ class PolicyConfig:
     fetch_credit_scope: str = "never"  # when fetchable tokens lower a non-owner's cost: never | over_bound | always
     replicate_hot_prefixes: bool = True  # a prefix drawing more than hot_prefix_share per holder may gain a fetched holder
     hot_prefix_share: float = 0.25  # its recent work per holder, in shares of a replica's mean recent work
-    replica_room_factor: float = 2.0  # a new holder's last report has room for this many times the fetched tokens
+    replica_room_factor: float = 1.5  # a new holder's last report has room for this many times the fetched tokens
     max_replica_fetch_cost: float = 0.5  # ... and a fetch costs it at most this share of recomputing (reported)
     max_demand_entries: int = 1 << 16  # prefixes whose demand is remembered (memory bound)
     backup_fetch_hints: bool = True  # a first choice among several deepest holders gets a hint naming another

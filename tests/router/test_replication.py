@@ -149,6 +149,30 @@ def test_a_new_holder_needs_room_for_the_copy():
     assert served["on"] == served["off"]
 
 
+@pytest.mark.parametrize("room", [1.4, 1.6])
+def test_a_new_holder_needs_room_for_one_and_a_half_copies(room):
+    """``replica_room_factor`` = 1.5: every replica reports room for
+    ``room`` x the fetchable prefix (and nothing of it). Below 1.5 copies
+    no credit opens and the hot prefix goes where the rule without
+    replication sends it (two holders); above, lighter replicas are
+    credited and the group spreads over all four."""
+    assert PolicyConfig().replica_room_factor == 1.5
+    served = {}
+    for name, knobs in (("on", {}), ("off", OFF)):
+        clock = Clock()
+        policy = make_policy(clock, premium_needs_completion=False, **knobs)
+        for version, replica_id in enumerate(REPLICAS, 1):
+            unrelated = [[10**6 * version + i for i in range(1000)]]
+            budget = 1000 + round(room * len(SHARED))
+            assert policy.on_summary(summary(replica_id, version, unrelated, budget_tokens=budget))
+        served[name] = serve_a_quarter_hot(policy, clock)[:20]
+    assert len(set(served["off"])) == 2
+    if room < 1.5:
+        assert served["on"] == served["off"]
+    else:
+        assert len(set(served["on"])) == 4
+
+
 def test_a_prefix_reused_now_and_then_is_not_replicated():
     """Forty prefixes, each reused once in a while: none draws a quarter of a
     replica's work, so every decision is the one the rule without
