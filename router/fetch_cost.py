@@ -4,8 +4,8 @@ estimate it (``CacheSummary.fetch_token_cost`` / ``fetch_overhead_tokens``)."""
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
+
+from router.pooled_reports import PooledReports
 
 
 class ReportedFetchCost:
@@ -31,14 +31,11 @@ class ReportedFetchCost:
     """
 
     def __init__(self, prior_token_cost: float, history: int = 16) -> None:
-        if type(history) is not int or history <= 0:
-            raise ValueError(f"history must be a positive int, got {history!r}")
+        self._reports = PooledReports(history)
         if not (math.isfinite(prior_token_cost) and prior_token_cost >= 0):
             raise ValueError(f"prior_token_cost must be a finite number >= 0, got {prior_token_cost!r}")
         self.token_cost = float(prior_token_cost)
         self.overhead_tokens = 0.0
-        self._history = history
-        self._replica_to_reports: dict[str, deque[tuple[float, float]]] = {}
 
     def cost(self, num_tokens: int) -> float:
         """Prefill-token equivalents per token of a fetch of ``num_tokens`` (> 0)."""
@@ -47,26 +44,21 @@ class ReportedFetchCost:
     def report(self, replica_id: str, token_cost: float, overhead_tokens: float) -> None:
         if not (token_cost > 0 or overhead_tokens > 0):
             return  # not measured
-        reports = self._replica_to_reports.setdefault(replica_id, deque(maxlen=self._history))
-        reports.append((float(token_cost), float(overhead_tokens)))
+        self._reports.add(replica_id, token_cost, overhead_tokens)
         self._refresh()
 
     def remove(self, replica_id: str) -> None:
-        if self._replica_to_reports.pop(replica_id, None) is not None:
+        if self._reports.remove(replica_id):
             self._refresh()
 
     def _refresh(self) -> None:
-        if not self._replica_to_reports:
-            return  # keep the last measured cost: the fleet's links did not change
-        reports = [report for history in self._replica_to_reports.values() for report in history]
-        self.token_cost = statistics.median(t for t, _ in reports)
-        self.overhead_tokens = statistics.median(o for _, o in reports)
+        medians = self._reports.medians()
+        if medians is not None:  # with no reporter left, the last measured cost stays: the links did not change
+            self.token_cost, self.overhead_tokens = medians
 
     def check_invariants(self, replica_ids) -> None:
         """The docstring's invariants; ``replica_ids``: the replicas the policy knows."""
         for term in (self.token_cost, self.overhead_tokens):
             assert math.isfinite(term) and term >= 0, f"fetch cost term {term!r}"
-        assert set(self._replica_to_reports) <= set(replica_ids), "fetch costs of a replica off the ring"
-        for history in self._replica_to_reports.values():
-            assert 0 < len(history) <= self._history, len(history)
-            assert all(t >= 0 and o >= 0 and (t > 0 or o > 0) for t, o in history), history
+        self._reports.check_invariants(replica_ids, lambda t, o: t >= 0 and o >= 0 and (t > 0 or o > 0),
+                                       "fetch costs")

@@ -4,8 +4,8 @@ measure it (``CacheSummary.decode_token_cost`` / ``queue_token_cost``)."""
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
+
+from router.pooled_reports import PooledReports
 
 
 class ReportedTokenPrices:
@@ -51,13 +51,10 @@ class ReportedTokenPrices:
 
     def __init__(self, decode_token_cost: float, queue_token_cost: float, tolerance: float = 0.1,
                  history: int = 16) -> None:
-        if type(history) is not int or history <= 0:
-            raise ValueError(f"history must be a positive int, got {history!r}")
+        self._reports = PooledReports(history)
         self.decode_token_cost = float(decode_token_cost)
         self.queue_token_cost = float(queue_token_cost)
         self._tolerance = tolerance
-        self._history = history
-        self._replica_to_prices: dict[str, deque[tuple[float, float]]] = {}
         self.is_measured = False  # a replica has reported a measurement: the prices are no longer the priors
 
 
@@ -65,23 +62,19 @@ class ReportedTokenPrices:
         """Take a replica's measured prices; True when the prices in force changed."""
         if not decode_token_cost > 0:
             return False  # not measured yet
-        reports = self._replica_to_prices.setdefault(replica_id, deque(maxlen=self._history))
-        reports.append((float(decode_token_cost), float(queue_token_cost)))
+        self._reports.add(replica_id, decode_token_cost, queue_token_cost)
         self.is_measured = True  # for good: when every reporter leaves, the last prices stay in force
         return self._refresh()
 
     def remove(self, replica_id: str) -> bool:
         """Forget a replica's report; True when the prices in force changed."""
-        if self._replica_to_prices.pop(replica_id, None) is None:
-            return False
-        return self._refresh()
+        return self._reports.remove(replica_id) and self._refresh()
 
     def _refresh(self) -> bool:
-        if not self._replica_to_prices:
+        medians = self._reports.medians()
+        if medians is None:
             return False  # keep the last prices in force: the fleet's engines did not change
-        reports = [report for history in self._replica_to_prices.values() for report in history]
-        decode = statistics.median(d for d, _ in reports)
-        queue = statistics.median(q for _, q in reports)
+        decode, queue = medians
         if not (self._drifted(decode, self.decode_token_cost) or self._drifted(queue, self.queue_token_cost)):
             return False
         self.decode_token_cost, self.queue_token_cost = decode, queue
@@ -91,11 +84,7 @@ class ReportedTokenPrices:
         """The docstring's invariants; ``replica_ids``: the replicas the policy knows."""
         for price in (self.decode_token_cost, self.queue_token_cost):
             assert math.isfinite(price) and price >= 0, f"token price {price!r}"
-        assert set(self._replica_to_prices) <= set(replica_ids), "prices of a replica off the ring"
-        for history in self._replica_to_prices.values():
-            assert 0 < len(history) <= self._history, len(history)
-            for decode, queue in history:
-                assert decode > 0 and queue >= 0, (decode, queue)
+        self._reports.check_invariants(replica_ids, lambda decode, queue: decode > 0 and queue >= 0, "prices")
 
     def _drifted(self, measured: float, in_force: float) -> bool:
         return abs(measured - in_force) > self._tolerance * max(in_force, 1.0)
