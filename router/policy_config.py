@@ -90,7 +90,7 @@ class PolicyConfig:
     routers, Mooncake 1.25M at 0.9/1.0/1.1 s periods, 6.25M, heavy load).
 
     ``replicate_hot_prefixes`` = True with ``hot_prefix_share`` = 0.25 and
-    ``replica_room_factor`` = 2, now 1.5 (2026-12-04; BENCHMARKS.md "Hot prefixes
+    ``replica_room_factor`` = 2, 1.5 since (2026-12-04; BENCHMARKS.md "Hot prefixes
     gain fetched holders"): a prefix whose recent work per holder is above
     a quarter of a replica's mean recent work credits a candidate whose
     last report had room for 1.5 copies its fetchable tokens as if
@@ -115,8 +115,9 @@ class PolicyConfig:
     group's new holders piled there (seed 8: 1.266); over seeds 0-39
     shared-prefix FIFO 0.8823 / 1.095 / 0.285 s -> 0.8824 / 1.075 / 0.275 s
     (every seed at the optimal hit), batching 1.102 -> 1.100, multi-turn and
-    Mooncake identical; below 1.5 a copy made at the edge of room evicted
-    a group's other copies within a summary period (seed 7: hit 0.8787).
+    Mooncake identical; below 1.5 a group lost its prefix (seed 7: hit
+    0.8787): two of its holders evicted it while the index, within
+    ``learned_grace_s``, still listed them.
     It needs fetch that pays, and asks the Workers: each reports what a fetch costs
     it (``CacheSummary.fetch_token_cost`` / ``fetch_overhead_tokens``), and
     where that is a recompute's cost or more (the CPU demo: tiny-llama's

@@ -134,28 +134,14 @@ def test_a_hot_prefix_gains_fetched_holders_while_its_holders_are_within_the_bou
     assert len(set(served["on"])) == 4
 
 
-def test_a_new_holder_needs_room_for_the_copy():
-    """Every replica reports a full cache: a copy would evict, maybe the only
-    copy of something else, so no credit opens and the hot prefix goes
-    exactly where the rule without replication sends it."""
-    served = {}
-    for name, knobs in (("on", {}), ("off", OFF)):
-        clock = Clock()
-        policy = make_policy(clock, premium_needs_completion=False, **knobs)
-        for version, replica_id in enumerate(REPLICAS, 1):
-            unrelated = [[10**6 * version + 1000 * k + i for i in range(1000)] for k in range(4)]
-            assert policy.on_summary(summary(replica_id, version, unrelated, budget_tokens=4000))  # full
-        served[name] = serve_a_quarter_hot(policy, clock)[:20]
-    assert served["on"] == served["off"]
-
-
-@pytest.mark.parametrize("room", [1.4, 1.6])
+@pytest.mark.parametrize("room", [0.0, 1.4, 1.6])
 def test_a_new_holder_needs_room_for_one_and_a_half_copies(room):
     """``replica_room_factor`` = 1.5: every replica reports room for
     ``room`` x the fetchable prefix (and nothing of it). Below 1.5 copies
-    no credit opens and the hot prefix goes where the rule without
-    replication sends it (two holders); above, lighter replicas are
-    credited and the group spreads over all four."""
+    (0: a full cache, where a copy would evict, maybe the only copy of
+    something else) no credit opens and the hot prefix goes exactly where
+    the rule without replication sends it (two holders); above, lighter
+    replicas are credited and the group spreads over all four."""
     assert PolicyConfig().replica_room_factor == 1.5
     served = {}
     for name, knobs in (("on", {}), ("off", OFF)):
