@@ -61,6 +61,10 @@ _REPLICA_METRICS = {
     "fetch_outwaited": ("kvroute_fetch_outwaited",
                         "Fetch-hinted requests that stopped waiting after their recompute time and recomputed", True),
     "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
+    "fetch_alternate_asks": ("kvroute_fetch_alternate_asks",
+                             "Alternate holders asked after the hint's owner had evicted the prefix or failed", True),
+    "fetch_from_alternate": ("kvroute_fetch_from_alternate",
+                             "Fetched bundles an alternate holder served (the hint's owner had evicted the prefix)", True),
     # what a fetch costs this Worker, as its cache summary reports it (the router offers hot prefixes a
     # fetched holder only where n x this + the overhead is at most half of n: PolicyConfig.max_replica_fetch_cost)
     "fetch_token_cost": ("kvroute_fetch_token_cost",

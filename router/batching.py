@@ -325,7 +325,9 @@ class BatchingReplica:
             self.fetch_counts.count(plan)
             if plan.num_units:
                 seq.num_cached = request.cached_tokens(plan.num_units)
-                seq.num_fetched, seq.ready_s = plan.num_tokens, self._clock_s + plan.transfer_s
+                seq.num_fetched = plan.num_tokens
+            if plan.transfer_s:  # a fetch, or the round trips that found the prefix evicted
+                seq.ready_s = self._clock_s + plan.transfer_s
         seq.num_prefilled, seq.num_generated = seq.num_cached, 0
         self._kv_used += request.num_prompt_tokens  # the whole prompt's KV is reserved at admission
         self.radix.insert(request.units)

@@ -180,8 +180,9 @@ class SimReplica:
             plan = plan_fetch(fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,
                               self.cost, now)
             self.fetch_counts.count(plan)
+            transfer_s = plan.transfer_s  # a fetch, or the round trips that found the prefix evicted
             if plan.num_units:
-                cached, fetched, transfer_s = request.cached_tokens(plan.num_units), plan.num_tokens, plan.transfer_s
+                cached, fetched = request.cached_tokens(plan.num_units), plan.num_tokens
         start = max(now, self.free_at_s)
         prefill_s = transfer_s + (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
         service_s = prefill_s + request.num_output_tokens * self.cost.decode_s_per_token

@@ -20,20 +20,40 @@ class FetchHint:
     so the owner holds them under the same tenant: a hint never crosses
     namespaces.
 
+    ``alternates``: other replicas the router also believes hold those
+    tokens, least loaded first (``PolicyConfig.fetch_alternates``). The
+    receiver asks them in turn when the owner answers that it no longer holds
+    them or is gone: the router's index lags the replicas' evictions by up to
+    a summary period (plus ``learned_grace_s`` for what it routed itself), so
+    the first holder named may have evicted a prefix another still holds.
+
     A hint, not an order: the receiving worker fetches only if its estimated
     transfer (bytes from the KV geometry ÷ measured bandwidth) beats
-    recomputing those tokens, and recomputes after a bounded wait if the
-    owner has evicted them, died or is slow.
+    recomputing those tokens, and recomputes after a bounded wait if every
+    replica named has evicted them, died or is slow.
     """
 
     owner: str
     num_tokens: int
+    alternates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.owner, str) or not self.owner:
             raise ValueError(f"owner must be a non-empty replica id, got {self.owner!r}")
         if type(self.num_tokens) is not int or self.num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int, got {self.num_tokens!r}")
+        if isinstance(self.alternates, list):
+            object.__setattr__(self, "alternates", tuple(self.alternates))
+        alternates = self.alternates
+        if not isinstance(alternates, tuple) or not all(isinstance(a, str) and a for a in alternates):
+            raise ValueError(f"alternates must be a tuple of non-empty replica ids, got {alternates!r}")
+        if self.owner in alternates or len(set(alternates)) != len(alternates):
+            raise ValueError(f"alternates must be distinct and other than the owner, got {self!r}")
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """The replicas to ask, in order: the owner, then the alternates."""
+        return (self.owner, *self.alternates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +65,15 @@ class RoutingDecision:
 
     Invariants: ``fetch`` is None when fetch is disabled
     (``PolicyConfig.fetch_enabled``), when ``ranked`` is empty, or when the
-    owner is the first choice. Otherwise ``fetch.owner`` is a replica known
+    owner is the first choice. Otherwise ``fetch.owner`` (and each of
+    ``fetch.alternates``, none of them the first choice) is a replica known
     to hold the prompt's first ``fetch.num_tokens`` tokens, and either
     those are more than ``fetch_min_tokens`` beyond what the first choice
     holds (a smaller difference is not worth a fetch), or the hint is a
     *backup* (``PolicyConfig.backup_fetch_hints``): the first choice is
-    known to hold them too, ``owner`` is a second holder, and the hint only
-    matters if the first choice evicted them since it last reported.
+    known to hold them too, or all but at most ``fetch_min_tokens`` of them,
+    ``owner`` is another holder, and the hint only matters if the first
+    choice evicted them since it last reported.
     """
 
     ranked: tuple[str, ...]
@@ -60,8 +82,8 @@ class RoutingDecision:
     def __post_init__(self) -> None:
         if not isinstance(self.ranked, tuple):
             object.__setattr__(self, "ranked", tuple(self.ranked))
-        if self.fetch is not None and (not self.ranked or self.fetch.owner == self.ranked[0]):
-            raise ValueError(f"a fetch hint needs a first choice other than its owner, got {self!r}")
+        if self.fetch is not None and (not self.ranked or self.ranked[0] in self.fetch.owners):
+            raise ValueError(f"a fetch hint needs a first choice other than the replicas it names, got {self!r}")
 
 
 CREDIT_SCOPES = ("never", "over_bound", "always")
@@ -83,12 +105,16 @@ class FetchPlan:
     the request cannot stay there anyway, so the credit only picks which
     lighter replica takes it); ``"always"``: against any owner, however
     lightly loaded (a request leaves a home that could have taken it and
-    makes a second copy)."""
+    makes a second copy).
+
+    ``max_alternates`` (``PolicyConfig.fetch_alternates``): how many other
+    candidates holding the hinted tokens a hint names besides its owner
+    (:attr:`FetchHint.alternates`)."""
 
     def __init__(self, depths: Mapping[str, int], depth_of: Callable[[str], int], block_size: int,
                  num_prompt_tokens: int, load_of: Callable[[str], float], min_tokens: int,
                  fetch_token_cost: float, credit_scope: str = "always",
-                 is_over: Callable[[str, int], bool] | None = None) -> None:
+                 is_over: Callable[[str, int], bool] | None = None, max_alternates: int = 0) -> None:
         if credit_scope not in CREDIT_SCOPES or (credit_scope == "over_bound" and is_over is None):
             raise ValueError(f"credit_scope must be one of {CREDIT_SCOPES} (over_bound needs is_over), "
                              f"got {credit_scope!r}")
@@ -98,6 +124,7 @@ class FetchPlan:
         self._block_size, self._num_prompt_tokens = block_size, num_prompt_tokens
         self._min_tokens, self._fetch_token_cost = min_tokens, fetch_token_cost
         self._credit_scope, self._is_over = credit_scope, is_over
+        self._max_alternates = max_alternates
         self._credit_open: bool | None = None  # decided once per plan, on the first credit asked
 
     @property
@@ -133,35 +160,58 @@ class FetchPlan:
 
     def hint(self, first_id: str, cached: int, backup: bool = False) -> FetchHint | None:
         """The first choice's hint (:func:`hint_for`); with ``backup``, a
-        first choice that is itself one of the deepest holders gets a hint
-        naming another of them (:meth:`backup_hint`)."""
-        if backup:
-            spare = self.backup_hint(first_id)
-            if spare is not None:
-                return spare
+        first choice the index counts among the holders of all but at most
+        ``min_tokens`` of the fetchable prefix gets a hint naming another
+        holder of all of it (:meth:`backup_hint`). Either names up to
+        ``max_alternates`` more holders (:meth:`with_alternates`)."""
         held = self.held(first_id, cached)
-        if self._num_fetchable - held <= self._min_tokens:
-            return None  # nothing worth a fetch, whoever the owner (hint_for; no owner looked up)
-        return hint_for(first_id, held, self.fetchable, self._min_tokens)
+        if self._num_fetchable - held > self._min_tokens:
+            hint = hint_for(first_id, held, self.fetchable, self._min_tokens)
+        elif backup:
+            hint = self.backup_hint(first_id)
+        else:
+            return None  # nothing worth a fetch, whoever the owner (no owner looked up)
+        return self.with_alternates(hint, first_id)
 
     def backup_hint(self, first_id: str) -> FetchHint | None:
-        """For a first choice the index counts among the deepest holders
-        when another candidate holds as deep: a hint naming that other one
-        (the least loaded), so that a first choice which evicted the prefix
-        since its last report fetches it instead of recomputing it. A
-        receiver that still holds it ignores the hint (the worker checks its
-        own cache first). None otherwise, or for a prefix of at most
-        ``min_tokens``."""
-        depths = self._depths
-        if self._num_fetchable <= self._min_tokens or first_id not in depths:
+        """For a first choice the index counts among the holders of the
+        fetchable prefix, or of all but at most ``min_tokens`` of it: a hint
+        naming the least loaded other deepest holder, so that a first choice
+        which evicted the prefix since its last report fetches it instead of
+        recomputing it. A receiver that still holds it ignores the hint (the
+        worker checks its own cache first). None otherwise, or for a prefix
+        of at most ``min_tokens``.
+
+        Why "all but a few": a radix cache evicts a prefix from its deepest
+        block up, so a replica whose last report still showed all but the
+        last block of a system prompt is evicting it; with no hint, the
+        request recomputed all of it there while two other replicas held it
+        (shared-prefix FIFO, fetched holders made on long queues).
+        """
+        depths, num_fetchable = self._depths, self._num_fetchable
+        if num_fetchable <= self._min_tokens or first_id not in depths:
             return None
+        first_tokens = min(depths[first_id] * self._block_size, self._num_prompt_tokens - 1)
+        if num_fetchable - first_tokens > self._min_tokens:
+            return None  # the ordinary hint rule applies
         deepest = max(depths.values())
-        if depths[first_id] != deepest:
-            return None
         others = [r for r, d in depths.items() if d == deepest and r != first_id]
         if not others:
             return None
-        return FetchHint(min(others, key=lambda r: (self._load_of(r), r)), self._num_fetchable)
+        return FetchHint(min(others, key=lambda r: (self._load_of(r), r)), num_fetchable)
+
+    def with_alternates(self, hint: FetchHint | None, first_id: str) -> FetchHint | None:
+        """``hint`` naming, besides its owner, up to ``max_alternates`` other
+        candidates known to hold its tokens (never ``first_id``), least
+        loaded first."""
+        if hint is None or not self._max_alternates:
+            return hint
+        num_blocks = hint.num_tokens // self._block_size
+        others = sorted((r for r, d in self._depths.items() if d >= num_blocks and r != first_id and r != hint.owner),
+                        key=lambda r: (self._load_of(r), r))
+        if not others:
+            return hint
+        return FetchHint(hint.owner, hint.num_tokens, tuple(others[:self._max_alternates]))
 
     def replica_credit(self, has_room: Callable[[str, int], bool],
                        token_cost: float | None = None) -> Callable[[str, int], float]:

@@ -198,6 +198,7 @@ class PrefixAffinityPolicy:
         self._reported = ReportedWork(self.config.load_window_s, self.config.decode_token_cost,
                                       self.config.queue_token_cost)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
+        self._typical_queued = float(self.config.block_size)  # its queued work (the load's units), likewise
         self._share = RouterShare(self.config.load_window_s)
         self._pending = PendingBlocks(self.config.in_flight_timeout_s)  # premium_needs_completion
         self._fill = FleetCacheFill()  # premium on pending blocks withheld; a new holder's room (kept for those)
@@ -282,9 +283,10 @@ class PrefixAffinityPolicy:
             self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
-        if self.config.premium_needs_completion or self.config.replicate_hot_prefixes:  # the fill's readers
+        if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
+                or self.config.queue_copy_requests):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
-        if self.config.replicate_hot_prefixes and self.config.learn_token_costs:
+        if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests) and self.config.learn_token_costs:
             self._fetch_cost.report(replica_id, summary.fetch_token_cost, summary.fetch_overhead_tokens)
         if self.config.learn_token_costs:
             was_measured = self._prices.is_measured
@@ -449,6 +451,7 @@ class PrefixAffinityPolicy:
         work = routing.num_prompt_tokens - cached + self.config.decode_token_cost * expected  # = _work_tokens
         queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
         self._typical_work += (work - self._typical_work) / 64  # moving average
+        self._typical_queued += (queued - self._typical_queued) / 64
         add(request_id, replica_id, queued, now, work)
         self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
         self._reported.on_routed(replica_id, queued)
@@ -485,13 +488,20 @@ class PrefixAffinityPolicy:
             scoring.computed = self._computed_view(request, found)
         plan = FetchPlan(found.depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
                          request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
-                         config.fetch_credit_scope, scoring.is_over) if config.fetch_enabled else None
+                         config.fetch_credit_scope, scoring.is_over,
+                         config.fetch_alternates) if config.fetch_enabled else None
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
-        if credit is None and plan is not None and self._is_hot(request, found, scoring.mean_recent, now):
+        may_hold = None  # who may gain a holder of the prefix: a hot prefix, or one queued at every holder
+        if credit is None and plan is not None:
+            if self._is_hot(request, found, scoring.mean_recent, now):
+                may_hold = self._has_room
+            elif (holders_load := self._holders_queued(found, scoring)) is not None:
+                may_hold = self._queue_copy_target(holders_load, scoring)
+        if may_hold is not None:
             fetchable = plan.fetchable
             cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
             if cost <= min(self.config.max_replica_fetch_cost, 0.999):  # a fetch pays, with a margin
-                credit = plan.replica_credit(self._has_room, cost)  # it may gain a holder
+                credit = plan.replica_credit(may_hold, cost)  # it may gain a holder
                 scoring.fetch_share = 1.0 / (1.0 - cost)  # saved = every fetched token, its cost charged once
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
         ranked = [entry[-1] for entry in scored if not entry[0]]
@@ -520,12 +530,39 @@ class PrefixAffinityPolicy:
         num_holders = max(self._index.num_holders(key), 1)
         return self._demand.value(key, now) > self.config.hot_prefix_share * mean_recent * num_holders
 
-    def _has_room(self, replica_id: str, num_tokens: int) -> bool:
+    def _holders_queued(self, found: Candidates, scoring: Scoring) -> float | None:
+        """The least queued work among the candidates holding part of the
+        request's prefix, when every one of them has more than
+        ``queue_copy_requests`` typical requests' work queued (this router's
+        in flight there, in the load's units); else None (and always with
+        the rule off, at 0). The request would wait there whatever it saves,
+        and a lighter replica that fetches the prefix need not (step 5,
+        queued copies)."""
+        requests = self.config.queue_copy_requests
+        if not requests or not found.depths:
+            return None
+        least = min(map(scoring.load, found.depths))
+        return least if least > requests * self._typical_queued else None
+
+    def _queue_copy_target(self, holders_load: float, scoring: Scoring) -> Callable[[str, int], bool]:
+        """Who may take a queued copy: a replica with at least
+        ``queue_copy_gap_requests`` typical requests less work queued than
+        every holder (``holders_load``: the least of theirs) whose cache had
+        room for ``queue_copy_room_factor`` x the copy at its last report."""
+        below = holders_load - self.config.queue_copy_gap_requests * self._typical_queued
+        factor, load = self.config.queue_copy_room_factor, scoring.load
+        return lambda replica_id, num_tokens: load(replica_id) <= below and self._has_room(replica_id, num_tokens,
+                                                                                           factor)
+
+    def _has_room(self, replica_id: str, num_tokens: int, factor: float | None = None) -> bool:
         """Whether ``replica_id``'s cache had room, at its last report, for
-        ``replica_room_factor`` x ``num_tokens`` (True before any report):
-        a copy that evicts may take a prefix's only copy with it."""
+        ``factor`` (default ``replica_room_factor``) x ``num_tokens`` (True
+        before any report): a copy that evicts may take a prefix's only copy
+        with it."""
         free = self._fill.free_tokens(replica_id)
-        return free is None or free >= self.config.replica_room_factor * num_tokens
+        if factor is None:
+            factor = self.config.replica_room_factor
+        return free is None or free >= factor * num_tokens
 
     def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
         """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""

@@ -230,6 +230,10 @@ class PolicyConfig:
     max_replica_fetch_cost: float = 0.5  # ... and a fetch costs it at most this share of recomputing (reported)
     max_demand_entries: int = 1 << 16  # prefixes whose demand is remembered (memory bound)
     backup_fetch_hints: bool = True  # a first choice among several deepest holders gets a hint naming another
+    fetch_alternates: int = 2  # other known holders a hint names, asked in turn when the owner evicted the prefix
+    queue_copy_requests: float = 0.0  # q: every holder queued beyond q typical requests -> a lighter one may copy
+    queue_copy_gap_requests: float = 1.0  # ... with at least this many typical requests less queued than each
+    queue_copy_room_factor: float = 2.0  # ... and room at its last report for this many times the copy
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
@@ -240,7 +244,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
                           ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0),
-                          ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0),
+                          ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0), ("queue_copy_requests", 0.0),
+                          ("queue_copy_gap_requests", 0.0), ("queue_copy_room_factor", 0.0),
                           ("max_replica_fetch_cost", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -257,6 +262,8 @@ class PolicyConfig:
                      "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if type(self.fetch_alternates) is not int or self.fetch_alternates < 0:
+            raise ValueError(f"fetch_alternates must be a non-negative int, got {self.fetch_alternates!r}")
         if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
             raise ValueError(f"fetch_min_tokens must be a non-negative int, got {self.fetch_min_tokens!r}")
         for name in ("fetch_token_cost", "fetch_affinity_share"):

@@ -84,11 +84,14 @@ class Owner(Protocol):
 @dataclass(frozen=True, slots=True)
 class SimFetch:
     """A hint as the simulator hands it to the receiving replica: the owner
-    replica itself, the hinted tokens (``FetchHint.num_tokens``), the model."""
+    replica itself, the hinted tokens (``FetchHint.num_tokens``), the model,
+    and the replicas of ``FetchHint.alternates``, asked in turn when the
+    owner holds no more than the receiver."""
 
     owner: Owner
     num_tokens: int
     model: FetchModel
+    alternates: tuple[Owner, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +99,22 @@ class FetchPlan:
     """What the receiver does: ``num_units`` leading units fetched (0: it
     recomputes), in ``transfer_s``; ``reason`` for the figures:
     ``"fetched"``, ``"held"`` (the receiver holds every hinted unit itself:
-    a backup hint it did not need), ``"evicted"`` (the owner holds no more
-    than the receiver), ``"slower"`` (recomputing was cheaper)."""
+    a backup hint it did not need), ``"evicted"`` (no replica named holds
+    more than the receiver), ``"slower"`` (recomputing was cheaper).
+    ``num_asked``: replicas asked (the owner, then alternates until one held
+    more); each that held no more cost the receiver a round trip
+    (``latency_s``), in ``transfer_s`` whatever the outcome."""
 
     num_units: int
     num_tokens: int
     transfer_s: float
     reason: str
+    num_asked: int = 0
+
+    @property
+    def from_alternate(self) -> bool:
+        """Fetched from an alternate: the owner (and any alternate before) had evicted the prefix."""
+        return self.reason == "fetched" and self.num_asked > 1
 
 
 class Timing(Protocol):
@@ -113,21 +125,28 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
                cached_tokens, timing: Timing, now: float) -> FetchPlan:
     """Decide a hinted fetch for a request whose receiver holds
     ``num_own_units`` of ``units``; ``cached_tokens(units) -> tokens`` (the
-    request's rule, at most prompt - 1). If the fetch pays, the owner is
-    charged its export time at ``now``."""
+    request's rule, at most prompt - 1). The owner's cache is read now (it
+    may have evicted them), then each alternate's in turn until one holds
+    more than the receiver, as the worker asks them. If the fetch pays, the
+    replica that holds them is charged its export time at ``now``."""
     hinted = units[:min(fetch.num_tokens // unit_tokens, len(units))]
     if num_own_units >= len(hinted):
         return FetchPlan(0, 0, 0.0, "held")
-    held = fetch.owner.match_units(hinted)  # the owner's cache now: it may have evicted them
     own_tokens = cached_tokens(num_own_units)
-    missing = cached_tokens(held) - own_tokens
-    if held <= num_own_units or missing <= 0:
-        return FetchPlan(0, 0, 0.0, "evicted")
+    latency_s = fetch.model.latency_s
+    for num_asked, owner in enumerate((fetch.owner, *fetch.alternates), 1):
+        held = owner.match_units(hinted)
+        missing = cached_tokens(held) - own_tokens
+        if held > num_own_units and missing > 0:
+            break
+    else:  # every replica named had evicted them: a round trip each, then recompute
+        return FetchPlan(0, 0, num_asked * latency_s, "evicted", num_asked)
+    asked_s = (num_asked - 1) * latency_s  # the replicas before it answered "evicted"
     transfer_s = fetch.model.transfer_s(missing)
     if transfer_s >= timing.prefill_s(missing, own_tokens):
-        return FetchPlan(0, 0, 0.0, "slower")
-    fetch.owner.export(hinted[:held], now, fetch.model.export_s(missing))
-    return FetchPlan(held, missing, transfer_s, "fetched")
+        return FetchPlan(0, 0, asked_s, "slower", num_asked)
+    owner.export(hinted[:held], now, fetch.model.export_s(missing))
+    return FetchPlan(held, missing, asked_s + transfer_s, "fetched", num_asked)
 
 
 @dataclass(slots=True)
@@ -140,11 +159,13 @@ class FetchCounts:
     num_slower: int = 0
     num_fetched_tokens: int = 0
     export_busy_s: float = 0.0
+    num_from_alternate: int = 0  # of the fetched: from an alternate (the owner had evicted the prefix)
 
     def count(self, plan: FetchPlan) -> None:
         if plan.reason == "fetched":
             self.num_fetched += 1
             self.num_fetched_tokens += plan.num_tokens
+            self.num_from_alternate += plan.from_alternate
         elif plan.reason == "held":
             self.num_held += 1
         elif plan.reason == "evicted":

@@ -54,7 +54,8 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
         "fetched_rate": num_fetched_tokens / max(prompt_total, 1),
         "num_fetches": sum(c.num_fetched for c in counts),
         "num_fetch_held": sum(c.num_held for c in counts),  # backup hints the receiver did not need
-        "num_fetch_evicted": sum(c.num_evicted for c in counts),  # the owner no longer held more: recomputed
+        "num_fetch_evicted": sum(c.num_evicted for c in counts),  # no replica named held more: recomputed
+        "num_fetch_from_alternate": sum(c.num_from_alternate for c in counts),  # the owner had evicted it
         "num_fetch_slower": sum(c.num_slower for c in counts),  # recomputing was cheaper: recomputed
         "export_busy_s": sum(c.export_busy_s for c in counts),
     })

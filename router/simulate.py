@@ -191,8 +191,9 @@ class Ours:
         router.on_routed(routing, replica_id, str(number))
         self._router_of[str(number)] = router
         hint = decision.fetch
-        self._fetch = None if hint is None else SimFetch(self._replicas[self._index_of[hint.owner]],
-                                                         hint.num_tokens, self._fetch_model)
+        replica_of = lambda replica_id: self._replicas[self._index_of[replica_id]]  # noqa: E731
+        self._fetch = None if hint is None else SimFetch(replica_of(hint.owner), hint.num_tokens, self._fetch_model,
+                                                         tuple(map(replica_of, hint.alternates)))
         self.num_fetch_hints += hint is not None
         return self._index_of[replica_id]
 

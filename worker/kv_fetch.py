@@ -28,9 +28,14 @@ queued:
    prefill step measures the rate.
 3. Ask the owner for at most ``num_tokens`` of the prompt under the
    request's own salt (a tenant's export never reads another namespace) and
-   wait at most ``timeout_s``. Every failure falls back to recomputing,
-   counted by reason (:data:`FALLBACK_REASONS`); ``prepare`` raises nothing
-   but ``CancelledError``.
+   wait at most ``timeout_s``. When the owner answers that it no longer
+   holds them (``evicted``), is gone or its call fails, ask the hint's
+   ``alternates`` in turn (other replicas the router believes hold them: its
+   index lags evictions by up to a summary period), each within ``timeout_s``
+   and all within the request's patience. Every failure falls back to
+   recomputing, counted once by the last replica's reason
+   (:data:`FALLBACK_REASONS`); ``prepare`` raises nothing but
+   ``CancelledError``.
 4. Import the bundle (checked, checksum and weights fingerprint included,
    outside any lock; written under the engine's cache lock in one bounded
    copy, which a running forward does not hold: ``AsyncEngine``). The
@@ -224,6 +229,8 @@ class FetchCounters:
     num_hints_ignored: int = 0  # of those: fetch off, the hint named this replica, or the prefix was held already
     num_joined: int = 0  # hinted requests that waited for a fetch of the same prefix already in flight
     num_outwaited: int = 0  # hinted requests that stopped waiting for their fetch after their recompute time
+    num_alternate_asks: int = 0  # alternates asked after the replica before them had evicted the prefix or failed
+    num_from_alternate: int = 0  # of the imported bundles: those an alternate served
     num_exports: int = 0  # bundles this replica served to others
     num_exported_bytes: int = 0
     export_wait_s: float = 0.0  # exports waiting for this replica's cache lock
@@ -242,6 +249,8 @@ class FetchCounters:
             "fetch_hints_ignored": self.num_hints_ignored,
             "fetch_joined": self.num_joined,
             "fetch_outwaited": self.num_outwaited,
+            "fetch_alternate_asks": self.num_alternate_asks,
+            "fetch_from_alternate": self.num_from_alternate,
             "fetch_exports": self.num_exports,
             "fetch_exported_bytes": self.num_exported_bytes,
             "fetch_export_wait_seconds": round(self.export_wait_s, 6),
@@ -334,6 +343,7 @@ class PrefixFetcher:
             return 0
         self.counters.num_hints += 1
         num_tokens = min(int(hint.num_tokens), len(token_ids))
+        owners = tuple(o for o in (hint.owner, *getattr(hint, "alternates", ())) if o != self._replica_id)
         if not self._config.enabled or hint.owner == self._replica_id or num_tokens <= 0:
             self.counters.num_hints_ignored += 1
             return 0
@@ -348,7 +358,7 @@ class PrefixFetcher:
             reason = self._why_not_fetch(num_tokens, num_tokens - num_cached)
             if reason is not None:
                 return self._fall_back(reason)
-            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(self._fetch(hint.owner, prefix, salt)))
+            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(self._fetch(owners, prefix, salt)))
             shared.task.add_done_callback(lambda _: self._forget(key, shared))
         else:
             self.counters.num_joined += 1
@@ -385,20 +395,36 @@ class PrefixFetcher:
         if self._in_flight.get(key) is shared:
             del self._in_flight[key]
 
-    async def _fetch(self, owner: str, prefix: tuple[int, ...], salt: str | None) -> int:
-        start = self._clock()
+    async def _fetch(self, owners: tuple[str, ...], prefix: tuple[int, ...], salt: str | None) -> int:
+        """Ask ``owners`` in turn (step 3) until one sends a bundle, then import it."""
+        failure: tuple = ()
+        for number, owner in enumerate(owners):
+            if number:
+                self.counters.num_alternate_asks += 1
+            start = self._clock()
+            reply, failure = await self._ask(owner, prefix, salt)
+            if reply is not None:
+                imported = await self._import(reply.bundle, prefix, salt, start, self._clock())
+                self.counters.num_from_alternate += bool(number and imported)
+                return imported
+            if failure[0] == "timeout":
+                break  # a slow owner took the time a second ask would need
+        return self._fall_back(*failure)
+
+    async def _ask(self, owner: str, prefix: tuple[int, ...], salt: str | None) -> tuple[ExportReply | None, tuple]:
+        """``(reply with a bundle, ())`` or ``(None, (reason, owner[, error]))``."""
         request = ExportRequest(owner, prefix, salt, len(prefix))
         try:
             reply = await asyncio.wait_for(self._transport.fetch(request), self._config.timeout_s)
         except asyncio.TimeoutError:  # TimeoutError from 3.11; pyproject allows 3.10
-            return self._fall_back("timeout", owner)
+            return None, ("timeout", owner)
         except Exception as error:  # noqa: BLE001 - a failed owner means recompute, never a failed request
-            return self._fall_back("owner_failed", owner, error)
+            return None, ("owner_failed", owner, error)
         if not isinstance(reply, ExportReply) or reply.replica_id != owner:
-            return self._fall_back("owner_gone", owner)
+            return None, ("owner_gone", owner)
         if reply.bundle is None:
-            return self._fall_back("evicted", owner)
-        return await self._import(reply.bundle, prefix, salt, start, self._clock())
+            return None, ("evicted", owner)
+        return reply, ()
 
     async def _import(self, bundle: KVBundle, prefix: tuple[int, ...], salt: str | None, start: float,
                       replied: float) -> int:

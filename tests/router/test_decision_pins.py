@@ -136,6 +136,7 @@ UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min
 
 CONFIGS = {
     "default": {},
+    "queue_copies": {"queue_copy_requests": 2.0},  # the default with queued copies on
     "before_replication": BEFORE_REPLICATION,  # the default before replicate_hot_prefixes
     "premium_always": PREMIUM_ALWAYS,  # the default before premium_needs_completion
     "min256": {"fetch_min_tokens": 256, **PREMIUM_ALWAYS},
@@ -158,8 +159,14 @@ CONFIGS = {
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
 # and pinned anew for the split premium ("default", "split_fetch"; the others carry UNSPLIT).
 PINS: dict[tuple[str, int], str] = {
-    ("default", 0): "1210e37c7b2030c9ee54",  # replicate_hot_prefixes and backup_fetch_hints on (2026-12-04)
-    ("default", 1): "a8b3c382eb8c4356ccce",
+    # backup hints for a first choice short of at most fetch_min_tokens of the deepest holders' prefix
+    # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
+    # default still gives 1210e37c7b2030c9ee54 / a8b3c382eb8c4356ccce, the pins of replicate_hot_prefixes
+    # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
+    ("default", 0): "f60d355b9e13584faea8",
+    ("default", 1): "b36a4b64e1f282d0706b",
+    ("queue_copies", 0): "64ba51ddddccb5b4fcc2",  # queue_copy_requests 2 (off by default; 2026-12-04)
+    ("queue_copies", 1): "c615da1659d37d1536a4",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",
     ("premium_always", 0): "b114452e4df866582152",  # fetch_min_tokens 64

@@ -232,8 +232,18 @@ def test_records_reject_bad_values():
     with pytest.raises(ValueError):
         RoutingDecision((), FetchHint("a", 4))
     assert RoutingDecision(["a"]).ranked == ("a",)
+    for alternates in (("a",), ("b", "b"), ("",), (3,), "bc"):  # the owner, twice, empty, not an id, not a tuple
+        with pytest.raises(ValueError):
+            FetchHint("a", 4, alternates)
+    with pytest.raises(ValueError):
+        RoutingDecision(("c", "a"), FetchHint("a", 4, ("c",)))  # the first choice among those a hint names
+    hint = FetchHint("a", 4, ["b", "c"])
+    assert hint.alternates == ("b", "c") and hint.owners == ("a", "b", "c") and FetchHint("a", 4).owners == ("a",)
+    assert RoutingDecision(("d",), hint).fetch is hint
     for bad in ({"fetch_min_tokens": -1}, {"fetch_token_cost": 1.5}, {"fetch_enabled": 1},
-                {"fetch_credit_scope": "sometimes"}, {"fetch_credit_scope": None}):
+                {"fetch_credit_scope": "sometimes"}, {"fetch_credit_scope": None}, {"fetch_alternates": -1},
+                {"fetch_alternates": 1.0}, {"queue_copy_requests": -1}, {"queue_copy_gap_requests": float("nan")},
+                {"queue_copy_room_factor": -0.5}):
         with pytest.raises(ValueError):
             PolicyConfig(**bad)
 

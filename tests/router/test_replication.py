@@ -7,10 +7,12 @@ import random
 
 import pytest
 
+from cache import block_hashes
 from cache.summary import CacheSummary
 from router.fetch import FetchHint, FetchPlan
 from router.fetch_cost import ReportedFetchCost
 from router.prefix_demand import PrefixDemand
+from router.request import RoutingRequest
 from router.sim_fetch import SimFetch, plan_fetch
 from router.policy_config import PolicyConfig
 from router.simulate import SimConfig, simulate
@@ -271,3 +273,93 @@ def test_a_hot_prefix_gains_holders_only_where_the_replicas_report_that_a_fetch_
         assert len(set(served["on"])) == 4 > len(set(served["off"]))
     else:
         assert served["on"] == served["off"]
+
+
+# ------------------------------------------------------------------ queued copies, alternates
+def route_behind_a_queue(room_tokens=None, **knobs):
+    """200 cold requests set the typical request's work (each completes);
+    then 8 requests of one prefix arrive and none completes. Short outputs,
+    so the prefix's premium outweighs a queue at its home. With
+    ``room_tokens``, every replica reports that much free cache first.
+    Each hot request's (first choice, hint)."""
+    clock = Clock()
+    policy = make_policy(clock, replicate_hot_prefixes=False, premium_needs_completion=False, **knobs)
+    if room_tokens is not None:  # each holds 1,000 tokens of something else
+        for version, replica_id in enumerate(REPLICAS, 1):
+            unrelated = [[10**6 * version + i for i in range(1000)]]
+            assert policy.on_summary(summary(replica_id, version, unrelated, budget_tokens=1000 + room_tokens))
+    rng = random.Random(0)
+    for i in range(200):
+        clock.now += 0.05
+        cold = short_request([rng.randrange(10**6) for _ in range(38)])
+        policy.on_routed(cold, policy.decide(cold, request_id=f"c{i}").ranked[0], f"c{i}")
+        policy.on_completed(f"c{i}")
+    decisions = []
+    for i in range(8):
+        clock.now += 0.01
+        hot = short_request(SHARED + [90_000 + 10 * i + j for j in range(6)])
+        held = {r: policy.index.depth(r, hot.block_hashes) for r in REPLICAS}
+        decision = policy.decide(hot, request_id=str(i))
+        policy.on_routed(hot, decision.ranked[0], str(i))
+        if decision.fetch is not None:  # every replica a hint names holds what it hints
+            assert all(held[r] * BLOCK >= decision.fetch.num_tokens for r in decision.fetch.owners)
+        decisions.append((decision.ranked[0], decision.fetch))
+        policy.check_invariants()
+    return decisions
+
+
+def short_request(tokens):
+    return RoutingRequest(tuple(block_hashes(tokens, BLOCK)), len(tokens), None, "", 1)
+
+
+def test_a_prefix_queued_at_every_holder_gains_a_fetched_holder():
+    """``queue_copy_requests`` = 2: once every holder of the prefix has more
+    than two typical requests' work queued, a replica with at least one
+    typical request less queued and room for two copies takes the next
+    request and is hinted to fetch the prefix; when both holders are
+    queued so, a third replica is, its hint naming the second holder as an
+    alternate. Off (0, the default), every request queues at the home."""
+    config = PolicyConfig()
+    assert (config.queue_copy_requests, config.queue_copy_gap_requests, config.queue_copy_room_factor) == (0, 1, 2)
+    off = route_behind_a_queue()
+    assert {first for first, _ in off} == {off[0][0]} and all(hint is None for _, hint in off)
+    home = off[0][0]
+    on = route_behind_a_queue(queue_copy_requests=2)
+    assert [first for first, _ in on[:3]] == [home] * 3 and all(hint is None for _, hint in on[:3])
+    copy, hint = on[3]
+    assert copy != home and hint == FetchHint(home, len(SHARED))
+    third, hint = on[6]
+    assert third not in (home, copy) and hint.owners in ((home, copy), (copy, home))
+    assert len({first for first, _ in on}) == 3
+
+
+@pytest.mark.parametrize("copies, copied", [(1.9, False), (2.1, True)])
+def test_a_queued_copy_needs_room_for_two_copies(copies, copied):
+    on = route_behind_a_queue(room_tokens=round(copies * len(SHARED)), queue_copy_requests=2)
+    assert (len({first for first, _ in on}) > 1) == copied
+
+
+def test_a_first_choice_short_of_a_block_of_the_prefix_gets_a_backup_hint():
+    """A radix cache evicts a prefix from its deepest block up: a first
+    choice whose last report lacked only the last block (at most
+    ``fetch_min_tokens``) may have evicted it all since, so it is hinted to
+    the deepest holder; without backup hints it gets none (the gap is not
+    worth a fetch of its own)."""
+    loads = {"a": 0.0, "b": 1.0, "c": 0.5}.get
+    plan = FetchPlan({"a": 3, "b": 4, "c": 4}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never", max_alternates=2)
+    assert plan.hint("a", 12, backup=True) == FetchHint("c", 16, ("b",))
+    assert plan.hint("a", 12, backup=False) is None
+    assert plan.backup_hint("a") == FetchHint("c", 16)  # the alternates come with hint()
+    assert FetchPlan({"a": 2, "b": 4}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
+
+
+def test_a_hint_names_the_other_holders_as_deep_least_loaded_first():
+    loads = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.0, "e": 0.5, "x": 9.0}.get
+    depths = {"a": 4, "b": 4, "c": 4, "d": 2, "e": 5}
+    plan = FetchPlan(depths, lambda r: 0, BLOCK, 20, loads, 4, 0.1, "never", max_alternates=2)
+    # the prompt caps the fetchable prefix at 4 blocks (16 of its 20 tokens): e, the least loaded of the
+    # deepest, owns it; b and c, as deep as the hint, follow by load; d is too shallow; a is third
+    assert plan.hint("x", 0) == FetchHint("e", 16, ("b", "c"))
+    assert plan.hint("b", 16, backup=True) == FetchHint("e", 16, ("c", "a"))  # never the first choice
+    unnamed = FetchPlan(depths, lambda r: 0, BLOCK, 20, loads, 4, 0.1, "never")
+    assert unnamed.hint("x", 0) == FetchHint("e", 16)

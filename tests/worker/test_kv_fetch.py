@@ -364,6 +364,7 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
     fetcher.counters.num_fetches, fetcher.counters.num_fetched_tokens = 2, 128
     fetcher.counters.fallbacks["timeout"] = 3
     fetcher.counters.num_outwaited = 2
+    fetcher.counters.num_alternate_asks, fetcher.counters.num_from_alternate = 3, 1
     stats = ReplicaReporter(engine, RECEIVER, 64, clock=lambda: 0.0, pid=1, extra_stats=fetcher.stats).stats()
     assert set(engine.stats) < set(stats.engine)  # the engine's keys, unchanged, and the fetch ones
     assert stats.engine["fetch_count"] == 2 and stats.engine["fetch_fallback_timeout"] == 3
@@ -371,6 +372,8 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
     assert f'kvroute_fetched_tokens_total{{replica="{RECEIVER}"}} 128.0' in text
     assert f'kvroute_fetch_fallbacks_total{{reason="timeout",replica="{RECEIVER}"}} 3.0' in text
     assert f'kvroute_fetch_outwaited_total{{replica="{RECEIVER}"}} 2.0' in text
+    assert f'kvroute_fetch_alternate_asks_total{{replica="{RECEIVER}"}} 3.0' in text
+    assert f'kvroute_fetch_from_alternate_total{{replica="{RECEIVER}"}} 1.0' in text
     assert f'kvroute_fetch_token_cost{{replica="{RECEIVER}"}} 0.0' in text  # no prefill timed yet
     assert stats.engine["fetch_overhead_tokens"] == 0.0
     reasons = {line.split('reason="')[1].split('"')[0] for line in text.splitlines()
@@ -613,3 +616,59 @@ def test_the_fetch_prices_a_summary_reports_agree_with_the_fetch_decision(pair, 
             assert fetcher.fetch_prices() == {"fetch_token_cost": 0.0, "fetch_overhead_tokens": 0.0}
 
     asyncio.run(main())
+
+
+class ByTarget:
+    """Each ``target_replica``'s transport; records who was asked, in order."""
+
+    def __init__(self, **transports) -> None:
+        self.transports = transports
+        self.asked = []
+
+    async def fetch(self, request):
+        self.asked.append(request.target_replica)
+        return await self.transports[request.target_replica].fetch(request)
+
+
+def test_an_owner_that_evicted_the_prefix_hands_over_to_the_alternates_in_turn(pair, tokens):
+    """The router's index lags evictions: the hint's owner may have evicted
+    what a second holder still has. The receiver asks the alternates in
+    order, imports from the first that sends a bundle, and counts it; when
+    every replica named fails it recomputes, counted once by the last
+    reason; a timeout ends the asking (it spent what a second ask needs)."""
+    owner_engine, receiver_engine = pair
+    prompt = tokens(70)
+
+    async def main():
+        await owner_engine.generate(prompt, GREEDY)
+        holder = PrefixFetcher(owner_engine, "holder", FetchConfig(), Answers(None))
+        transport = ByTarget(gone=Answers(ExportReply("gone", None)), failed=Fails(), holder=Direct(holder))
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport)
+        hint = FetchHint("gone", 64, ("failed", "holder"))
+        assert await receiver.prepare(prompt, None, hint) == 64
+        assert transport.asked == ["gone", "failed", "holder"] and fallbacks(receiver) == {}
+        stats = receiver.stats()
+        assert (stats["fetch_count"], stats["fetch_alternate_asks"], stats["fetch_from_alternate"]) == (1, 2, 1)
+        fetched = await receiver_engine.generate(prompt, GREEDY)
+
+        evicted = ByTarget(a=Answers(ExportReply("a", None)), b=Answers(ExportReply("b", None)))
+        other = PrefixFetcher(receiver_engine, "other", FetchConfig(min_speedup=0.0), evicted)
+        assert await other.prepare(tokens(70), None, FetchHint("a", 64, ("b",))) == 0
+        assert evicted.asked == ["a", "b"] and fallbacks(other) == {"evicted": 1}
+        assert other.stats()["fetch_from_alternate"] == 0 and other.stats()["fetch_alternate_asks"] == 1
+
+        slow = ByTarget(a=Hangs(), b=Direct(holder))
+        patient = PrefixFetcher(receiver_engine, "third", FetchConfig(min_speedup=0.0, timeout_s=0.2), slow)
+        assert await patient.prepare(tokens(70), None, FetchHint("a", 64, ("b",))) == 0
+        assert slow.asked == ["a"] and fallbacks(patient) == {"timeout": 1}
+
+        itself = PrefixFetcher(receiver_engine, "b", FetchConfig(min_speedup=0.0), ByTarget(a=Answers(ExportReply("a", None))))
+        assert await itself.prepare(tokens(70), None, FetchHint("a", 64, ("b",))) == 0  # never asks itself
+        assert fallbacks(itself) == {"evicted": 1} and itself.stats()["fetch_alternate_asks"] == 0
+        return fetched
+
+    result = asyncio.run(main())
+    assert result.cached_tokens == 64
+    expected_tokens, expected_logprobs = reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
+    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+    assert_clean(owner_engine, receiver_engine)
