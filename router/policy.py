@@ -139,9 +139,17 @@ class PrefixAffinityPolicy:
        home until the bound spills it (re-prefilled). A copy that would
        evict (no room) is not offered: it may take a prefix's only copy.
        **Backup hints** (``backup_fetch_hints``): a first choice that is one
-       of several deepest holders is hinted to another, so a copy evicted
+       of several deepest holders (or short of them by at most
+       ``fetch_min_tokens``) is hinted to another, so a copy evicted
        since its last report is fetched back, not recomputed (a receiver
-       that still holds it ignores the hint).
+       that still holds it ignores the hint). Every hint names up to
+       ``fetch_alternates`` more holders, asked in turn when the owner has
+       evicted the prefix. **Queued copies** (``queue_copy_requests``, off
+       by default): where every holder candidate has more than that many
+       typical requests' work queued, a candidate at least
+       ``queue_copy_gap_requests`` lighter with room for
+       ``queue_copy_room_factor`` x the copy is credited as a hot prefix's
+       would-be holder.
     6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
        falls back to the next when the first is full. Given a
        ``request_id``, the first choice is *reserved* at once (its work

@@ -134,7 +134,30 @@ class PolicyConfig:
     deepest holders is hinted to another; a replica that evicted its copy
     since its last report fetches it instead of recomputing (shared-prefix
     FIFO with replication but no backup hints: hit 0.8810). Alone, it
-    changes no simulated figure.
+    changes no simulated figure. Since 2026-12-04 (later; BENCHMARKS.md
+    "Alternate holders and queued copies") it also goes to a first choice
+    the index counts among the holders of all but at most
+    ``fetch_min_tokens`` of the prefix: a radix cache evicts from the
+    deepest block up, and such a replica, hinted nothing, recomputed a
+    whole system prompt two others held.
+    ``fetch_alternates`` = 2: a hint names up to two more holders as deep
+    as it hints (``FetchHint.alternates``), least loaded first; the worker
+    asks them in turn when the owner evicted the prefix (the index lags
+    evictions by up to a summary period). Alone, neither changes any
+    simulated figure measured; with queued copies both kept every
+    shared-prefix seed's prefixes.
+    ``queue_copy_requests`` = 0 (off): at q > 0, a request whose every
+    holder candidate has more than q typical requests' work queued credits
+    a candidate with at least ``queue_copy_gap_requests`` (1) typical
+    requests less queued and room at its last report for
+    ``queue_copy_room_factor`` (2) x the copy as a hot prefix's would-be
+    holder. At q = 2, over workload seeds 0-15: shared-prefix FIFO 0.8824 /
+    1.066 / 0.257 s -> 0.8824 / 1.050 / 0.160 s (the TTFT goal, 0.179 s,
+    met), multi-turn batching imbalance 1.104 -> 1.091; but Mooncake 1.25M
+    batching hit 0.5751 -> 0.5681 (mean over summary periods), FIFO 0.5726
+    -> 0.5717, 6.25M 0.6512 -> 0.6509-0.6510: copies where the fleet's cache
+    is the constraint. Gates tried (evicted blocks missed again, demand,
+    copy size) did not separate the two; hence off.
 
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the
