@@ -204,8 +204,8 @@ class FetchPlan:
         """``hint`` naming, besides its owner, up to ``max_alternates`` other
         candidates known to hold its tokens (never ``first_id``), least
         loaded first."""
-        if hint is None or not self._max_alternates:
-            return hint
+        if hint is None or not self._max_alternates or len(self._depths) < 2:
+            return hint  # no holder besides the owner to name
         num_blocks = hint.num_tokens // self._block_size
         others = sorted((r for r, d in self._depths.items() if d >= num_blocks and r != first_id and r != hint.owner),
                         key=lambda r: (self._load_of(r), r))
