@@ -363,3 +363,21 @@ def test_a_hint_names_the_other_holders_as_deep_least_loaded_first():
     assert plan.hint("b", 16, backup=True) == FetchHint("e", 16, ("c", "a"))  # never the first choice
     unnamed = FetchPlan(depths, lambda r: 0, BLOCK, 20, loads, 4, 0.1, "never")
     assert unnamed.hint("x", 0) == FetchHint("e", 16)
+
+
+def test_an_alternate_holder_keeps_a_prefix_the_hinted_owner_evicted():
+    """Shared-prefix FIFO, workload seed 21, queued copies on: one request's
+    hinted owner had evicted its group's prefix since its last report.
+    Named alone (``fetch_alternates`` 0) it costs a recompute of the whole
+    system prompt; named with the other holders, the receiver fetches it
+    from one of them, and every prompt is computed once."""
+    figures = {}
+    for alternates in (0, 2):
+        policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates)
+        config = SimConfig(num_replicas=8, budget_tokens=8000, seed=21, policy=policy)
+        figures[alternates] = simulate(shared_prefix(seed=21), config, ["ours"], progress=False,
+                                       seeds=range(21, 22))["policies"]["ours"]
+    optimum = 15 / 16 * 1024 / 1088
+    assert figures[0]["num_fetch_evicted"] == 1 and figures[0]["hit_rate"] < optimum - 0.003
+    assert figures[2]["num_fetch_from_alternate"] >= 1 and figures[2]["num_fetch_evicted"] == 0
+    assert figures[2]["hit_rate"] == pytest.approx(optimum)
