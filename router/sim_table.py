@@ -25,8 +25,9 @@ def print_table(result: dict) -> None:
               f" {f.get('mean_decode_batch', 1.0):6.2f}")
         if f.get("num_fetch_hints"):
             print(f"{'':>20} fetch: {f['num_fetch_hints']:.0f} hints, {f['num_fetches']:.0f} fetched "
-                  f"({f['fetched_rate']:.4f} of prompt tokens), {f.get('num_fetch_held', 0):.0f} already held, "
-                  f"{f['num_fetch_evicted']:.0f} owner evicted, "
+                  f"({f['fetched_rate']:.4f} of prompt tokens; {f.get('num_fetch_from_alternate', 0):.0f} from an "
+                  f"alternate), {f.get('num_fetch_held', 0):.0f} already held, "
+                  f"{f['num_fetch_evicted']:.0f} evicted by every replica named, "
                   f"{f['num_fetch_slower']:.0f} recompute faster; owners' export {f['export_busy_s']:.2f} s")
         if "summary_bytes_per_replica_s" in f:
             print(f"{'':>20} summaries ({setup['summary_mode']}): {f['summary_bytes_per_replica_s']:,.0f} B/s per "
