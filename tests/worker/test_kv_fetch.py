@@ -80,6 +80,12 @@ def fallbacks(fetcher: PrefixFetcher) -> dict:
     return {r: n for r, n in fetcher.counters.fallbacks.items() if n}
 
 
+def assert_reference(result, engine, prompt) -> None:
+    """``result``'s tokens and logprobs are the plain reference server's, bit for bit."""
+    expected_tokens, expected_logprobs = reference.generate(engine.engine, prompt, GREEDY.max_new_tokens, logprobs=True)
+    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+
+
 def assert_clean(*engines) -> None:
     for engine in engines:
         report = audit(engine)
@@ -244,8 +250,7 @@ def test_after_a_fetch_outputs_equal_the_reference_bit_for_bit(pair, tokens):
 
     result = asyncio.run(main())
     assert result.cached_tokens == 64
-    expected_tokens, expected_logprobs = reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
-    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+    assert_reference(result, receiver_engine, prompt)
     assert_clean(owner_engine, receiver_engine)
 
 
@@ -554,8 +559,7 @@ def test_exports_and_imports_run_while_the_engine_is_in_a_forward(pair, tokens):
     for busy_result, engine in zip(busy_results, pair):
         assert list(busy_result.token_ids) == reference.generate(engine.engine, busy_prompt, 6)
     assert result.cached_tokens == 64
-    expected_tokens, expected_logprobs = reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
-    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+    assert_reference(result, receiver_engine, prompt)
     assert_clean(owner_engine, receiver_engine)
 
 
@@ -669,6 +673,5 @@ def test_an_owner_that_evicted_the_prefix_hands_over_to_the_alternates_in_turn(p
 
     result = asyncio.run(main())
     assert result.cached_tokens == 64
-    expected_tokens, expected_logprobs = reference.generate(receiver_engine.engine, prompt, 6, logprobs=True)
-    assert list(result.token_ids) == expected_tokens and list(result.logprobs) == expected_logprobs
+    assert_reference(result, receiver_engine, prompt)
     assert_clean(owner_engine, receiver_engine)
