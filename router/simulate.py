@@ -396,8 +396,9 @@ def _mean_over_seeds(runs: list[dict]) -> dict:
     return merged
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router.simulate", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m router.simulate", description: str | None = None) -> argparse.ArgumentParser:
+    """The replay's command line (shared with :mod:`router.seed_sweep`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--trace", help="Mooncake-format JSONL trace")
     parser.add_argument("--workload", choices=("mooncake", "shared-prefix", "multi-turn"), default=None)
     parser.add_argument("--replicas", type=int, required=True)
@@ -446,13 +447,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch-export-fraction", type=float, default=FetchModel().export_fraction,
                         help="the owner's busy time per fetch, as a fraction of the transfer time")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def workload_kind(args: argparse.Namespace) -> str:
+    """mooncake, shared-prefix or multi-turn; ValueError when the command names none."""
     kind = args.workload or ("mooncake" if args.trace else None)
     if kind is None:
-        parser.error("give --trace FILE or --workload")
+        raise ValueError("give --trace FILE or --workload")
+    if kind == "mooncake" and not args.trace:
+        raise ValueError("--workload mooncake needs --trace FILE")
+    return kind
+
+
+def build_run(args: argparse.Namespace) -> tuple[Workload, SimConfig, list[str]]:
+    """The workload (generated from ``args.seed``), the simulator's config
+    and the policy names a parsed command line asks for."""
+    kind = workload_kind(args)
     if kind == "mooncake":
-        if not args.trace:
-            parser.error("--workload mooncake needs --trace FILE")
         workload = load_mooncake(args.trace, args.limit)
     elif kind == "shared-prefix":
         workload = shared_prefix(block_tokens=args.block_tokens, seed=args.seed, **json.loads(args.workload_args))
@@ -477,6 +489,16 @@ def main(argv: list[str] | None = None) -> int:
                          export_fraction=args.fetch_export_fraction),
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    return workload, config, names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        workload, config, names = build_run(args)
+    except ValueError as error:
+        parser.error(str(error))
     seeds = range(args.seed, args.seed + args.seeds)
     result = simulate(workload, config, names, progress=not args.no_progress, seeds=seeds)
     with open(args.json, "w") as handle:
