@@ -9,6 +9,8 @@
    first, then timed in interleaved rounds so machine noise hits all sizes
    alike. Per-op figures are thread CPU time (wall-clock medians are in the
    JSON). Goal: median cost flat in the number of entries (10^4 vs 10^2 <= 1.2).
+   The eviction order is the engine's (``--protected-share``, segmented LRU;
+   0 for plain LRU).
 2. BlockAllocator internal fragmentation for block sizes 8/16/32/64 on the
    Mooncake trace's ``input_length + output_length`` (raw and scaled 1/16)
    and on a chat-like synthetic distribution, 64 sequences at a time.
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from cache.blocks import BlockAllocator
 from cache.radix import RadixCache
+from cache.segmented_lru import SERVING_PROTECTED_SHARE
 from cache.summary import cached_block_hashes
 from harness.workloads import read_mooncake
 
@@ -56,6 +59,7 @@ class Fixture:
     num_entries: int
     real: bool
     rng: random.Random
+    protected_share: float = 0.0  # the eviction order: plain LRU, or the engine's segmented LRU
     radix: RadixCache = field(init=False)
     allocator: BlockAllocator | None = field(init=False, default=None)
     prefixes: list[list[int]] = field(init=False, default_factory=list)
@@ -69,7 +73,7 @@ class Fixture:
             # every cached block plus room for the sequences in flight
             num_blocks = num_groups * (PREFIX_TOKENS // BLOCK_SIZE) + self.num_entries * (TAIL_TOKENS // BLOCK_SIZE + 1)
             self.allocator = BlockAllocator(num_blocks + 4 * PROMPT_TOKENS // BLOCK_SIZE, BLOCK_SIZE)
-        self.radix = RadixCache(budget, BLOCK_SIZE, self.allocator)
+        self.radix = RadixCache(budget, BLOCK_SIZE, self.allocator, protected_share=self.protected_share)
         self.prefixes = [list(self.rng.randbytes(PREFIX_TOKENS)) for _ in range(num_groups)]
         for index in range(self.num_entries):
             tail = self.rng.randbytes(TAIL_TOKENS)
@@ -126,11 +130,12 @@ def summarize(samples: list[tuple[float, float]]) -> dict[str, float]:
     }
 
 
-def bench_radix(sizes: list[int], real: bool, rounds: int, ops_per_round: int, seed: int) -> dict:
+def bench_radix(sizes: list[int], real: bool, rounds: int, ops_per_round: int, seed: int,
+                protected_share: float = 0.0) -> dict:
     fixtures = []
     for size in sizes:
         start = time.perf_counter()
-        fixtures.append(Fixture(size, real, random.Random(seed + size)))
+        fixtures.append(Fixture(size, real, random.Random(seed + size), protected_share))
         print(f"  built {size:>7,} entries ({'real' if real else 'simulated'}) in {time.perf_counter() - start:5.1f} s", flush=True)
     kinds = ("match_hit_4032", "match_hit_4096", "insert_64_new")
     samples = {(size, kind): [] for size in sizes for kind in kinds}
@@ -291,13 +296,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--salts", default="10000,100000", help="tenant part: comma-separated salt counts")
     parser.add_argument("--parts", default="radix,fragmentation,tenants", help="which parts to run")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--protected-share", type=float, default=SERVING_PROTECTED_SHARE,
+                        help="radix part: the eviction order, the engine's segmented LRU (0: plain LRU)")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     sizes = [int(s) for s in args.entries.split(",")]
-    report: dict = {"prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK_SIZE, "radix": {}}
+    report: dict = {"prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK_SIZE, "protected_share": args.protected_share,
+                    "radix": {}}
     for mode in args.modes.split(",") if "radix" in parts else ():
-        print(f"RadixCache, {mode} mode: building caches", flush=True)
-        result = bench_radix(sizes, mode == "real", args.rounds, args.ops_per_round, args.seed)
+        print(f"RadixCache, {mode} mode, protected share {args.protected_share:g}: building caches", flush=True)
+        result = bench_radix(sizes, mode == "real", args.rounds, args.ops_per_round, args.seed, args.protected_share)
         print_radix(result, sizes, mode)
         report["radix"][mode] = result
         gc.collect()

@@ -64,7 +64,8 @@ class KVCache:
     Room: :meth:`admit` needs the sequence's fresh blocks plus
     ``watermark_blocks`` free (headroom for running sequences' appends) and
     :meth:`append` one block; both evict unlocked tree entries, least recently
-    used first, to get them, and return ``None`` when that is not enough (the
+    used first (segmented: prefixes a lookup reused last longest, with
+    ``protected_share``), to get them, and return ``None`` when that is not enough (the
     caller waits or preempts; preempting is :meth:`release`). Reuse is at most
     ``len(token_ids) - 1`` positions, so the last position's logits are
     computed.
@@ -82,9 +83,10 @@ class KVCache:
         max_namespaces: int = 1024,
         watermark_blocks: int | None = None,
         clock: Callable[[], float] | None = None,
+        protected_share: float = 0.0,
     ) -> None:
         self._allocator = BlockAllocator(num_blocks, block_size)
-        self._radix = RadixCache(budget_tokens, block_size, self._allocator, clock, max_namespaces)
+        self._radix = RadixCache(budget_tokens, block_size, self._allocator, clock, max_namespaces, protected_share)
         if watermark_blocks is None:
             watermark_blocks = max(1, num_blocks // 100)
         if type(watermark_blocks) is not int or not 0 <= watermark_blocks <= num_blocks:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 from cache.blocks import BlockAllocator
 from cache.hashing import check_tokens
-from cache.lru import LruQueue
+from cache.segmented_lru import SegmentedLru
 from cache.namespaces import Namespaces
-from cache.radix_node import Node, Root, blocks_along, descend, linked_nodes, salt_key, split
+from cache.radix_node import Node, Root, blocks_along, descend, ghost_key, linked_nodes, lookup_key, salt_key, split
 from cache.radix_records import CachedEdge, CacheStats, MatchResult
 
 __all__ = ["CacheStats", "CachedEdge", "MatchResult", "RadixCache", "salt_key"]
@@ -46,6 +46,18 @@ class RadixCache:
     by locked positions: ``num_locked_tokens`` plus its cached prefix plus its
     new positions over budget) changes nothing and evicts nothing.
 
+    With ``protected_share`` > 0 the order is segmented LRU
+    (cache/segmented_lru.py): the nodes a counted lookup (``match`` with
+    ``touch``) ran through or stopped in are *protected*, up to a target in
+    positions (beyond it the least recently used are demoted), and
+    unprotected leaves go first, least recently used first; protected leaves
+    only when no unprotected one is left. An insert that splits a node leaves
+    its lower half (not what the lookup shared) unprotected. The target
+    starts at ``protected_share`` x the budget and adapts: evicted nodes leave
+    ghosts (keyed by their first position with everything above it), and a
+    counted lookup that stops where a ghost is moves the target towards the
+    segment that ghost came from. 0 (the default) is plain LRU, no ghosts.
+
     Namespaces: each ``salt`` (tenant) has its own root, created by its first
     insert; entries never match across salts (``"a"`` and ``b"a"`` are the
     same salt, as for :func:`cache.block_hashes`); the budget is shared. A
@@ -67,11 +79,15 @@ class RadixCache:
         allocator: BlockAllocator | None = None,
         clock: Callable[[], float] | None = None,
         max_namespaces: int = 1024,
+        protected_share: float = 0.0,
     ) -> None:
         if type(budget_tokens) is not int or budget_tokens < 0:
             raise ValueError(f"budget_tokens must be a non-negative int, got {budget_tokens!r}")
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(protected_share, bool) or not isinstance(protected_share, (int, float)) \
+                or not 0.0 <= protected_share <= 1.0:
+            raise ValueError(f"protected_share must be within [0, 1], got {protected_share!r}")
         if allocator is not None and allocator.block_size != block_size:
             raise ValueError(f"allocator block_size {allocator.block_size} != block_size {block_size}")
         self.budget_tokens = budget_tokens
@@ -84,7 +100,9 @@ class RadixCache:
         self._num_locked_tokens = 0  # edge lengths of non-root nodes with lock_ref > 0
         self._num_nodes = 0
         self._num_locks = 0
-        self._lru: LruQueue[Node] = LruQueue(self._is_evictable)
+        self.protected_share = float(protected_share)
+        self._lru: SegmentedLru[Node] = SegmentedLru(self._is_evictable, int(protected_share * budget_tokens),
+                                                     budget_tokens)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -101,6 +119,21 @@ class RadixCache:
     def num_locks(self) -> int:
         """Locks taken with :meth:`lock` and not yet undone."""
         return self._num_locks
+
+    @property
+    def num_protected_tokens(self) -> int:
+        """Cached positions in the protected segment (reused by a lookup; ``<= protected_target_tokens``)."""
+        return self._lru.num_protected_tokens
+
+    @property
+    def protected_target_tokens(self) -> int:
+        """The protected segment's adaptive bound in positions (``protected_share`` x budget at the start)."""
+        return self._lru.protected_target
+
+    @property
+    def num_ghost_tokens(self) -> tuple[int, int]:
+        """Positions of evicted nodes remembered for the target's adaptation: (never reused, reused)."""
+        return self._lru.num_ghost_tokens
 
     @property
     def num_nodes(self) -> int:
@@ -137,7 +170,12 @@ class RadixCache:
         if cut is not None:
             path.append(cut[0])
         if touch:
+            if num_matched < len(tokens) and self._lru.is_adaptive:  # missed where a ghost may be
+                self._lru.adapt_on_miss(lookup_key(root.namespace, tuple(tokens[: num_matched + 1])))
+            if num_matched:
+                self._lru.protect(path[1:])  # reused: protected (a no-op under plain LRU)
             self._touch(path)
+            self._lru.demote_overflow(self._is_evictable)
             if num_matched:
                 self.stats.hits += 1
                 self.stats.tokens_saved += num_matched
@@ -218,6 +256,12 @@ class RadixCache:
             upper, shared_block = split(*cut, self.block_size)
             if shared_block is not None:  # both halves name it now
                 self.allocator.retain(shared_block)
+            lower = cut[0]  # not what a lookup stopping in the edge shared: neither reused nor protected
+            lower.was_reused = False
+            if lower.is_protected:  # (the upper half, on the path, is queued by the path's touch)
+                self._lru.forget(lower)
+                if self._is_evictable(lower):
+                    self._lru.push(lower)
             self._num_nodes += 1
             path.append(upper)
         node = path[-1]
@@ -274,9 +318,9 @@ class RadixCache:
 
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        total_tokens, total_nodes, locked_tokens, locks_in_tree = 0, 0, 0, 0
+        total_tokens, total_nodes, locked_tokens, locks_in_tree, protected_tokens = 0, 0, 0, 0, 0
         retained: dict[int, int] = {}
-        queued = self._lru.live_keys()
+        queued, recency = self._lru.live_keys(), self._lru.recency_keys()
         assert len(self._namespaces) <= self._namespaces.max_namespaces
         for root in self._namespaces:
             assert isinstance(root, Root) and self._namespaces.holds(root), root
@@ -292,6 +336,9 @@ class RadixCache:
                 assert node.last_access >= max((c.last_access for c in node.children.values()), default=0)
                 if self._is_evictable(node):
                     assert (id(node), node.last_access) in queued, f"evictable leaf not queued: {node!r}"
+                if node.is_protected:
+                    protected_tokens += len(node.tokens)
+                    assert (id(node), node.last_access) in recency, f"protected node not in recency order: {node!r}"
                 if self.allocator is not None:
                     first, last = node.start // self.block_size, (node.end - 1) // self.block_size
                     assert len(node.block_ids) == last - first + 1, node
@@ -300,6 +347,8 @@ class RadixCache:
         assert total_tokens == self._num_tokens <= self.budget_tokens, (total_tokens, self._num_tokens)
         assert locked_tokens == self._num_locked_tokens, (locked_tokens, self._num_locked_tokens)
         assert total_nodes == self._num_nodes
+        assert protected_tokens == self._lru.num_protected_tokens, protected_tokens
+        self._lru.check_invariants()
         assert locks_in_tree <= self._num_locks, (locks_in_tree, self._num_locks)  # the rest: on unknown namespaces
         if self.allocator is not None:
             for block_id, count in retained.items():
@@ -344,6 +393,7 @@ class RadixCache:
         now = self._clock()
         for node in path:
             node.last_access = now
+        self._lru.touched(path)
         self._namespaces.touch(path[0])
         leaf = path[-1]
         if self._is_evictable(leaf):
@@ -362,8 +412,12 @@ class RadixCache:
             self._drop_if_empty(parent)
         return num_removed
 
-    def _detach(self, leaf: Node) -> int:
+    def _detach(self, leaf: Node, leaves_ghost: bool = True) -> int:
+        """Remove ``leaf``; an LRU eviction leaves a ghost (a tenant evicted whole does not)."""
+        if leaves_ghost and self._lru.is_adaptive:
+            self._lru.remember_eviction(ghost_key(leaf), len(leaf.tokens), leaf.was_reused)
         del leaf.parent.children[leaf.tokens[0]]
+        self._lru.forget(leaf)
         if self.allocator is not None:
             for block_id in leaf.block_ids:
                 self.allocator.release(block_id)
@@ -388,6 +442,6 @@ class RadixCache:
             preorder.append(node)
             stack.extend(node.children.values())
         for node in reversed(preorder):  # children before parents: each is a leaf when detached
-            self._detach(node)
+            self._detach(node, leaves_ghost=False)
         self._namespaces.drop(root)
         self.stats.evicted_namespaces += 1

@@ -11,6 +11,8 @@ names is valid from the block's first position up to ``end``.
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Iterator
 
 SaltKey = bytes | None  # a namespace: the salt as bytes, or None (no salt)
@@ -31,7 +33,7 @@ class Node:
     below it; ``last_access`` is the clock tick of the last lookup or insert
     whose path ran through it."""
 
-    __slots__ = ("tokens", "start", "block_ids", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("tokens", "start", "block_ids", "parent", "children", "lock_ref", "last_access", "is_protected", "was_reused")
 
     def __init__(self, tokens: tuple[int, ...], start: int, parent: Node | None) -> None:
         self.tokens = tokens
@@ -41,6 +43,8 @@ class Node:
         self.children: dict[int, Node] = {}
         self.lock_ref = 0
         self.last_access: float = 0
+        self.is_protected = False  # in the protected segment (cache/segmented_lru.py)
+        self.was_reused = False  # a counted lookup reused it while cached
 
     @property
     def end(self) -> int:
@@ -122,6 +126,8 @@ def split(child: Node, offset: int, block_size: int) -> tuple[Node, int | None]:
     upper = Node(child.tokens[:offset], child.start, parent)
     upper.lock_ref = child.lock_ref
     upper.last_access = child.last_access
+    upper.is_protected = child.is_protected  # the protected positions are the same, split in two
+    upper.was_reused = child.was_reused
     cut = child.start + offset
     shared_block = None
     if child.block_ids:
@@ -136,6 +142,22 @@ def split(child: Node, offset: int, block_size: int) -> tuple[Node, int | None]:
     upper.children[child.tokens[0]] = child
     parent.children[upper.tokens[0]] = upper
     return upper, shared_block
+
+
+def lookup_key(namespace: bytes | None, tokens: tuple[int, ...]) -> int:
+    """A position as a lookup names it: the namespace and every token up to and including it."""
+    return hash((namespace, tokens))
+
+
+def ghost_key(node: Node) -> int:
+    """:func:`lookup_key` of ``node``'s first position: where a later lookup that
+    needs what ``node`` held stops. O(tokens above it)."""
+    edges = [node.tokens[:1]]
+    parent = node.parent
+    while parent.parent is not None:
+        edges.append(parent.tokens)
+        parent = parent.parent
+    return lookup_key(parent.namespace, tuple(itertools.chain.from_iterable(reversed(edges))))
 
 
 def linked_nodes(root: Node) -> Iterator[Node]:

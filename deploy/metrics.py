@@ -38,6 +38,8 @@ _REPLICA_METRICS = {
     "preemptions": ("kvroute_preemptions", "Requests preempted for KV space", True),
     "cache_num_tokens": ("kvroute_cache_tokens", "Unique token positions the prefix cache holds now", False),
     "cache_budget_tokens": ("kvroute_cache_budget_tokens", "Token positions the prefix cache may hold", False),
+    "cache_protected_tokens": ("kvroute_cache_protected_tokens",
+                               "Token positions of reused prefixes the cache keeps past one-off entries", False),
     "num_waiting": ("kvroute_queue_depth", "Requests waiting for admission to the engine", False),
     "num_running": ("kvroute_running_requests", "Requests running in the engine", False),
     "kv_blocks_free": ("kvroute_kv_free_blocks", "Free KV blocks in the pool", False),

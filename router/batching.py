@@ -12,7 +12,7 @@ from pathlib import Path
 from cache import RadixCache
 from cache.summary import CacheSummary
 from router.cluster import Completion, Outcome, OutputWindow, observed_summary
-from router.sim_fetch import FetchCounts, SimFetch, plan_fetch
+from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch
 from router.workload import SimRequest
 
 
@@ -122,6 +122,7 @@ class _Seq:
     fetch: SimFetch | None = None  # the hint, until the admission that plans it
     num_fetched: int = 0  # prompt tokens fetched from the owner
     ready_s: float = 0.0  # when the fetched KV has arrived; no prefill chunk before
+    held_elsewhere_tokens: int | None = None  # set at the first admission (report only)
 
     @property
     def is_prefilled(self) -> bool:
@@ -165,9 +166,10 @@ class BatchingReplica:
     (bar a single sequence larger than it); waiting holds no admitted sequence.
     """
 
-    def __init__(self, replica_id: str, budget_units: int, profile: StepProfile) -> None:
+    def __init__(self, replica_id: str, budget_units: int, profile: StepProfile,
+                 protected_share: float = 0.0) -> None:
         self.replica_id = replica_id
-        self.radix = RadixCache(budget_units, block_size=1)
+        self.radix = RadixCache(budget_units, block_size=1, protected_share=protected_share)
         self.profile = profile
         self.reported_token_costs: tuple[float, float] | None = None  # None: the profile's
         self.reported_fetch_costs: tuple[float, float] = (0.0, 0.0)  # what a fetch costs here (FetchModel)
@@ -183,12 +185,13 @@ class BatchingReplica:
         self.num_preemptions = 0
         self._prefill_total = self._output_total = 0  # tokens prefilled / of finished requests
         self.fetch_counts = FetchCounts()
+        self.peers: tuple[BatchingReplica, ...] = ()  # the other replicas, for the report's held-elsewhere figure
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
-        self.radix.match(units, touch=True)
+        # the worker's export reads the tree without an LRU touch (KVCache.pinned_prefix): nothing to do here
         if not self._running and not self._waiting:
             self._clock_s = max(self._clock_s, now)
         self._clock_s += busy_s
@@ -257,7 +260,8 @@ class BatchingReplica:
             if seq.is_prefilled:  # first token
                 seq.num_generated = 1
                 self._kv_used += 1
-                self.outcomes.setdefault(seq.number, Outcome(seq.num_cached, end_s - seq.arrival_s, seq.num_fetched))
+                self.outcomes.setdefault(seq.number, Outcome(seq.num_cached, end_s - seq.arrival_s, seq.num_fetched,
+                                                             seq.held_elsewhere_tokens or 0))
         self._finish_done(end_s)
 
     def _decode_steps(self, decoding: list[_Seq], until: float) -> None:
@@ -328,6 +332,9 @@ class BatchingReplica:
                 seq.num_fetched = plan.num_tokens
             if plan.transfer_s:  # a fetch, or the round trips that found the prefix evicted
                 seq.ready_s = self._clock_s + plan.transfer_s
+        if seq.held_elsewhere_tokens is None:
+            seq.held_elsewhere_tokens = held_elsewhere(self.peers, request.units, request.cached_tokens,
+                                                       seq.num_cached)
         seq.num_prefilled, seq.num_generated = seq.num_cached, 0
         self._kv_used += request.num_prompt_tokens  # the whole prompt's KV is reserved at admission
         self.radix.insert(request.units)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from cache import RadixCache
 from cache.summary import CacheSummary, cached_block_hashes
-from router.sim_fetch import FetchCounts, SimFetch, plan_fetch
+from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch
 from router.workload import SimRequest
 
 OUTPUT_WINDOW = 64  # finished requests a replica's mean output length covers (as the live worker)
@@ -77,11 +77,14 @@ class CostModel:
 class Outcome:
     """What happened to one request. ``cached_tokens`` counts every prompt
     token not computed, ``fetched_tokens`` (of them) those fetched from
-    another replica."""
+    another replica; ``held_elsewhere_tokens`` those another replica held
+    beyond them when the outcome was fixed (:func:`router.sim_fetch.held_elsewhere`:
+    report only, no policy reads it)."""
 
     cached_tokens: int
     ttft_s: float
     fetched_tokens: int = 0
+    held_elsewhere_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +142,9 @@ class SimReplica:
     the FIFO model gave them at arrival).
     """
 
-    def __init__(self, replica_id: str, budget_units: int, cost: CostModel) -> None:
+    def __init__(self, replica_id: str, budget_units: int, cost: CostModel, protected_share: float = 0.0) -> None:
         self.replica_id = replica_id
-        self.radix = RadixCache(budget_units, block_size=1)
+        self.radix = RadixCache(budget_units, block_size=1, protected_share=protected_share)
         self.cost = cost
         self.free_at_s = 0.0
         self.busy_s = 0.0
@@ -152,6 +155,7 @@ class SimReplica:
         self._time_s = 0.0
         self._prefill_total = self._output_total = 0  # counted when done (prefill at submit: FIFO order)
         self.fetch_counts = FetchCounts()
+        self.peers: tuple[SimReplica, ...] = ()  # the other replicas, for the report's held-elsewhere figure
         self.reported_token_costs: tuple[float, float] | None = None
         self.reported_fetch_costs: tuple[float, float] = (0.0, 0.0)  # what a fetch costs here (FetchModel)
 
@@ -167,7 +171,7 @@ class SimReplica:
         return self.cost.decode_token_cost, self.cost.queue_token_cost
 
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
-        self.radix.match(units, touch=True)
+        # the worker's export reads the tree without an LRU touch (KVCache.pinned_prefix): nothing to do here
         self.free_at_s = max(self.free_at_s, now) + busy_s
         self.busy_s += busy_s
         self.fetch_counts.export_busy_s += busy_s
@@ -183,6 +187,7 @@ class SimReplica:
             transfer_s = plan.transfer_s  # a fetch, or the round trips that found the prefix evicted
             if plan.num_units:
                 cached, fetched = request.cached_tokens(plan.num_units), plan.num_tokens
+        elsewhere = held_elsewhere(self.peers, request.units, request.cached_tokens, cached)
         start = max(now, self.free_at_s)
         prefill_s = transfer_s + (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
         service_s = prefill_s + request.num_output_tokens * self.cost.decode_s_per_token
@@ -193,7 +198,7 @@ class SimReplica:
         heapq.heappush(self._completions, (self.free_at_s, number, request.num_output_tokens))
         self.radix.insert(request.cache_units)
         self._prefill_total += request.num_prompt_tokens - cached
-        outcome = Outcome(cached, start - now + prefill_s, fetched)
+        outcome = Outcome(cached, start - now + prefill_s, fetched, elsewhere)
         self.outcomes[number] = outcome
         return outcome
 

@@ -17,6 +17,7 @@ count as saved prefill (a hit) and are reported separately.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -147,6 +148,19 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
         return FetchPlan(0, 0, asked_s, "slower", num_asked)
     owner.export(hinted[:held], now, fetch.model.export_s(missing))
     return FetchPlan(held, missing, asked_s + transfer_s, "fetched", num_asked)
+
+
+def held_elsewhere(peers: Sequence[Owner], units: tuple[int, ...], cached_tokens, num_used_tokens: int) -> int:
+    """Prompt tokens some other replica (of ``peers``) held beyond the
+    ``num_used_tokens`` a request reused (cached or fetched), read from the
+    replicas' true caches when its outcome is fixed: what a fleet whose
+    caches acted as one would have saved on top. ``cached_tokens(units) ->
+    tokens`` is the request's rule (at most prompt - 1). A report-only
+    figure: no policy ever reads it. O(len(units)) per peer."""
+    if not peers:
+        return 0
+    deepest = max(peer.match_units(units) for peer in peers)
+    return max(cached_tokens(deepest) - num_used_tokens, 0)
 
 
 @dataclass(slots=True)

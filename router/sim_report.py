@@ -16,11 +16,12 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
     for replica in replicas:
         outcomes.update(replica.outcomes)
     timing = config.timing
-    cached_total = prompt_total = num_hits = 0
+    cached_total = prompt_total = num_hits = elsewhere_total = 0
     ttfts, waits = [], []
     for number, request in enumerate(workload.requests):
         outcome = outcomes[number]
         cached_total += outcome.cached_tokens
+        elsewhere_total += outcome.held_elsewhere_tokens
         prompt_total += request.num_prompt_tokens
         num_hits += outcome.cached_tokens > 0
         ttfts.append(outcome.ttft_s)
@@ -36,6 +37,9 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
     figures = {
         "hit_rate": cached_total / max(prompt_total, 1),
         "request_hit_rate": num_hits / max(len(ttfts), 1),
+        # recomputed while another replica held them (the true caches at the time): hits a fleet whose caches
+        # acted as one would have had; the rest of the gap to the global LRU is what the caches held
+        "held_elsewhere_rate": elsewhere_total / max(prompt_total, 1),
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
         # the load test's measure (harness.loadstats): max / mean prompt tokens sent to a replica
         "prompt_imbalance": max(prompt) / mean_prompt if mean_prompt > 0 else 1.0,

@@ -15,14 +15,19 @@ def print_table(result: dict) -> None:
              f"+ {setup['profile']['decode_seq_s']*1e6:g} us/decode "
              f"+ {setup['profile']['context_token_s']*1e9:g} ns/context token")
     print(f"{speed}; arrivals x{setup['arrival_scale']:.3f}; max_tokens {setup['max_tokens']}")
-    print(f"global LRU hit rate {result['global_lru_hit_rate']:.4f}, infinite {result['infinite_hit_rate']:.4f}, "
-          f"TTFT p99 floor {result['ttft_p99_floor_s']:.3f} s")
+    one_cache = (f", under the replicas' eviction (protected share {setup['cache_protected_share']:g}) "
+                 f"{result['global_cache_hit_rate']:.4f}" if setup.get("cache_protected_share") else "")
+    print(f"one cache of the fleet's budget: LRU hit rate {result['global_lru_hit_rate']:.4f}{one_cache}; "
+          f"infinite {result['infinite_hit_rate']:.4f}, TTFT p99 floor {result['ttft_p99_floor_s']:.3f} s")
     print(f"{'policy':>20} {'hit':>7} {'imbal':>6} {'p50 s':>7} {'p99 s':>7} {'wait p99':>8} {'dec p99 us':>10}"
           f" {'batch':>6}")
     for name, f in result["policies"].items():
         print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
               f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}"
               f" {f.get('mean_decode_batch', 1.0):6.2f}")
+        if "held_elsewhere_rate" in f:
+            print(f"{'':>20} recomputed while another replica held them: {f['held_elsewhere_rate']:.4f} of prompt "
+                  f"tokens")
         if f.get("num_fetch_hints"):
             print(f"{'':>20} fetch: {f['num_fetch_hints']:.0f} hints, {f['num_fetches']:.0f} fetched "
                   f"({f['fetched_rate']:.4f} of prompt tokens; {f.get('num_fetch_from_alternate', 0):.0f} from an "

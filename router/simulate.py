@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from cache import RadixCache
+from cache.segmented_lru import SERVING_PROTECTED_SHARE
 from cache.summary import BASE_REF_KEY, CacheSummary, SummaryStream
 from cache.summary_sender import REF_WIRE_BYTES, SummarySender
 from harness.loadstats import percentile
@@ -89,6 +90,9 @@ class SimConfig:
     # The (per token, fixed) fetch costs the replicas report (CacheSummary.fetch_token_cost /
     # fetch_overhead_tokens); None: their FetchModel's. sim_vs_live passes what the live Workers reported.
     reported_fetch_costs: tuple[float, float] | None = None
+    # Each replica's eviction: segmented LRU with this share of its budget protected for reused prefixes,
+    # as the engine runs (worker.EngineConfig.cache_protected_share); 0 is plain LRU.
+    cache_protected_share: float = SERVING_PROTECTED_SHARE
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -107,6 +111,8 @@ class SimConfig:
             raise ValueError(f"summary_mode must be one of {SIM_SUMMARY_MODES}, got {self.summary_mode!r}")
         if type(self.num_routers) is not int or self.num_routers <= 0:
             raise ValueError(f"num_routers must be a positive int, got {self.num_routers!r}")
+        if not 0.0 <= self.cache_protected_share <= 1.0:
+            raise ValueError(f"cache_protected_share must be within [0, 1], got {self.cache_protected_share!r}")
 
     @property
     def timing(self) -> CostModel | StepProfile:
@@ -120,12 +126,15 @@ TRACE_MAX_TOKENS = 2048  # a trace's requests carry no max_tokens; a chat defaul
 
 def make_replicas(config: SimConfig, budget_units: int) -> list:
     if config.replica_model == "fifo":
-        replicas = [SimReplica(f"replica-{i}", budget_units, config.cost) for i in range(config.num_replicas)]
+        replicas = [SimReplica(f"replica-{i}", budget_units, config.cost, config.cache_protected_share)
+                    for i in range(config.num_replicas)]
     else:
-        replicas = [BatchingReplica(f"replica-{i}", budget_units, config.profile) for i in range(config.num_replicas)]
+        replicas = [BatchingReplica(f"replica-{i}", budget_units, config.profile, config.cache_protected_share)
+                    for i in range(config.num_replicas)]
     prefill_s_per_token = (1.0 / config.cost.prefill_tokens_per_s if config.replica_model == "fifo"
                            else config.profile.prefill_token_s)
     for replica in replicas:
+        replica.peers = tuple(peer for peer in replicas if peer is not replica)
         replica.reported_token_costs = config.reported_token_costs
         replica.reported_fetch_costs = (config.reported_fetch_costs if config.reported_fetch_costs is not None
                                         else config.fetch.reported_costs(prefill_s_per_token))
@@ -309,14 +318,16 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     return figures
 
 
-def cache_bound(workload: Workload, budget_units: int | None, cost) -> tuple[float, float]:
-    """One LRU radix cache of ``budget_units`` (None: unbounded) seeing every
-    request: ``(token hit rate, p99 of the prefill time it leaves)``. With an
-    unbounded cache the second is a floor under any policy's TTFT p99: each
-    request's TTFT is at least its own prefill of what no cache could hold."""
+def cache_bound(workload: Workload, budget_units: int | None, cost,
+                protected_share: float = 0.0) -> tuple[float, float]:
+    """One radix cache of ``budget_units`` (None: unbounded) seeing every
+    request, LRU (or segmented LRU with ``protected_share``): ``(token hit
+    rate, p99 of the prefill time it leaves)``. With an unbounded cache the
+    second is a floor under any policy's TTFT p99: each request's TTFT is at
+    least its own prefill of what no cache could hold."""
     if budget_units is None:
         budget_units = sum(len(r.cache_units) for r in workload.requests) + 1
-    radix = RadixCache(budget_units, block_size=1)
+    radix = RadixCache(budget_units, block_size=1, protected_share=protected_share)
     cached = total = 0
     prefill_s = []
     for request in workload.requests:
@@ -329,8 +340,8 @@ def cache_bound(workload: Workload, budget_units: int | None, cost) -> tuple[flo
     return cached / max(total, 1), percentile(prefill_s, 99)
 
 
-def cache_bound_hit_rate(workload: Workload, budget_units: int | None) -> float:
-    return cache_bound(workload, budget_units, CostModel())[0]
+def cache_bound_hit_rate(workload: Workload, budget_units: int | None, protected_share: float = 0.0) -> float:
+    return cache_bound(workload, budget_units, CostModel(), protected_share)[0]
 
 
 def arrival_scale(workload: Workload, config: SimConfig) -> float:
@@ -356,6 +367,9 @@ def simulate(
     infinite_hit_rate, ttft_floor_s = cache_bound(scaled, None, config.timing)
     result = {
         "global_lru_hit_rate": cache_bound_hit_rate(scaled, budget_units * config.num_replicas),
+        # the same one cache of the fleet's budget under the replicas' own eviction (segmented LRU)
+        "global_cache_hit_rate": cache_bound_hit_rate(scaled, budget_units * config.num_replicas,
+                                                      config.cache_protected_share),
         "infinite_hit_rate": infinite_hit_rate,
         "ttft_p99_floor_s": ttft_floor_s,
         "policies": {},
@@ -379,6 +393,7 @@ def simulate(
             "policy_config": asdict(config.policy),
             "fetch": asdict(config.fetch),
             "reported_fetch_costs": config.reported_fetch_costs,
+            "cache_protected_share": config.cache_protected_share,
         },
     }
     for name in names:
@@ -446,6 +461,9 @@ def build_parser(prog: str = "python -m router.simulate", description: str | Non
                         help="fetch bandwidth in GB/s (default 25: RDMA-class)")
     parser.add_argument("--fetch-export-fraction", type=float, default=FetchModel().export_fraction,
                         help="the owner's busy time per fetch, as a fraction of the transfer time")
+    parser.add_argument("--cache-protected-share", type=float, default=SERVING_PROTECTED_SHARE,
+                        help="replicas' eviction: segmented LRU with this share of the budget protected for "
+                             "reused prefixes, as the engine runs it (0: plain LRU)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -487,6 +505,7 @@ def build_run(args: argparse.Namespace) -> tuple[Workload, SimConfig, list[str]]
         closed_loop=ClosedLoopConfig(args.concurrency, ingress_s=args.ingress_s) if args.arrivals == "closed" else None,
         fetch=FetchModel(args.kv_bytes_per_token, args.fetch_bandwidth_gbps * 1e9,
                          export_fraction=args.fetch_export_fraction),
+        cache_protected_share=args.cache_protected_share,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     return workload, config, names

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cache.segmented_lru import SERVING_PROTECTED_SHARE
 from worker.model import TinyLlamaSpec
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -27,6 +28,9 @@ class EngineConfig:
     tiny_llama: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)  # used iff model == "tiny-llama"
     cache_budget_tokens: int = 32768  # unique positions the radix cache may hold
     max_cache_namespaces: int = 1024  # live cache_salt namespaces; at the cap the LRU unlocked one is evicted
+    # eviction: segmented LRU, up to this share of cache_budget_tokens kept for prefixes a request reused
+    # (evicted only after every entry cached once and never reused); 0: plain LRU (cache/segmented_lru.py)
+    cache_protected_share: float = SERVING_PROTECTED_SHARE
     kv_pool_tokens: int | None = None  # KV pool capacity in positions (rounded up to blocks)
     gpu_memory_fraction: float = 0.85  # CUDA with kv_pool_tokens=None: share of free memory for the pool
     block_size: int = 16  # positions per KV block (pool and radix tree)
@@ -56,6 +60,9 @@ class EngineConfig:
             raise ValueError(f"tiny_llama must be a TinyLlamaSpec, got {self.tiny_llama!r}")
         _check_int("cache_budget_tokens", self.cache_budget_tokens, minimum=0)
         _check_int("max_cache_namespaces", self.max_cache_namespaces, minimum=1)
+        if (isinstance(self.cache_protected_share, bool) or not isinstance(self.cache_protected_share, (int, float))
+                or not 0.0 <= self.cache_protected_share <= 1.0):
+            raise ValueError(f"cache_protected_share must be a number within [0, 1], got {self.cache_protected_share!r}")
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)

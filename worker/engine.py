@@ -66,7 +66,8 @@ class Engine:
         num_blocks = -(-pool_tokens // config.block_size)
         self.pool = self.runner.new_pool(num_blocks, config.block_size)
         self.kv_cache = KVCache(
-            num_blocks, config.block_size, config.cache_budget_tokens, max_namespaces=config.max_cache_namespaces
+            num_blocks, config.block_size, config.cache_budget_tokens, max_namespaces=config.max_cache_namespaces,
+            protected_share=config.cache_protected_share,
         )
         self.allocator, self.cache = self.kv_cache.allocator, self.kv_cache.radix  # read-only views (stats, audits)
         self.scheduler = Scheduler(
@@ -384,6 +385,7 @@ class Engine:
             "kv_bytes_per_token": self.bytes_per_token,
             "cache_num_tokens": self.cache.num_tokens,
             "cache_budget_tokens": self.cache.budget_tokens,
+            "cache_protected_tokens": self.cache.num_protected_tokens,
             "cache_evicted_tokens": self.cache.stats.evicted_tokens,
             "kv_exported_tokens": self.num_exported_tokens,
             "kv_imported_tokens": self.num_imported_tokens,

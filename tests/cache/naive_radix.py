@@ -6,6 +6,20 @@ force: longest cached prefix by probing prefixes, LRU eviction by scanning for
 the unlocked leaf node with the oldest access, live namespaces as a list in
 order of use (a namespace is live while it holds a position or a lock; at the
 cap the first one without a lock goes, whole).
+
+Segmented LRU (``protected_share`` > 0): the sets of protected and of
+reused positions; a counted match first adapts the target to a ghost where
+it stopped (below), then protects and marks reused every position of every
+node it runs through (the node it stops in wholly), then unprotects whole
+nodes, least recent access first (of equal access the deepest), until at
+most ``target`` positions are protected; an insert that splits a node
+unprotects and unmarks the lower half; eviction takes the oldest unprotected
+leaf, else the oldest protected one, and leaves a ghost keyed by the
+namespace and the node's first position with everything above it: (its
+positions, was it reused), at most ``budget`` positions of ghosts, oldest out
+first. A counted match that stops at a ghost's key consumes it and moves the
+target by its positions x max(1, the other kind's ghost positions / its
+kind's): up for a reused ghost, down for a one-off one, within [0, budget].
 """
 
 from collections import Counter
@@ -18,8 +32,14 @@ def namespace(salt):
 class NaiveRadix:
     """Brute-force reference for RadixCache's observable behaviour."""
 
-    def __init__(self, budget_tokens, max_namespaces):
+    def __init__(self, budget_tokens, max_namespaces, protected_share=0.0):
         self.budget_tokens = budget_tokens
+        self.target = int(protected_share * budget_tokens)
+        self.is_adaptive = self.target > 0
+        self.protected = set()  # (ns, prefix) positions in the protected segment
+        self.reused = set()  # (ns, prefix) positions a counted match ran through while cached
+        self.ghosts = {}  # hash((ns, prefix up to a node's first position)) -> (positions, reused); insertion order
+
         self.max_namespaces = max_namespaces
         self.live = []  # live namespaces, least recently used first
         self.time = 0
@@ -73,7 +93,16 @@ class NaiveRadix:
         ns = namespace(salt)
         k = self.cached_len(ns, tokens)
         if touch:
+            if k < len(tokens) and self.is_adaptive and ns in self.live:
+                self.adapt(hash((ns, tuple(tokens[: k + 1]))))
             self.touch(ns, tokens[:k])
+            if k and self.is_adaptive:
+                end = self.node_end(ns, tuple(tokens[:k]))
+                positions = {(ns, end[:i]) for i in range(1, len(end) + 1)}
+                self.protected |= positions
+                self.reused |= positions
+            if self.is_adaptive:
+                self.demote_overflow()
             if k:
                 self.stats["hits"] += 1
                 self.stats["tokens_saved"] += k
@@ -84,6 +113,36 @@ class NaiveRadix:
         else:  # the namespace's root, or nothing in a namespace the cache does not hold
             lock_key = (ns, ()) if ns in self.live else None
         return k, lock_key
+
+    def ghost_tokens(self, reused):
+        return sum(n for n, r in self.ghosts.values() if r == reused)
+
+    def adapt(self, key):
+        if key not in self.ghosts:
+            return
+        num_tokens, was_reused = self.ghosts[key]
+        one_off, reused = self.ghost_tokens(False), self.ghost_tokens(True)
+        del self.ghosts[key]
+        if was_reused:
+            self.target = min(self.budget_tokens, self.target + int(num_tokens * max(1.0, one_off / max(reused, 1))))
+        else:
+            self.target = max(0, self.target - int(num_tokens * max(1.0, reused / max(one_off, 1))))
+
+    def remember(self, ns, end, positions):
+        if not self.is_adaptive:
+            return
+        start = len(positions[0])
+        key = hash((ns, end[:start]))
+        self.ghosts.pop(key, None)
+        self.ghosts[key] = (len(positions), (ns, positions[0]) in self.reused)
+        while sum(n for n, _ in self.ghosts.values()) > self.budget_tokens:
+            del self.ghosts[next(iter(self.ghosts))]
+
+    def demote_overflow(self):
+        while len(self.protected) > self.target:
+            ends = [(ns, end) for ns, end in self.node_ends if (ns, end) in self.protected]
+            ns, end = min(ends, key=lambda e: (self.access[e], -len(e[1])))
+            self.protected -= {(ns, p) for p in self.node_positions(ns, end)}
 
     def prune(self):
         """Drop the namespaces left with no position and no lock."""
@@ -97,6 +156,8 @@ class NaiveRadix:
         nodes = [e for e in self.node_ends if e[0] == ns]
         for p in positions:
             del self.access[p]
+        self.protected -= set(positions)
+        self.reused -= set(positions)
         self.node_ends -= set(nodes)
         self.live.remove(ns)
         self.stats["evictions"] += len(nodes)
@@ -113,16 +174,19 @@ class NaiveRadix:
             leaves = []
             for ns, end in self.node_ends:
                 if not self.children(ns, end) and not self.is_pinned(ns, end):
-                    leaves.append((self.access[(ns, end)], ns, end))
+                    leaves.append(((ns, end) in self.protected, self.access[(ns, end)], ns, end))
             if not leaves:
                 break
-            leaves.sort(key=lambda leaf: leaf[0])
-            assert len(leaves) == 1 or leaves[0][0] < leaves[1][0], "two leaves share an access time"
-            _, ns, end = leaves[0]
+            leaves.sort(key=lambda leaf: leaf[:2])
+            assert len(leaves) == 1 or leaves[0][:2] < leaves[1][:2], "two leaves share an access time"
+            _, _, ns, end = leaves[0]
             positions = self.node_positions(ns, end)
             assert len({self.access[(ns, p)] for p in positions}) == 1, "a node's positions share one access time"
+            self.remember(ns, end, positions)
             for p in positions:
                 del self.access[(ns, p)]
+                self.protected.discard((ns, p))
+                self.reused.discard((ns, p))
             self.node_ends.discard((ns, end))
             removed += len(positions)
             self.stats["evictions"] += 1
@@ -151,7 +215,12 @@ class NaiveRadix:
                 self.evict_namespace(victims[0])
             self.live.append(ns)
         if k:
-            self.node_ends.add((ns, key[:k]))  # the split
+            if (ns, key[:k]) not in self.node_ends:  # the split: the lower half is not what was shared
+                lower_end = self.node_end(ns, key[:k])
+                lower = {(ns, lower_end[:i]) for i in range(k + 1, len(lower_end) + 1)}
+                self.protected -= lower
+                self.reused -= lower
+            self.node_ends.add((ns, key[:k]))
             self.pins[(ns, key[:k])] += 1
         self.evict(self.num_tokens + num_new - self.budget_tokens)
         if k:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cache import BlockAllocator, OutOfBlocks, RadixCache
+from cache.segmented_lru import SERVING_PROTECTED_SHARE
 from tests.cache.naive_radix import NaiveRadix, namespace
 
 SALTS = [None, "a", b"a", "b", "c"]  # "a" and b"a" are one namespace
@@ -39,14 +40,16 @@ class CacheMachine(RuleBasedStateMachine):
     NUM_BLOCKS = 40
     BUDGET_TOKENS = 30
     MAX_NAMESPACES = 1024
+    PROTECTED_SHARE = 0.0  # plain LRU
 
     def __init__(self):
         super().__init__()
-        bs = self.BLOCK_SIZE
+        bs, share = self.BLOCK_SIZE, self.PROTECTED_SHARE
         self.alloc = BlockAllocator(self.NUM_BLOCKS, bs)
-        self.radix = RadixCache(self.BUDGET_TOKENS, bs, self.alloc, max_namespaces=self.MAX_NAMESPACES)
-        self.sim = RadixCache(self.BUDGET_TOKENS, bs, max_namespaces=self.MAX_NAMESPACES)
-        self.naive = NaiveRadix(self.BUDGET_TOKENS, self.MAX_NAMESPACES)
+        self.radix = RadixCache(self.BUDGET_TOKENS, bs, self.alloc, max_namespaces=self.MAX_NAMESPACES,
+                                protected_share=share)
+        self.sim = RadixCache(self.BUDGET_TOKENS, bs, max_namespaces=self.MAX_NAMESPACES, protected_share=share)
+        self.naive = NaiveRadix(self.BUDGET_TOKENS, self.MAX_NAMESPACES, share)
         self.kv = {b: [None] * bs for b in range(self.NUM_BLOCKS)}
         self.seqs = {}
         self.next_seq_id = 0
@@ -259,6 +262,9 @@ class CacheMachine(RuleBasedStateMachine):
         if self.radix.stats.evictions:
             event("state: LRU evicted")
         assert self.radix.num_locked_tokens == len({p for p in self.naive.access if self.naive.is_pinned(*p)})
+        assert self.radix.num_protected_tokens == self.sim.num_protected_tokens == len(self.naive.protected)
+        if self.radix.num_protected_tokens:
+            event("state: some positions protected")
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
@@ -300,6 +306,18 @@ class CacheMachineTwoNamespaces(CacheMachine):
     MAX_NAMESPACES = 2
 
 
+class CacheMachineSegmented(CacheMachine):
+    """Segmented LRU with a third of the budget protected: demotions happen often."""
+
+    PROTECTED_SHARE = 1 / 3
+
+
+class CacheMachineSegmentedBlockSize1(CacheMachineBlockSize1):
+    """Segmented LRU as the engine runs it (SERVING_PROTECTED_SHARE) at one position per block."""
+
+    PROTECTED_SHARE = SERVING_PROTECTED_SHARE
+
+
 
 
 def _test_case(machine):
@@ -314,3 +332,5 @@ TestCacheMachine = _test_case(CacheMachine)
 TestCacheMachineBlockSize3 = _test_case(CacheMachineBlockSize3)
 TestCacheMachineBlockSize1 = _test_case(CacheMachineBlockSize1)
 TestCacheMachineTwoNamespaces = _test_case(CacheMachineTwoNamespaces)
+TestCacheMachineSegmented = _test_case(CacheMachineSegmented)
+TestCacheMachineSegmentedBlockSize1 = _test_case(CacheMachineSegmentedBlockSize1)

@@ -187,14 +187,19 @@ def hot_group_workload():
     return base
 
 
-@pytest.mark.parametrize("model", ["fifo", "cb"])
-def test_ours_fetches_and_peers_never_do(model):
+def hot_group_run(model):
+    """:func:`hot_group_workload` at 0.9 busy on 4 replicas of ``model``: (scaled workload, config)."""
+    from router.simulate import arrival_scale
+    from router.workload import scale_arrivals
     workload = hot_group_workload()
     config = SimConfig(num_replicas=4, budget_tokens=20_000, replica_model=model, utilisation=0.9,
                        cost=CostModel(20_000.0, 0.002))
-    from router.simulate import arrival_scale
-    from router.workload import scale_arrivals
-    scaled = scale_arrivals(workload, arrival_scale(workload, config))
+    return scale_arrivals(workload, arrival_scale(workload, config)), config
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_ours_fetches_and_peers_never_do(model):
+    scaled, config = hot_group_run(model)
     ours = replay(scaled, config, "ours")
     assert ours["num_fetch_hints"] > 0 and ours["num_fetches"] > 0
     assert ours["fetched_tokens"] >= 1024 * ours["num_fetches"] * 0.5
@@ -240,3 +245,44 @@ def test_cli_fetch_flags_reach_the_replicas(tmp_path):
             assert ours["hit_rate"] == nofetch["hit_rate"]
             for key in ("load_imbalance", "ttft_p50_s", "ttft_p99_s"):
                 assert ours[key] == pytest.approx(nofetch[key], abs=ours["num_fetch_evicted"] * 0.001), key
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_prefix_recomputed_while_another_replica_held_it_is_counted_as_held_elsewhere(model):
+    """The report's ``held_elsewhere`` figure reads the replicas' true caches when a request's outcome is
+    fixed: tokens another replica held beyond what the request reused (cached or fetched)."""
+    owner = warm_owner(model)  # holds PREFIX + 10 tokens
+    receiver = make_replica(model, "receiver")
+    third = make_replica(model, "third")
+    for replica in (owner, receiver, third):
+        replica.peers = tuple(peer for peer in (owner, receiver, third) if peer is not replica)
+    receiver.submit(1, request(10.0, PREFIX + tuple(range(9000, 9010))), 10.0)  # no hint: recomputed
+    receiver.submit(2, request(20.0, PREFIX + tuple(range(7000, 7010))), 20.0)  # its own copy now: a hit
+    third.submit(3, request(30.0, PREFIX[:100] + tuple(range(8000, 8100))), 30.0,
+                 SimFetch(owner, 100, FAST))  # fetched all that anyone held
+    for replica in (receiver, third):
+        replica.advance(math.inf)
+    assert [receiver.outcomes[n].held_elsewhere_tokens for n in (1, 2)] == [400, 0]
+    assert (third.outcomes[3].fetched_tokens, third.outcomes[3].held_elsewhere_tokens) == (100, 0)
+
+
+def test_held_elsewhere_never_counts_past_the_last_prompt_token():
+    owner = warm_owner("fifo")
+    receiver = make_replica("fifo", "receiver")
+    receiver.peers = (owner,)
+    receiver.submit(1, request(10.0, PREFIX), 10.0)  # the owner holds all of it; the last token is computed
+    assert receiver.outcomes[1].held_elsewhere_tokens == len(PREFIX) - 1
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_the_replay_reports_what_was_recomputed_while_held_elsewhere(model):
+    scaled, config = hot_group_run(model)
+    round_robin = replay(scaled, config, "round_robin")  # sends a group's prompts everywhere, cold or not
+    ours = replay(scaled, config, "ours")
+    # each of the 2 system prompts (1,024 tokens) is computed once on each of the 4 replicas under round
+    # robin: 2 of those 8 are the first anywhere, the other 6 recompute what another replica held
+    prompt_tokens = sum(r.num_prompt_tokens for r in scaled.requests)
+    assert round_robin["held_elsewhere_rate"] == pytest.approx(6 * 1024 / prompt_tokens)
+    assert ours["held_elsewhere_rate"] < round_robin["held_elsewhere_rate"] / 2
+    for figures in (round_robin, ours):
+        assert figures["hit_rate"] + figures["held_elsewhere_rate"] <= 1.0

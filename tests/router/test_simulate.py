@@ -124,6 +124,35 @@ def test_simulate_reports_every_policy_in_the_contract_shape():
         assert 0 <= figures["ttft_p50_s"] <= figures["ttft_p99_s"]
 
 
+def test_replicas_evict_as_the_engine_does_and_the_cli_can_say_plain_lru(tmp_path):
+    """The simulated replicas run the engine's segmented LRU (worker.EngineConfig.cache_protected_share's
+    default) unless told otherwise; the report gives one cache of the fleet's budget under both orders."""
+    from cache.segmented_lru import SERVING_PROTECTED_SHARE
+    from router.batching import H100_LLAMA_8B
+    from router.simulate import make_replicas
+    from worker import EngineConfig
+
+    assert SimConfig(num_replicas=2, budget_tokens=100).cache_protected_share == SERVING_PROTECTED_SHARE
+    assert EngineConfig().cache_protected_share == SERVING_PROTECTED_SHARE
+    for model in ("fifo", "cb"):
+        config = SimConfig(num_replicas=2, budget_tokens=100, replica_model=model, profile=H100_LLAMA_8B,
+                           cache_protected_share=0.5)
+        assert [r.radix.protected_share for r in make_replicas(config, 100)] == [0.5, 0.5]
+    with pytest.raises(ValueError, match="cache_protected_share"):
+        SimConfig(num_replicas=2, budget_tokens=100, cache_protected_share=1.5)
+    args = ["--trace", str(TRACE), "--limit", "300", "--replicas", "4", "--budget-tokens", "60000",
+            "--no-progress", "--policies", "ours"]
+    results = {}
+    for share in ("0.8", "0"):
+        out = tmp_path / f"share-{share}.json"
+        assert main(args + ["--json", str(out), "--cache-protected-share", share]) == 0
+        results[share] = json.loads(out.read_text())
+        assert results[share]["setup"]["cache_protected_share"] == float(share)
+    assert results["0"]["global_cache_hit_rate"] == results["0"]["global_lru_hit_rate"]
+    assert results["0.8"]["global_lru_hit_rate"] == results["0"]["global_lru_hit_rate"]  # the LRU reference stays
+    assert results["0.8"]["global_cache_hit_rate"] != results["0.8"]["global_lru_hit_rate"]  # budget-bound here
+
+
 def test_cli_writes_json_and_plot(tmp_path):
     small_mooncake()
     out, png = tmp_path / "out.json", tmp_path / "out.png"

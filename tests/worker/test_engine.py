@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from worker import SamplingParams, reference
+from worker import EngineConfig, SamplingParams, reference
 
 
 def prefilled(engine, fn):
@@ -62,6 +62,25 @@ def test_budget_evicts_exactly_in_lru_order(make_engine, rng):
     engine.generate(e, 1)
     assert [cached(p) for p in (a, b, c, d, e)] == [20, 0, 0, 20, 20]
     engine.check_invariants()
+
+
+def test_a_reused_system_prompt_outlives_a_burst_of_one_off_prompts(make_engine, tokens):
+    """Segmented LRU (the default ``cache_protected_share``): a prefix a request reused is evicted only after
+    every entry cached once; plain LRU (0) lets newer one-off prompts push it out."""
+    for share, expected_saved in ((EngineConfig().cache_protected_share, 48), (0.0, 0)):
+        engine = make_engine(cache_budget_tokens=128, kv_pool_tokens=1024, cache_protected_share=share)
+        system = tokens(48)
+        engine.generate(system + tokens(8), 1)
+        engine.generate(system + tokens(8), 1)  # reuses the system prompt
+        for _ in range(6):
+            engine.generate(tokens(40), 1)  # 240 tokens of one-off prompts through a 128-token budget
+        prompt = system + tokens(8)
+        saved_before = engine.stats["tokens_saved"]
+        out = engine.generate(prompt, 4, logprobs=True)
+        assert engine.stats["tokens_saved"] - saved_before == expected_saved
+        assert engine.stats["cache_protected_tokens"] == (48 if share else 0)
+        assert out == reference.generate(engine, prompt, 4, logprobs=True)
+        engine.check_invariants()
 
 
 def test_prompt_longer_than_the_budget_is_not_cached_and_flushes_nothing(make_engine, tokens):

@@ -24,6 +24,10 @@ def test_defaults_are_valid_and_frozen():
         ("num_threads", 0, "num_threads"),
         ("model", "", "model"),
         ("max_num_seqs", True, "max_num_seqs"),
+        ("cache_protected_share", 1.2, "cache_protected_share"),
+        ("cache_protected_share", -0.1, "cache_protected_share"),
+        ("cache_protected_share", "0.8", "cache_protected_share"),
+        ("cache_protected_share", True, "cache_protected_share"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_field(field, value, message):
