@@ -166,12 +166,13 @@ class RadixCache:
             if touch:
                 self.stats.misses += 1
             return MatchResult(0, (), Root(salt_key(salt)))
-        path, num_matched, cut = descend(root, tuple(tokens))
+        key = tuple(tokens)
+        path, num_matched, cut = descend(root, key)
         if cut is not None:
             path.append(cut[0])
         if touch:
-            if num_matched < len(tokens) and self._lru.is_adaptive:  # missed where a ghost may be
-                self._lru.adapt_on_miss(lookup_key(root.namespace, tuple(tokens[: num_matched + 1])))
+            if num_matched < len(key) and self._lru.is_adaptive:  # missed where a ghost may be
+                self._lru.adapt_on_miss(lookup_key(root.namespace, key[: num_matched + 1]))
             if num_matched:
                 self._lru.protect(path[1:])  # reused: protected (a no-op under plain LRU)
             self._touch(path)
