@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 from cache.blocks import BlockAllocator
 from cache.hashing import check_tokens
-from cache.segmented_lru import SegmentedLru
 from cache.namespaces import Namespaces
 from cache.radix_node import Node, Root, blocks_along, descend, ghost_key, linked_nodes, lookup_key, salt_key, split
 from cache.radix_records import CachedEdge, CacheStats, MatchResult
+from cache.segmented_lru import SegmentedLru
 
 __all__ = ["CacheStats", "CachedEdge", "MatchResult", "RadixCache", "salt_key"]
 

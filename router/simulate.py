@@ -90,8 +90,8 @@ class SimConfig:
     # The (per token, fixed) fetch costs the replicas report (CacheSummary.fetch_token_cost /
     # fetch_overhead_tokens); None: their FetchModel's. sim_vs_live passes what the live Workers reported.
     reported_fetch_costs: tuple[float, float] | None = None
-    # Each replica's eviction: segmented LRU with this share of its budget protected for reused prefixes,
-    # as the engine runs (worker.EngineConfig.cache_protected_share); 0 is plain LRU.
+    # Each replica's eviction, as the engine runs it (worker.EngineConfig.cache_protected_share): adaptive
+    # segmented LRU whose protected segment for reused prefixes starts at this share of the budget; 0: plain LRU.
     cache_protected_share: float = SERVING_PROTECTED_SHARE
 
     def __post_init__(self) -> None:
@@ -462,8 +462,8 @@ def build_parser(prog: str = "python -m router.simulate", description: str | Non
     parser.add_argument("--fetch-export-fraction", type=float, default=FetchModel().export_fraction,
                         help="the owner's busy time per fetch, as a fraction of the transfer time")
     parser.add_argument("--cache-protected-share", type=float, default=SERVING_PROTECTED_SHARE,
-                        help="replicas' eviction: segmented LRU with this share of the budget protected for "
-                             "reused prefixes, as the engine runs it (0: plain LRU)")
+                        help="replicas' eviction, as the engine runs it: adaptive segmented LRU whose protected "
+                             "segment for reused prefixes starts at this share of the budget (0: plain LRU)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 

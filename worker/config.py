@@ -28,8 +28,9 @@ class EngineConfig:
     tiny_llama: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)  # used iff model == "tiny-llama"
     cache_budget_tokens: int = 32768  # unique positions the radix cache may hold
     max_cache_namespaces: int = 1024  # live cache_salt namespaces; at the cap the LRU unlocked one is evicted
-    # eviction: segmented LRU, up to this share of cache_budget_tokens kept for prefixes a request reused
-    # (evicted only after every entry cached once and never reused); 0: plain LRU (cache/segmented_lru.py)
+    # eviction: adaptive segmented LRU (cache/segmented_lru.py): prefixes a request reused are evicted only
+    # after every entry cached once, within a protected share of cache_budget_tokens that starts here and
+    # adapts to what the cache misses; 0: plain LRU
     cache_protected_share: float = SERVING_PROTECTED_SHARE
     kv_pool_tokens: int | None = None  # KV pool capacity in positions (rounded up to blocks)
     gpu_memory_fraction: float = 0.85  # CUDA with kv_pool_tokens=None: share of free memory for the pool
