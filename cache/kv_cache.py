@@ -43,6 +43,7 @@ class _Held:
     lock: MatchResult  # the tree path this sequence keeps locked
     num_admitted_tokens: int  # positions at admission: a sequence admitted over the budget is never cached
     num_cached_tokens: int  # first positions handed to the tree (reused at admission, then cached)
+    is_import: bool = False  # KV computed elsewhere (reserve_import): cached as a copy
 
 
 class KVCache:
@@ -156,16 +157,18 @@ class KVCache:
         """:meth:`admit` for KV computed elsewhere (an imported prefix): reuse the
         longest cached prefix of all of ``token_ids`` (not ``len - 1``), reserve
         the rest, lock. The caller copies ``copy``, writes the rows of positions
-        ``[num_cached_tokens, len)``, then :meth:`finish` es (caching them) or
+        ``[num_cached_tokens, len)``, then :meth:`finish` es (caching them, as a
+        copy: the segmented LRU protects them only when reused twice here) or
         :meth:`release` s (on any failure: nothing kept). The lookup is a pure
         read (no LRU touch, not counted); ``None`` when the pool has no room.
         """
         if not token_ids:
             raise ValueError("an imported prefix needs at least one token")
-        return self._reserve(seq_id, token_ids, token_ids, salt, is_counted=False)
+        return self._reserve(seq_id, token_ids, token_ids, salt, is_counted=False, is_import=True)
 
     def _reserve(
-        self, seq_id: SeqId, token_ids: Sequence[int], prefix: Sequence[int], salt: str | None, *, is_counted: bool
+        self, seq_id: SeqId, token_ids: Sequence[int], prefix: Sequence[int], salt: str | None, *, is_counted: bool,
+        is_import: bool = False,
     ) -> Reservation | None:
         if seq_id in self._held:
             raise ValueError(f"sequence id {seq_id!r} is already admitted")
@@ -179,7 +182,7 @@ class KVCache:
         self._radix.lock(match)
         self._radix.unlock(peek)
         copy = self._allocator.allocate_with_prefix(seq_id, len(token_ids), match.block_ids, match.num_tokens)
-        self._held[seq_id] = _Held(salt, match, len(token_ids), match.num_tokens)
+        self._held[seq_id] = _Held(salt, match, len(token_ids), match.num_tokens, is_import)
         return Reservation(match.num_tokens, copy)
 
     def append(self, seq_id: SeqId) -> Reservation | None:
@@ -205,7 +208,7 @@ class KVCache:
             return 0
         if num_tokens > self._allocator.num_tokens(seq_id):
             raise ValueError(f"{num_tokens} tokens to cache, {seq_id!r} has {self._allocator.num_tokens(seq_id)}")
-        num_new = self._radix.insert(token_ids, self._allocator.block_table(seq_id), held.salt)
+        num_new = self._radix.insert(token_ids, self._allocator.block_table(seq_id), held.salt, is_copy=held.is_import)
         lock = self._radix.match(token_ids, held.salt, touch=False)
         self._radix.lock(lock)
         self._radix.unlock(held.lock)

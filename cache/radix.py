@@ -206,6 +206,8 @@ class RadixCache:
         tokens: Sequence[int],
         block_ids: Sequence[int] | None = None,
         salt: str | bytes | None = None,
+        *,
+        is_copy: bool = False,
     ) -> int:
         """Cache ``tokens``; returns how many positions were newly cached.
 
@@ -217,7 +219,9 @@ class RadixCache:
         what is locked (plus the cached prefix of ``tokens``) leaves no room,
         or it needs a new namespace and every namespace is locked, nothing
         changes at all: nothing cached, nothing evicted, no split, no LRU
-        touch. Splits the edge where ``tokens`` leaves the tree.
+        touch. Splits the edge where ``tokens`` leaves the tree. ``is_copy``:
+        the new positions are KV imported from another cache (segmented LRU:
+        protected only when a second lookup here reuses them).
         """
         check_tokens(tokens)
         key = tuple(tokens)
@@ -248,6 +252,7 @@ class RadixCache:
                 self._evict_namespace(victim)
             self._namespaces.add(root)
         leaf = Node(key[pos:], pos, None)
+        leaf.is_copy = is_copy
         if self.allocator is not None:
             first, last = pos // self.block_size, (len(key) - 1) // self.block_size
             leaf.block_ids = list(block_ids[first : last + 1])

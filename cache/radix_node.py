@@ -33,7 +33,8 @@ class Node:
     below it; ``last_access`` is the clock tick of the last lookup or insert
     whose path ran through it."""
 
-    __slots__ = ("tokens", "start", "block_ids", "parent", "children", "lock_ref", "last_access", "is_protected", "was_reused")
+    __slots__ = ("tokens", "start", "block_ids", "parent", "children", "lock_ref", "last_access", "is_protected", "was_reused",
+                 "is_copy")
 
     def __init__(self, tokens: tuple[int, ...], start: int, parent: Node | None) -> None:
         self.tokens = tokens
@@ -45,6 +46,7 @@ class Node:
         self.last_access: float = 0
         self.is_protected = False  # in the protected segment (cache/segmented_lru.py)
         self.was_reused = False  # a counted lookup reused it while cached
+        self.is_copy = False  # imported KV computed elsewhere, not yet reused by a second lookup here
 
     @property
     def end(self) -> int:
@@ -128,6 +130,7 @@ def split(child: Node, offset: int, block_size: int) -> tuple[Node, int | None]:
     upper.last_access = child.last_access
     upper.is_protected = child.is_protected  # the protected positions are the same, split in two
     upper.was_reused = child.was_reused
+    upper.is_copy = child.is_copy
     cut = child.start + offset
     shared_block = None
     if child.block_ids:

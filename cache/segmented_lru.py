@@ -35,6 +35,7 @@ class _Segmented(Protocol):
     last_access: float
     is_protected: bool
     was_reused: bool
+    is_copy: bool
     tokens: tuple[int, ...]
 
 
@@ -46,6 +47,10 @@ class SegmentedLru(Generic[T]):
 
     1. An item becomes *protected* when :meth:`protect` is called on it (a
        counted lookup reused it); it stays protected until demoted or forgotten.
+       A copy (``is_copy``: KV imported from another cache, held there too)
+       is not: the first :meth:`protect` only clears the mark, so it is
+       protected when reused a second time here, and until then it is among
+       the first entries to go (losing it costs a fetch, not a recompute).
     2. Protected items hold at most :attr:`protected_target` positions
        (``len(item.tokens)`` each, counted in :attr:`num_protected_tokens`)
        after every :meth:`demote_overflow`, which demotes the least recently
@@ -113,6 +118,9 @@ class SegmentedLru(Generic[T]):
         if not self.is_adaptive:
             return
         for item in items:
+            if item.is_copy:  # its first use here: the request it was imported for
+                item.is_copy = False
+                continue
             item.was_reused = True
             if not item.is_protected:
                 item.is_protected = True

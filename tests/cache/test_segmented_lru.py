@@ -163,3 +163,20 @@ def test_ghosts_hold_at_most_the_budget_and_plain_lru_keeps_none():
         lru.insert([first] * 3)
     assert lru.num_ghost_tokens == (0, 0) and lru.protected_target_tokens == 0
     r.check_invariants()
+
+
+def test_a_copy_is_protected_only_by_its_second_reuse():
+    r = RadixCache(20, block_size=4, protected_share=1.0)
+    r.insert([7, 7, 7])
+    r.match([7, 7])  # an ordinary entry: protected by its first reuse
+    r.insert([1, 2, 3, 4, 5, 6], is_copy=True)  # imported KV, held by another cache too
+    r.match([1, 2, 3, 4, 9])  # the request it was imported for
+    assert r.num_protected_tokens == 3
+    r.insert([8] * 8)
+    assert r.insert([9] * 4) == 4  # full: the copy, used after [7, 7, 7], goes first all the same
+    assert cached(r, [[1, 2, 3, 4], [7, 7, 7], [8] * 8, [9] * 4]) == [0, 3, 8, 4]
+    r.insert([1, 2, 3, 4, 5, 6], is_copy=True)
+    r.match([1, 2, 3, 9])
+    r.match([1, 2, 3, 9])  # a second reuse here: protected like any reused prefix
+    assert r.num_protected_tokens == 3 + 6
+    r.check_invariants()

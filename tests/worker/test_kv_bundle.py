@@ -333,3 +333,17 @@ def test_a_bundle_of_the_old_token_major_format_is_refused(pair, tokens):
             b.import_prefix(candidate)
         assert snapshot(b) == before
     assert_clean(b)
+
+
+def test_an_imported_prefix_is_protected_only_when_reused_a_second_time(pair, tokens):
+    """A copy of KV held elsewhere is the cheapest entry to lose: the request it was imported for does
+    not protect it (the simulator's replicas behave the same), a second request reusing it does."""
+    a, b = pair
+    prompt = tokens(48)
+    a.generate(prompt, 2)
+    assert b.import_prefix(a.export_prefix(prompt)) == 48
+    b.generate(prompt + tokens(8), 2)  # the request the prefix was fetched for
+    assert b.stats["cache_protected_tokens"] == 0
+    b.generate(prompt + tokens(8), 2)  # reused again here
+    assert b.stats["cache_protected_tokens"] == 48
+    assert_clean(b)
