@@ -264,10 +264,7 @@ class RadixCache:
                 self.allocator.retain(shared_block)
             lower = cut[0]  # not what a lookup stopping in the edge shared: neither reused nor protected
             lower.was_reused = False
-            if lower.is_protected:  # (the upper half, on the path, is queued by the path's touch)
-                self._lru.forget(lower)
-                if self._is_evictable(lower):
-                    self._lru.push(lower)
+            self._lru.demote(lower, self._is_evictable)  # (the upper half is queued by the path's touch)
             self._num_nodes += 1
             path.append(upper)
         node = path[-1]

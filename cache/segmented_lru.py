@@ -140,8 +140,12 @@ class SegmentedLru(Generic[T]):
         while self.num_protected_tokens > self.protected_target:
             item = self._by_recency.pop()
             assert item is not None, "protected tokens counted without a protected item"
-            item.is_protected = False
-            self.num_protected_tokens -= len(item.tokens)
+            self.demote(item, is_evictable)
+
+    def demote(self, item: T, is_evictable: Callable[[T], bool]) -> None:
+        """Move a protected ``item`` back to the unprotected segment (a no-op otherwise)."""
+        if item.is_protected:
+            self.forget(item)
             if is_evictable(item):
                 self._probation.push(item)
 
