@@ -140,7 +140,9 @@ class KVCache:
         return self._radix.match(token_ids[:-1], salt, touch=False).num_tokens
 
     # ------------------------------------------------------------- sequences
-    def admit(self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None) -> Reservation | None:
+    def admit(
+        self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None, *, is_readmission: bool = False,
+    ) -> Reservation | None:
         """Reserve ``len(token_ids)`` positions for a new sequence on its longest
         cached prefix (at most ``len - 1`` tokens): full blocks shared, a partly
         matched last block copied, fresh blocks for the rest; lock that prefix.
@@ -148,10 +150,17 @@ class KVCache:
         Evicts unlocked entries for the fresh blocks plus the watermark; returns
         ``None`` (nothing reserved, nothing locked, the lookup not counted in the
         tree's stats) when that cannot be done.
+
+        ``is_readmission``: the sequence was admitted before and preempted. Its
+        first admission counted the lookup (and protected what it reused); what
+        it finds now beyond that is mostly its own work, cached before
+        :meth:`release`, so this lookup is a pure read: not counted, no LRU
+        touch, nothing protected (the segmented LRU protects a prefix another
+        lookup reused, not one a sequence recomputes for itself).
         """
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
-        return self._reserve(seq_id, token_ids, token_ids[:-1], salt, is_counted=True)
+        return self._reserve(seq_id, token_ids, token_ids[:-1], salt, is_counted=not is_readmission)
 
     def reserve_import(self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None) -> Reservation | None:
         """:meth:`admit` for KV computed elsewhere (an imported prefix): reuse the

@@ -123,6 +123,7 @@ class _Seq:
     num_fetched: int = 0  # prompt tokens fetched from the owner
     ready_s: float = 0.0  # when the fetched KV has arrived; no prefill chunk before
     held_elsewhere_tokens: int | None = None  # set at the first admission (report only)
+    num_admissions: int = 0  # more than one: preempted and re-admitted
 
     @property
     def is_prefilled(self) -> bool:
@@ -320,7 +321,9 @@ class BatchingReplica:
     def _admit(self) -> _Seq:
         seq = self._waiting.popleft()
         request = seq.request
-        num_units = self.radix.match(request.units, touch=True).num_tokens
+        seq.num_admissions += 1
+        # a re-admission finds what it cached itself: a pure read, not a reuse the segmented LRU protects
+        num_units = self.radix.match(request.units, touch=seq.num_admissions == 1).num_tokens
         seq.num_cached = request.cached_tokens(num_units)
         if seq.fetch is not None:
             plan = plan_fetch(seq.fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,

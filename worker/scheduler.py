@@ -189,7 +189,8 @@ class Scheduler:
             if self._should_wait(seq, self.kv.num_reusable_tokens(seq.token_ids, seq.salt), admitted):
                 self.counters.inflight_holds += 1
                 continue
-            reserved = self.kv.admit(seq.request_id, seq.token_ids, seq.salt)
+            reserved = self.kv.admit(seq.request_id, seq.token_ids, seq.salt,
+                                     is_readmission=seq.cached_tokens is not None)
             if reserved is None:
                 break
             self._copy(step, reserved.copy)

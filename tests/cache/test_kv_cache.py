@@ -154,6 +154,21 @@ def test_release_of_a_preempted_sequence_keeps_what_it_cached():
     check(kv)
 
 
+def test_a_readmitted_sequence_neither_counts_nor_protects_its_own_prefix():
+    kv = make(protected_share=0.5)
+    kv.admit("a", list(range(8)), None)
+    kv.cache("a", list(range(8)))
+    kv.release("a")  # preempted: what it cached stays
+    hits, misses = kv.radix.stats.hits, kv.radix.stats.misses
+    assert kv.admit("a", list(range(8)) + [9], None, is_readmission=True) == Reservation(8, None)
+    assert (kv.radix.stats.hits, kv.radix.stats.misses) == (hits, misses)
+    assert kv.radix.num_protected_tokens == 0  # its own work, reused by nobody else
+    kv.finish("a", list(range(8)) + [9])
+    assert kv.admit("b", list(range(8)) + [5], None).num_cached_tokens == 8  # another request's reuse
+    assert kv.radix.stats.hits == hits + 1 and kv.radix.num_protected_tokens == 8
+    check(kv)
+
+
 def test_misuse_raises():
     kv = make()
     kv.admit("a", [1, 2, 3], None)

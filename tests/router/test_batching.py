@@ -68,6 +68,18 @@ def test_a_full_kv_pool_queues_and_preempts():
     replica.check_invariants()
 
 
+def test_a_readmitted_request_does_not_protect_its_own_prompt():
+    tight = StepProfile(0.01, 0.001, 0.0, 0.0, max_batch_tokens=1000, kv_capacity_tokens=120)
+    replica = BatchingReplica("r", 10_000, tight, protected_share=0.8)
+    replica.submit(0, request(0.0, 60, 30), 0.0)
+    replica.submit(1, request(0.0, 50, 30, base=1000), 0.0)
+    replica.advance(float("inf"))
+    assert replica.num_preemptions >= 1
+    assert replica.radix.num_protected_tokens == 0  # two distinct prompts: nothing was reused
+    assert replica.radix.stats.hits == 0
+    replica.check_invariants()
+
+
 def test_the_prefix_of_an_admitted_request_is_shared_at_once():
     replica = BatchingReplica("r", 10_000, PROFILE)
     replica.submit(0, request(0.0, 200, 1), 0.0)

@@ -179,6 +179,19 @@ def test_preemption_frees_the_youngest_and_recomputes_it():
     assert s.kv.allocator.num_free_blocks == 7
 
 
+def test_a_preempted_sequence_does_not_protect_its_own_prompt_when_readmitted():
+    kv = KVCache(7, BS, 6 * BS, protected_share=0.8)
+    s = Scheduler(kv, max_batch_tokens=32, max_num_seqs=4, eos_token_ids=(1,))
+    a = seq("a", range(10, 18), max_new_tokens=6)  # distinct prompts: nothing is reused by another request
+    b = seq("b", range(40, 48), max_new_tokens=6)
+    s.add(a)
+    s.add(b)
+    drain(s)
+    assert s.counters.preemptions >= 1 and s.counters.readmission_tokens_saved > 0
+    assert kv.radix.num_protected_tokens == 0  # a readmission's lookup is not a reuse
+    assert kv.radix.stats.hits == s.counters.hits == 0
+
+
 def test_abort_releases_blocks_and_locks():
     s = make()
     a = seq("a", range(10, 30))
