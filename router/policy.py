@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Collection, Iterable
 
-from cache.hashing import salt_seed
-from cache.summary import CacheSummary
 from router.cache_fill import FleetCacheFill
 from router.candidates import Candidates, gather, within_block
 from router.cold_home import home_first
@@ -17,7 +14,11 @@ from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
 from router.partial_blocks import PartialBlockIndex
 from router.pending_blocks import PendingBlocks
+from router.policy_bookings import RequestBookingMixin
 from router.policy_config import PolicyConfig
+from router.policy_new_holders import NewHoldersMixin
+from router.policy_reports import ReplicaReportsMixin
+from router.policy_scoring_terms import ScoringTermsMixin
 from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex
 from router.queue_priced import QueuePricedWork
@@ -25,14 +26,14 @@ from router.request import RoutingRequest
 from router.reported_work import ReportedWork
 from router.ring import HashRing
 from router.router_share import RouterShare
-from router.scoring import Scoring, holder_premium
+from router.scoring import holder_premium
 from router.summary_intake import SummaryIntake
 from router.token_prices import ReportedTokenPrices
 
 logger = logging.getLogger(__name__)
 
 
-class PrefixAffinityPolicy:
+class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTermsMixin, NewHoldersMixin):
     """Send each request where its prefix is cached unless that costs more
     than it saves; place cold prefixes by a consistent hash ring; keep every
     replica's share of the work within a bound.
@@ -262,124 +263,6 @@ class PrefixAffinityPolicy:
         if self._prices.remove(replica_id):
             self._reprice()
 
-    # ------------------------------------------------------------------ reports
-    def on_summary(self, summary: CacheSummary) -> bool:
-        """Apply a replica's report; False if stale, unknown, at another block
-        size, or a delta against a snapshot this router does not hold (it
-        waits for the next snapshot, or fetches the base; its own decisions
-        keep routing). A new epoch (the replica restarted) is applied whatever
-        its version, and drops even the entries this router learned within
-        the grace period; a delta of a new epoch whose base this router does
-        not hold drops them too, before anything new is known."""
-        replica_id = summary.replica_id
-        if replica_id not in self._ring:
-            return False
-        if summary.block_size != self.config.block_size:
-            logger.warning("summary from %s at block size %d, router uses %d; ignored",
-                           replica_id, summary.block_size, self.config.block_size)
-            return False
-        accepted = self._intake.accept(summary)
-        capacity = summary.budget_tokens // summary.block_size or None
-        if accepted is None:
-            if self._intake.is_restart(summary):
-                # a restarted replica's delta whose base this router lacks: what it held before is gone
-                self._index.apply_summary(replica_id, frozenset(), self._clock(), capacity, keep_learned=False)
-            return False
-        if accepted.changes is not None:  # a chained delta: apply what changed
-            self._index.apply_delta(replica_id, *accepted.changes, accepted.hashes, self._clock(), capacity)
-        else:
-            self._index.apply_summary(replica_id, accepted.hashes, self._clock(), capacity,
-                                      keep_learned=accepted.keep_learned)
-        self._outputs.report(replica_id, summary.mean_output_tokens)
-        if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
-                or self.config.queue_copy_requests):  # the fill's readers
-            self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
-        if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests) and self.config.learn_token_costs:
-            self._fetch_cost.report(replica_id, summary.fetch_token_cost, summary.fetch_overhead_tokens)
-        if self.config.learn_token_costs:
-            was_measured = self._prices.is_measured
-            if self._prices.report(replica_id, summary.decode_token_cost, summary.queue_token_cost):
-                self._reprice()
-            if not was_measured and self._prices.is_measured:
-                self._loads.forget_recent()  # booked at the priors: see _reprice
-                self._queue_priced.forget_recent()
-                self._demand.clear()  # compared with recent work: the same window
-        reported_work = self._reported_work(summary)
-        self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
-                              summary.num_output_tokens_total, self._clock(), reported_work)
-        self._loads.on_report(replica_id, reported_work)
-        self._share.on_report(replica_id, summary.epoch, summary.num_output_tokens_total, self._clock())
-        return True
-
-    def _reprice(self) -> None:
-        """Put the replicas' measured token prices in force (``learn_token_costs``):
-        decisions from now on and the reported-work counters use them; the
-        balance term's queue-priced work re-prices what it booked before
-        (:class:`QueuePricedWork`). Recent work at the busy price keeps the
-        price each request was booked at, except that the first measurement
-        any replica reports clears the recent-work windows (both trackers'
-        :meth:`LoadTracker.forget_recent`): what was booked at the priors,
-        off by up to 3x live (40 against 60-180 busy on the CPU engine),
-        would skew the bound and the balance for the whole window, and it is
-        a few seconds of history."""
-        prices = self._prices
-        self.config = dataclasses.replace(self.config, decode_token_cost=prices.decode_token_cost,
-                                          queue_decode_token_cost=prices.queue_token_cost)
-        self._reported.decode_token_cost = prices.decode_token_cost
-        self._reported.queue_token_cost = prices.queue_token_cost
-        self._queue_priced.reprice(self.config)
-        logger.info("token prices in force: %.1f busy, %.1f queued, prefill-token equivalents per output token",
-                    prices.decode_token_cost, prices.queue_token_cost)
-
-    def _reported_work(self, summary: CacheSummary) -> float:
-        """A report in the units of the load: the queued prompt tokens, plus
-        the expected decode of every waiting request and half of every running
-        one's (on average it is half done)."""
-        expected = self._outputs.expected(None, summary.replica_id)
-        decode = self.config.queue_token_cost * expected * (summary.num_waiting + 0.5 * summary.num_running)
-        return summary.num_queued_tokens + decode
-
-    def on_routing_stats(self, replica_id: str, stats: object) -> bool:
-        """Apply Ray Serve routing stats (a ``CacheSummary.to_dict()``); never raises."""
-        if not stats:
-            return False  # the replica has not reported yet
-        if isinstance(stats, dict) and self._intake.has_seen(replica_id, stats.get("version"), stats.get("epoch")):
-            return False  # seen already: Ray re-sends every replica's stats when any one changes
-        try:
-            summary = CacheSummary.from_dict(stats)
-        except ValueError as error:
-            logger.warning("ignoring malformed routing stats from %s: %s", replica_id, error)
-            return False
-        if summary.replica_id != replica_id:  # Ray says whose stats these are
-            summary = dataclasses.replace(summary, replica_id=replica_id)
-        return self.on_summary(summary)
-
-    def missing_base(self, replica_id: str, stats: object) -> tuple[str, int] | None:
-        """``(epoch, base_version)`` when :meth:`on_routing_stats` refused
-        ``stats`` only because it is a delta against a state this router
-        does not hold; the caller may fetch that state (the stream sent it by
-        reference) and hand it to :meth:`on_base`. Never raises."""
-        if replica_id not in self._ring or not isinstance(stats, dict) or not stats:
-            return None
-        if self._intake.has_seen(replica_id, stats.get("version"), stats.get("epoch")):
-            return None  # applied already: Ray re-sends every replica's stats when any one changes
-        try:
-            summary = dataclasses.replace(CacheSummary.from_dict(stats), replica_id=replica_id)
-        except ValueError:
-            return None
-        if summary.block_size != self.config.block_size or not self._intake.missing_base(summary):
-            return None
-        return summary.epoch, summary.base_version
-
-    def on_base(self, replica_id: str, epoch: str, version: int, hashes: Iterable[int]) -> bool:
-        """Hold a replica's full block set at ``version`` of ``epoch``, fetched
-        out of band, for the deltas taken against it (then re-apply the
-        replica's latest stats). False if the replica is not on the ring."""
-        if replica_id not in self._ring:
-            return False
-        self._intake.install_base(replica_id, epoch, version, frozenset(hashes))
-        return True
-
     # ------------------------------------------------------------------ routing
     def rank(self, request: object, candidate_ids: Collection[str] | None = None,
              request_id: str | None = None) -> list[str]:
@@ -421,66 +304,6 @@ class PrefixAffinityPolicy:
             logger.warning("no candidate among %d replicas is on the ring; least loaded fallback", len(live))
             return self._least_loaded(live), None, 0, None
         return ranked, fetch, num_booked, found
-
-    def on_routed(self, request: object, replica_id: str, request_id: str) -> None:
-        """The request went to ``replica_id``: learn its blocks there, count its
-        work (nothing to do if :meth:`rank` reserved it there)."""
-        if replica_id not in self._ring:
-            return  # it left while we decided
-        if not self._loads.confirm(request_id, replica_id):
-            self._count(request, replica_id, request_id, reserve=False)
-        else:
-            self._queue_priced.confirm(request_id, replica_id)
-
-    def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
-               num_fetched_tokens: int = 0, found: Candidates | None = None) -> None:
-        """``found``: the candidates of the decision just made for ``request``
-        (nothing changed since), whose within-block match is reused."""
-        now = self._clock()
-        if reserve and self._loads.refresh(request_id, replica_id, now):
-            self._queue_priced.refresh(request_id, replica_id, now)
-            return  # asked again (Ray retries): keep the work counted the first time
-        add = self._loads.reserve if reserve else self._loads.on_routed
-        try:
-            routing = RoutingRequest.from_object(request)
-        except ValueError:  # unknown size: count it as a typical request
-            add(request_id, replica_id, self._typical_work, now)
-            self._queue_priced.book(request_id, replica_id, self._typical_work, 0.0, now, reserve)
-            return
-        hashes = routing.block_hashes
-        depth = self._index.depth(replica_id, hashes)
-        same_match = found is not None and depth == found.num_known  # the same query, the same answer
-        within = found.within_at_known if same_match else self._within_block(routing, depth)
-        within_tokens = within[1] if within is not None and within[0] == replica_id else 0
-        cached = self._cached_tokens(routing, depth, within_tokens)
-        if num_fetched_tokens > cached:  # a hinted fetch: those tokens cost fetch_token_cost each
-            cached += (1.0 - self.config.fetch_token_cost) * (num_fetched_tokens - cached)
-        expected = self._outputs.expected(routing.num_output_tokens, replica_id)
-        work = routing.num_prompt_tokens - cached + self.config.decode_token_cost * expected  # = _work_tokens
-        queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
-        self._typical_work += (work - self._typical_work) / 64  # moving average
-        self._typical_queued += (queued - self._typical_queued) / 64
-        add(request_id, replica_id, queued, now, work)
-        self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
-        self._reported.on_routed(replica_id, queued)
-        if self.config.premium_needs_completion:
-            done = self._pending.computed_depth(replica_id, hashes, depth)
-            anchor = hashes[done] if done < len(hashes) else None  # the first block it waits for there
-            self._pending.add(request_id, replica_id, hashes[depth:], now, anchor)
-        if self.config.replicate_hot_prefixes:
-            num_known = found.num_known if found is not None else self._index.deepest_holders(hashes, 1)[0]
-            if num_known > 0:
-                self._demand.add(hashes[num_known - 1], work, now)
-        self._index.learn(replica_id, hashes, now)
-        if self._partial is not None and routing.token_ids:
-            parent = hashes[-1] if hashes else salt_seed(routing.salt)
-            self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
-
-    def on_completed(self, request_id: str) -> None:
-        self._pending.done(request_id)
-        self._queue_priced.on_completed(request_id)
-        if self._loads.on_completed(request_id):
-            self._share.on_completed(self._clock())
 
     # ----------------------------------------------------------------- private
     def _rank(self, request: RoutingRequest, live: Collection[str]
@@ -528,104 +351,6 @@ class PrefixAffinityPolicy:
                 if plan is not None and ranked else None)
         return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
 
-    def _is_hot(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float) -> bool:
-        """Whether the request's known prefix (its first ``m`` blocks) drew,
-        per replica known to hold it, more than ``hot_prefix_share`` of a
-        replica's mean recent work (``replicate_hot_prefixes``; step 5)."""
-        if not self.config.replicate_hot_prefixes or found.num_known <= 0:
-            return False
-        key = request.block_hashes[found.num_known - 1]
-        num_holders = max(self._index.num_holders(key), 1)
-        return self._demand.value(key, now) > self.config.hot_prefix_share * mean_recent * num_holders
-
-    def _holders_queued(self, found: Candidates, scoring: Scoring) -> float | None:
-        """The least queued work among the candidates holding part of the
-        request's prefix, when every one of them has more than
-        ``queue_copy_requests`` typical requests' work queued (this router's
-        in flight there, in the load's units); else None (and always with
-        the rule off, at 0). The request would wait there whatever it saves,
-        and a lighter replica that fetches the prefix need not (step 5,
-        queued copies)."""
-        requests = self.config.queue_copy_requests
-        if not requests or not found.depths:
-            return None
-        least = min(map(scoring.load, found.depths))
-        return least if least > requests * self._typical_queued else None
-
-    def _queue_copy_target(self, holders_load: float, scoring: Scoring) -> Callable[[str, int], bool]:
-        """Who may take a queued copy: a replica with at least
-        ``queue_copy_gap_requests`` typical requests less work queued than
-        every holder (``holders_load``: the least of theirs) whose cache had
-        room for ``queue_copy_room_factor`` x the copy at its last report."""
-        below = holders_load - self.config.queue_copy_gap_requests * self._typical_queued
-        factor, load = self.config.queue_copy_room_factor, scoring.load
-        return lambda replica_id, num_tokens: load(replica_id) <= below and self._has_room(replica_id, num_tokens,
-                                                                                           factor)
-
-    def _has_room(self, replica_id: str, num_tokens: int, factor: float | None = None) -> bool:
-        """Whether ``replica_id``'s cache had room, at its last report, for
-        ``factor`` (default ``replica_room_factor``) x ``num_tokens`` (True
-        before any report): a copy that evicts may take a prefix's only copy
-        with it."""
-        free = self._fill.free_tokens(replica_id)
-        if factor is None:
-            factor = self.config.replica_room_factor
-        return free is None or free >= factor * num_tokens
-
-    def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
-        """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""
-        config, loads, ring = self.config, self._loads, self._ring
-        mean_recent = loads.recent_total(now) / max(len(ring), 1)
-        chance_sd = loads.chance_sd(now)
-        routers = (self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate
-                   or config.bound_fleet_scale else 1.0)
-        peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
-        shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
-        if shared:
-            balance_work, mean_balance = (lambda r: self._reported.value(r, now)), self._reported.mean(ring.nodes, now)
-        else:  # None: the balance term reads recent work itself
-            balance_work, mean_balance = self._queue_priced.view(now, mean_recent, len(ring)), mean_recent
-        return Scoring(
-            config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
-            one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
-            balance=config.balance_weight * (routers if config.balance_fleet_scale else 1.0),
-            mean_balance=mean_balance,
-            dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
-            load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
-            recent=loads.recent_view(now), expected_output=self._outputs.expected,
-            balance_work=balance_work)
-
-    def _computed_view(self, request: RoutingRequest, found: Candidates) -> Callable[[str, int], float]:
-        """(replica, cached tokens) -> those the affinity premium counts there
-        (``premium_needs_completion``): all, unless an in-flight request there
-        still computes some of the matched blocks *and* the in-flight requests
-        there waiting on the first of them are at least ``premium_pending_min_users`` and more than one
-        replica's share of this router's requests in flight (the prefix's
-        demand is more than one replica should carry: it will need a second
-        copy anyway). Then the leading computed blocks count, plus the pending
-        rest weighed by the fleet's cache pressure (:class:`FleetCacheFill`:
-        while caches have room a second copy of a prefix nobody has computed
-        yet costs only its prefill; once they are full it evicts, and the
-        premium holds as before). A within-block match counts whole only
-        behind a computed chain."""
-        pending, hashes, block_size = self._pending, request.block_hashes, self.config.block_size
-        pressure, min_users = self._fill.pressure, self.config.premium_pending_min_users
-        share = (self._loads.num_in_flight() + 1) / max(len(self._ring), 1)  # one replica's share in flight
-
-        def computed(replica_id: str, cached: int) -> float:
-            if not pending.has_pending(replica_id):
-                return cached
-            depth = found.depths.get(replica_id, 0)
-            done = pending.computed_depth(replica_id, hashes, depth)
-            if done == depth:
-                return cached
-            users = pending.users(replica_id, hashes[done])
-            if users < min_users or users <= share:
-                return cached  # one replica can take what waits on it: it keeps its premium
-            done_tokens = min(cached, done * block_size)
-            return done_tokens + pressure * (cached - done_tokens)
-        return computed
-
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
                     ranked: list[str], now: float) -> list[str]:
         """``ranked`` with the cold home first when the request is cold (:func:`home_first`)."""
@@ -635,24 +360,6 @@ class PrefixAffinityPolicy:
         return home_first(self.config.cold_home, self._ring, found.key, live, self._reported, now,
                           self.config.cold_home_load_factor, self._work_tokens(request, 0), cached_at,
                           cached_there, ranked)
-
-    def _load_view(self, now: float, peers: float) -> Callable[[str], float]:
-        """Queued work as this router estimates it with several routers: its
-        own in flight, plus the others' as last reported (drained since at the
-        fastest rate a replica was seen to work, with ``drain_foreign_load``),
-        plus ``peers`` × what it sent since that report (the other routers,
-        seeing alike traffic, likely sent as much each)."""
-        loads, reported = self._loads, self._reported
-        drain_rate = reported.peak_rate(now) if self.config.drain_foreign_load else 0.0
-        def load(replica_id: str) -> float:
-            drained = min(loads.foreign(replica_id), drain_rate * reported.age(replica_id, now)) if drain_rate else 0.0
-            return loads.load(replica_id) - drained + peers * reported.pending(replica_id)
-        return load
-
-    def _routers_seen(self, now: float) -> float:
-        """How many routers share the traffic (:class:`RouterShare`, >= 1):
-        this router's balance deviations are ~1/that of the real ones."""
-        return self._share.routers(now, self._outputs.expected(None))
 
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))

@@ -24,104 +24,38 @@ trace span)``, a request's work being its time alone on a replica; or, with
 their next request when the previous completes, as the live load test does. Writes ``{"global_lru_hit_rate", "infinite_hit_rate",
 "policies": {NAME: {"hit_rate", "load_imbalance", "ttft_p50_s",
 "ttft_p99_s", ...}}, "setup": {...}}``. Hit rates count prompt tokens.
+The setup is :mod:`router.sim_config`; the command line, :mod:`router.sim_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
 from cache import RadixCache
-from cache.segmented_lru import SERVING_PROTECTED_SHARE
 from cache.summary import BASE_REF_KEY, CacheSummary, SummaryStream
 from cache.summary_sender import REF_WIRE_BYTES, SummarySender
 from harness.loadstats import percentile
 from router.baselines import (DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RayPrefixTree, RoundRobin,
                               SGLangCacheAware)
-from router.batching import H100_LLAMA_8B, BatchingReplica, StepProfile
-from router.closed_loop import ClosedLoopConfig, arrivals
+from router.batching import BatchingReplica
+from router.closed_loop import arrivals
 from router.cluster import CostModel, SimReplica
-from router.policy import PolicyConfig, PrefixAffinityPolicy
+from router.policy import PolicyConfig  # re-exported
+from router.policy import PrefixAffinityPolicy
 from router.request import RoutingRequest
-from router.sim_fetch import FetchModel, SimFetch
+from router.sim_cli import build_parser, build_run
+from router.sim_cli import workload_kind  # re-exported
+from router.sim_config import POLICY_NAMES, SimConfig
+from router.sim_config import REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS  # re-exported
+from router.sim_fetch import SimFetch
 from router.sim_report import plot, replay_figures
 from router.sim_table import print_table
-from router.workload import Workload, load_mooncake, multi_turn, scale_arrivals, shared_prefix
-
-# how replicas send summaries: whole; a snapshot + chained deltas (SummaryStream); or what a live Worker
-# sends, its summary_mode "stream" (cache.summary_sender: deltas naming their base by an object ref)
-SIM_SUMMARY_MODES = ("full", "stream", "reference")
-POLICY_NAMES = ("ours", "ours_nofetch", "round_robin", "pow2", "ray_prefix_affinity", "sglang_cache_aware", "dynamo_kv", "llm_d")
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """One simulation's setup. ``replica_model``: ``"fifo"`` (:class:`CostModel`,
-    one request at a time) or ``"cb"`` (continuous batching under ``profile``).
-    ``max_tokens``: the ``max_tokens`` every request is sent with, the only
-    output length a router sees (None: the workload's longest output, which
-    is the generated workloads' fixed length). ``num_routers``: independent
-    routers for ours, each taking every ``num_routers``-th request."""
-
-    num_replicas: int
-    budget_tokens: int
-    utilisation: float = 0.9
-    cost: CostModel = field(default_factory=CostModel)
-    summary_period_s: float = 1.0
-    seed: int = 0
-    policy: PolicyConfig = field(default_factory=PolicyConfig)  # block size/decode cost set from the workload
-    replica_model: str = "fifo"
-    profile: StepProfile = H100_LLAMA_8B
-    max_tokens: int | None = None
-    num_routers: int = 1
-    decode_token_cost: float | None = None  # ours' price of an output token; None: the timing's
-    summary_mode: str = "full"  # SIM_SUMMARY_MODES: "full" every block each period; "stream" snapshots + chained
-    # deltas; "reference" what a live Worker sends (cache.summary_sender): deltas naming their base by a handle
-    closed_loop: ClosedLoopConfig | None = None  # None: open loop at the workload's (scaled) arrival times
-    fetch: FetchModel = field(default_factory=FetchModel)  # KV transfer figures for ours' fetch hints
-    # The (busy, queue) token prices the replicas report as their engines' measurement; None: their cost
-    # model's. sim_vs_live passes what the live Workers reported, whose engine measures its own.
-    reported_token_costs: tuple[float, float] | None = None
-    # The (per token, fixed) fetch costs the replicas report (CacheSummary.fetch_token_cost /
-    # fetch_overhead_tokens); None: their FetchModel's. sim_vs_live passes what the live Workers reported.
-    reported_fetch_costs: tuple[float, float] | None = None
-    # Each replica's eviction, as the engine runs it (worker.EngineConfig.cache_protected_share): adaptive
-    # segmented LRU whose protected segment for reused prefixes starts at this share of the budget; 0: plain LRU.
-    cache_protected_share: float = SERVING_PROTECTED_SHARE
-
-    def __post_init__(self) -> None:
-        if type(self.num_replicas) is not int or self.num_replicas <= 0:
-            raise ValueError(f"num_replicas must be a positive int, got {self.num_replicas!r}")
-        if type(self.budget_tokens) is not int or self.budget_tokens <= 0:
-            raise ValueError(f"budget_tokens must be a positive int, got {self.budget_tokens!r}")
-        if not 0 < self.utilisation <= 10:
-            raise ValueError(f"utilisation must be in (0, 10], got {self.utilisation!r}")
-        if not self.summary_period_s > 0:
-            raise ValueError(f"summary_period_s must be > 0, got {self.summary_period_s!r}")
-        if self.replica_model not in REPLICA_MODELS:
-            raise ValueError(f"replica_model must be one of {REPLICA_MODELS}, got {self.replica_model!r}")
-        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens <= 0):
-            raise ValueError(f"max_tokens must be None or a positive int, got {self.max_tokens!r}")
-        if self.summary_mode not in SIM_SUMMARY_MODES:
-            raise ValueError(f"summary_mode must be one of {SIM_SUMMARY_MODES}, got {self.summary_mode!r}")
-        if type(self.num_routers) is not int or self.num_routers <= 0:
-            raise ValueError(f"num_routers must be a positive int, got {self.num_routers!r}")
-        if not 0.0 <= self.cache_protected_share <= 1.0:
-            raise ValueError(f"cache_protected_share must be within [0, 1], got {self.cache_protected_share!r}")
-
-    @property
-    def timing(self) -> CostModel | StepProfile:
-        """What prices a request's work: the FIFO cost model or the step profile."""
-        return self.cost if self.replica_model == "fifo" else self.profile
-
-
-REPLICA_MODELS = ("fifo", "cb")
-TRACE_MAX_TOKENS = 2048  # a trace's requests carry no max_tokens; a chat default (its outputs reach 893)
+from router.workload import Workload, scale_arrivals
 
 
 def make_replicas(config: SimConfig, budget_units: int) -> list:
@@ -409,106 +343,6 @@ def _mean_over_seeds(runs: list[dict]) -> dict:
     merged = {k: sum(run[k] for run in runs) / len(runs) for k in keys}
     merged["per_seed"] = {k: [run[k] for run in runs] for k in ("hit_rate", "load_imbalance", "ttft_p99_s")}
     return merged
-
-
-def build_parser(prog: str = "python -m router.simulate", description: str | None = None) -> argparse.ArgumentParser:
-    """The replay's command line (shared with :mod:`router.seed_sweep`)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="Mooncake-format JSONL trace")
-    parser.add_argument("--workload", choices=("mooncake", "shared-prefix", "multi-turn"), default=None)
-    parser.add_argument("--replicas", type=int, required=True)
-    parser.add_argument("--budget-tokens", type=int, required=True)
-    parser.add_argument("--json", required=True, help="output JSON path")
-    parser.add_argument("--plot", help="output PNG path")
-    parser.add_argument("--utilisation", type=float, default=0.9)
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
-    parser.add_argument("--decode-s-per-token", type=float, default=0.002)
-    parser.add_argument("--summary-period-s", type=float, default=1.0)
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
-    parser.add_argument("--limit", type=int, help="replay only the first N trace rows")
-    parser.add_argument("--block-tokens", type=int, default=PolicyConfig().block_size,
-                        help="router block size for generated workloads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=1, help="run randomised baselines with seeds 0..N-1, report means")
-    parser.add_argument("--workload-args", default="{}",
-                        help='JSON overrides of a generated workload, e.g. {"question_tokens": 100}')
-    parser.add_argument("--policy-args", default="{}",
-                        help='JSON PolicyConfig overrides for ours, e.g. {"sub_block_tokens": 0}')
-    parser.add_argument("--replica-model", choices=REPLICA_MODELS, default="fifo",
-                        help="fifo: one request at a time (CostModel); cb: continuous batching (--profile)")
-    parser.add_argument("--profile", help="step-profile JSON for --replica-model cb (default: Llama-3.1-8B on H100)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="max_tokens of every request, all a router knows of its output "
-                             "(default: 2048 for a trace, the output length for generated workloads)")
-    parser.add_argument("--routers", type=int, default=1, help="independent routers for ours")
-    parser.add_argument("--summary-mode", choices=SIM_SUMMARY_MODES, default="full",
-                        help="full: every cached block each period; stream: snapshots + chained deltas; "
-                             "reference: a live Worker's stream (deltas naming their base by an object ref)")
-    parser.add_argument("--decode-token-cost", type=float, default=None,  # a prior: the replicas report theirs
-                        help="ours' prior prefill-token price of an output token (default: from the cost model/"
-                             "profile); the replicas' measured prices replace it unless --policy-args "
-                             "'{\"learn_token_costs\": false}'")
-    parser.add_argument("--arrivals", choices=("open", "closed"), default="open",
-                        help="open: the workload's arrival times, scaled to --utilisation; closed: --concurrency "
-                             "sessions, each sending its next request when the previous completes")
-    parser.add_argument("--concurrency", type=int, default=8, help="--arrivals closed: client sessions")
-    parser.add_argument("--ingress-s", type=float, default=0.0,
-                        help="--arrivals closed: measured client TTFT less engine TTFT, between a completion and "
-                             "the next request at the engine")
-    parser.add_argument("--kv-bytes-per-token", type=int, default=FetchModel().kv_bytes_per_token,
-                        help="KV bytes per token a fetch moves (default: Llama-3.1-8B bf16, 128 KiB)")
-    parser.add_argument("--fetch-bandwidth-gbps", type=float, default=FetchModel().bandwidth_bytes_per_s / 1e9,
-                        help="fetch bandwidth in GB/s (default 25: RDMA-class)")
-    parser.add_argument("--fetch-export-fraction", type=float, default=FetchModel().export_fraction,
-                        help="the owner's busy time per fetch, as a fraction of the transfer time")
-    parser.add_argument("--cache-protected-share", type=float, default=SERVING_PROTECTED_SHARE,
-                        help="replicas' eviction, as the engine runs it: adaptive segmented LRU whose protected "
-                             "segment for reused prefixes starts at this share of the budget (0: plain LRU)")
-    parser.add_argument("--no-progress", action="store_true")
-    return parser
-
-
-def workload_kind(args: argparse.Namespace) -> str:
-    """mooncake, shared-prefix or multi-turn; ValueError when the command names none."""
-    kind = args.workload or ("mooncake" if args.trace else None)
-    if kind is None:
-        raise ValueError("give --trace FILE or --workload")
-    if kind == "mooncake" and not args.trace:
-        raise ValueError("--workload mooncake needs --trace FILE")
-    return kind
-
-
-def build_run(args: argparse.Namespace) -> tuple[Workload, SimConfig, list[str]]:
-    """The workload (generated from ``args.seed``), the simulator's config
-    and the policy names a parsed command line asks for."""
-    kind = workload_kind(args)
-    if kind == "mooncake":
-        workload = load_mooncake(args.trace, args.limit)
-    elif kind == "shared-prefix":
-        workload = shared_prefix(block_tokens=args.block_tokens, seed=args.seed, **json.loads(args.workload_args))
-    else:
-        workload = multi_turn(block_tokens=args.block_tokens, seed=args.seed, **json.loads(args.workload_args))
-    config = SimConfig(
-        num_replicas=args.replicas,
-        budget_tokens=args.budget_tokens,
-        utilisation=args.utilisation,
-        cost=CostModel(args.prefill_tokens_per_s, args.decode_s_per_token),
-        summary_period_s=args.summary_period_s,
-        seed=args.seed,
-        policy=PolicyConfig(**json.loads(args.policy_args)),
-        replica_model=args.replica_model,
-        profile=StepProfile.load(args.profile) if args.profile else H100_LLAMA_8B,
-        max_tokens=args.max_tokens or (TRACE_MAX_TOKENS if kind == "mooncake" else None),
-        num_routers=args.routers,
-        decode_token_cost=args.decode_token_cost,
-        summary_mode=args.summary_mode,
-        closed_loop=ClosedLoopConfig(args.concurrency, ingress_s=args.ingress_s) if args.arrivals == "closed" else None,
-        fetch=FetchModel(args.kv_bytes_per_token, args.fetch_bandwidth_gbps * 1e9,
-                         export_fraction=args.fetch_export_fraction),
-        cache_protected_share=args.cache_protected_share,
-    )
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    return workload, config, names
 
 
 def main(argv: list[str] | None = None) -> int:

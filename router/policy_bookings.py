@@ -1,0 +1,78 @@
+"""What :class:`router.policy.PrefixAffinityPolicy` books for a routed
+request: its work counted (reserved at decision time, or on the routed
+report), its blocks learned, its pending blocks and its prefix's demand; and
+what its completion releases."""
+
+from __future__ import annotations
+
+from cache.hashing import salt_seed
+from router.candidates import Candidates
+from router.request import RoutingRequest
+
+
+class RequestBookingMixin:
+    """The booking half of :class:`router.policy.PrefixAffinityPolicy` (mixed
+    into it, never used alone): updates the components the policy creates
+    (``_loads``, ``_queue_priced``, ``_reported``, ``_pending``, ``_demand``,
+    ``_index``, ``_partial``, ``_share``) and its moving averages of a
+    request's work (``_typical_work``, ``_typical_queued``)."""
+
+    def on_routed(self, request: object, replica_id: str, request_id: str) -> None:
+        """The request went to ``replica_id``: learn its blocks there, count its
+        work (nothing to do if :meth:`rank` reserved it there)."""
+        if replica_id not in self._ring:
+            return  # it left while we decided
+        if not self._loads.confirm(request_id, replica_id):
+            self._count(request, replica_id, request_id, reserve=False)
+        else:
+            self._queue_priced.confirm(request_id, replica_id)
+
+    def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
+               num_fetched_tokens: int = 0, found: Candidates | None = None) -> None:
+        """``found``: the candidates of the decision just made for ``request``
+        (nothing changed since), whose within-block match is reused."""
+        now = self._clock()
+        if reserve and self._loads.refresh(request_id, replica_id, now):
+            self._queue_priced.refresh(request_id, replica_id, now)
+            return  # asked again (Ray retries): keep the work counted the first time
+        add = self._loads.reserve if reserve else self._loads.on_routed
+        try:
+            routing = RoutingRequest.from_object(request)
+        except ValueError:  # unknown size: count it as a typical request
+            add(request_id, replica_id, self._typical_work, now)
+            self._queue_priced.book(request_id, replica_id, self._typical_work, 0.0, now, reserve)
+            return
+        hashes = routing.block_hashes
+        depth = self._index.depth(replica_id, hashes)
+        same_match = found is not None and depth == found.num_known  # the same query, the same answer
+        within = found.within_at_known if same_match else self._within_block(routing, depth)
+        within_tokens = within[1] if within is not None and within[0] == replica_id else 0
+        cached = self._cached_tokens(routing, depth, within_tokens)
+        if num_fetched_tokens > cached:  # a hinted fetch: those tokens cost fetch_token_cost each
+            cached += (1.0 - self.config.fetch_token_cost) * (num_fetched_tokens - cached)
+        expected = self._outputs.expected(routing.num_output_tokens, replica_id)
+        work = routing.num_prompt_tokens - cached + self.config.decode_token_cost * expected  # = _work_tokens
+        queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
+        self._typical_work += (work - self._typical_work) / 64  # moving average
+        self._typical_queued += (queued - self._typical_queued) / 64
+        add(request_id, replica_id, queued, now, work)
+        self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
+        self._reported.on_routed(replica_id, queued)
+        if self.config.premium_needs_completion:
+            done = self._pending.computed_depth(replica_id, hashes, depth)
+            anchor = hashes[done] if done < len(hashes) else None  # the first block it waits for there
+            self._pending.add(request_id, replica_id, hashes[depth:], now, anchor)
+        if self.config.replicate_hot_prefixes:
+            num_known = found.num_known if found is not None else self._index.deepest_holders(hashes, 1)[0]
+            if num_known > 0:
+                self._demand.add(hashes[num_known - 1], work, now)
+        self._index.learn(replica_id, hashes, now)
+        if self._partial is not None and routing.token_ids:
+            parent = hashes[-1] if hashes else salt_seed(routing.salt)
+            self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
+
+    def on_completed(self, request_id: str) -> None:
+        self._pending.done(request_id)
+        self._queue_priced.on_completed(request_id)
+        if self._loads.on_completed(request_id):
+            self._share.on_completed(self._clock())

@@ -1,0 +1,62 @@
+"""Step 5's new holders for :class:`router.policy.PrefixAffinityPolicy`:
+whether a request's prefix may gain a holder that fetches it (a hot prefix,
+or one queued at every holder) and which replica has room for the copy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router.candidates import Candidates
+from router.request import RoutingRequest
+from router.scoring import Scoring
+
+
+class NewHoldersMixin:
+    """The new-holder part of :class:`router.policy.PrefixAffinityPolicy`
+    (mixed into it, never used alone): reads the components the policy
+    creates (``_index``, ``_demand``, ``_fill``) and its moving average of a
+    request's queued work (``_typical_queued``); changes nothing."""
+
+    def _is_hot(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float) -> bool:
+        """Whether the request's known prefix (its first ``m`` blocks) drew,
+        per replica known to hold it, more than ``hot_prefix_share`` of a
+        replica's mean recent work (``replicate_hot_prefixes``; step 5)."""
+        if not self.config.replicate_hot_prefixes or found.num_known <= 0:
+            return False
+        key = request.block_hashes[found.num_known - 1]
+        num_holders = max(self._index.num_holders(key), 1)
+        return self._demand.value(key, now) > self.config.hot_prefix_share * mean_recent * num_holders
+
+    def _holders_queued(self, found: Candidates, scoring: Scoring) -> float | None:
+        """The least queued work among the candidates holding part of the
+        request's prefix, when every one of them has more than
+        ``queue_copy_requests`` typical requests' work queued (this router's
+        in flight there, in the load's units); else None (and always with
+        the rule off, at 0). The request would wait there whatever it saves,
+        and a lighter replica that fetches the prefix need not (step 5,
+        queued copies)."""
+        requests = self.config.queue_copy_requests
+        if not requests or not found.depths:
+            return None
+        least = min(map(scoring.load, found.depths))
+        return least if least > requests * self._typical_queued else None
+
+    def _queue_copy_target(self, holders_load: float, scoring: Scoring) -> Callable[[str, int], bool]:
+        """Who may take a queued copy: a replica with at least
+        ``queue_copy_gap_requests`` typical requests less work queued than
+        every holder (``holders_load``: the least of theirs) whose cache had
+        room for ``queue_copy_room_factor`` x the copy at its last report."""
+        below = holders_load - self.config.queue_copy_gap_requests * self._typical_queued
+        factor, load = self.config.queue_copy_room_factor, scoring.load
+        return lambda replica_id, num_tokens: load(replica_id) <= below and self._has_room(replica_id, num_tokens,
+                                                                                           factor)
+
+    def _has_room(self, replica_id: str, num_tokens: int, factor: float | None = None) -> bool:
+        """Whether ``replica_id``'s cache had room, at its last report, for
+        ``factor`` (default ``replica_room_factor``) x ``num_tokens`` (True
+        before any report): a copy that evicts may take a prefix's only copy
+        with it."""
+        free = self._fill.free_tokens(replica_id)
+        if factor is None:
+            factor = self.config.replica_room_factor
+        return free is None or free >= factor * num_tokens

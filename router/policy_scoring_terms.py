@@ -1,0 +1,91 @@
+"""Steps 3–4's terms as :class:`router.policy.PrefixAffinityPolicy` reads
+them from its state for one decision: the :class:`Scoring` it builds, the
+blocks the affinity premium counts (``premium_needs_completion``), the queued
+work and the number of routers with several routers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router.candidates import Candidates
+from router.request import RoutingRequest
+from router.scoring import Scoring
+
+
+class ScoringTermsMixin:
+    """The scoring-terms part of :class:`router.policy.PrefixAffinityPolicy`
+    (mixed into it, never used alone): reads the components the policy
+    creates (``_loads``, ``_ring``, ``_reported``, ``_queue_priced``,
+    ``_outputs``, ``_pending``, ``_fill``, ``_share``); changes nothing."""
+
+    def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
+        """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""
+        config, loads, ring = self.config, self._loads, self._ring
+        mean_recent = loads.recent_total(now) / max(len(ring), 1)
+        chance_sd = loads.chance_sd(now)
+        routers = (self._routers_seen(now) if config.balance_fleet_scale or config.load_peer_estimate
+                   or config.bound_fleet_scale else 1.0)
+        peers = routers - 1.0 if config.load_peer_estimate else 0.0  # others' work since the last report
+        shared = config.balance_from_reports and all(r in self._reported for r in ring.nodes)
+        if shared:
+            balance_work, mean_balance = (lambda r: self._reported.value(r, now)), self._reported.mean(ring.nodes, now)
+        else:  # None: the balance term reads recent work itself
+            balance_work, mean_balance = self._queue_priced.view(now, mean_recent, len(ring)), mean_recent
+        return Scoring(
+            config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
+            one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
+            balance=config.balance_weight * (routers if config.balance_fleet_scale else 1.0),
+            mean_balance=mean_balance,
+            dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
+            load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
+            recent=loads.recent_view(now), expected_output=self._outputs.expected,
+            balance_work=balance_work)
+
+    def _computed_view(self, request: RoutingRequest, found: Candidates) -> Callable[[str, int], float]:
+        """(replica, cached tokens) -> those the affinity premium counts there
+        (``premium_needs_completion``): all, unless an in-flight request there
+        still computes some of the matched blocks *and* the in-flight requests
+        there waiting on the first of them are at least ``premium_pending_min_users`` and more than one
+        replica's share of this router's requests in flight (the prefix's
+        demand is more than one replica should carry: it will need a second
+        copy anyway). Then the leading computed blocks count, plus the pending
+        rest weighed by the fleet's cache pressure (:class:`FleetCacheFill`:
+        while caches have room a second copy of a prefix nobody has computed
+        yet costs only its prefill; once they are full it evicts, and the
+        premium holds as before). A within-block match counts whole only
+        behind a computed chain."""
+        pending, hashes, block_size = self._pending, request.block_hashes, self.config.block_size
+        pressure, min_users = self._fill.pressure, self.config.premium_pending_min_users
+        share = (self._loads.num_in_flight() + 1) / max(len(self._ring), 1)  # one replica's share in flight
+
+        def computed(replica_id: str, cached: int) -> float:
+            if not pending.has_pending(replica_id):
+                return cached
+            depth = found.depths.get(replica_id, 0)
+            done = pending.computed_depth(replica_id, hashes, depth)
+            if done == depth:
+                return cached
+            users = pending.users(replica_id, hashes[done])
+            if users < min_users or users <= share:
+                return cached  # one replica can take what waits on it: it keeps its premium
+            done_tokens = min(cached, done * block_size)
+            return done_tokens + pressure * (cached - done_tokens)
+        return computed
+
+    def _load_view(self, now: float, peers: float) -> Callable[[str], float]:
+        """Queued work as this router estimates it with several routers: its
+        own in flight, plus the others' as last reported (drained since at the
+        fastest rate a replica was seen to work, with ``drain_foreign_load``),
+        plus ``peers`` × what it sent since that report (the other routers,
+        seeing alike traffic, likely sent as much each)."""
+        loads, reported = self._loads, self._reported
+        drain_rate = reported.peak_rate(now) if self.config.drain_foreign_load else 0.0
+        def load(replica_id: str) -> float:
+            drained = min(loads.foreign(replica_id), drain_rate * reported.age(replica_id, now)) if drain_rate else 0.0
+            return loads.load(replica_id) - drained + peers * reported.pending(replica_id)
+        return load
+
+    def _routers_seen(self, now: float) -> float:
+        """How many routers share the traffic (:class:`RouterShare`, >= 1):
+        this router's balance deviations are ~1/that of the real ones."""
+        return self._share.routers(now, self._outputs.expected(None))
