@@ -1,10 +1,12 @@
 """asyncio interface to the engine, for the serving layer.
 
-One background thread owns the :class:`~worker.engine.Engine`: it takes
-submissions and cancellations from an inbox, steps the engine (torch
-releases the GIL during the forward), and hands each step's events to the
-event loop each request came from, one ``call_soon_threadsafe`` per loop per
-step. Callers on any number of event loops may submit and cancel at once.
+One background thread owns the :class:`~worker.engine.Engine`
+(:class:`~worker.engine_thread.EngineThread`, which :class:`AsyncEngine`
+extends with the asyncio API): it takes submissions and cancellations from
+an inbox, steps the engine (torch releases the GIL during the forward), and
+hands each step's events to the event loop each request came from, one
+``call_soon_threadsafe`` per loop per step. Callers on any number of event
+loops may submit and cancel at once.
 
 Per request::
 
@@ -23,41 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from cache.summary import CacheSummary, cached_block_hashes
-from worker.config import EngineConfig
+from worker.config import EngineConfig  # noqa: F401 - re-exported
 from worker.engine import Engine
-from worker.kv_fetch import PrefillRate
+from worker.engine_thread import OUTPUT_WINDOW, EngineThread, RequestSink, logger  # noqa: F401 - re-exported
+from worker.fetch_estimates import PrefillRate  # noqa: F401 - re-exported
 from worker.results import EngineOverloaded, GenerationResult, TokenEvent
 from worker.sampling import SamplingParams
-from worker.step_costs import StepCosts
+from worker.step_costs import StepCosts  # noqa: F401 - re-exported
 
-logger = logging.getLogger(__name__)
-OUTPUT_WINDOW = 64  # finished requests whose output lengths the cache summary averages
 __all__ = ["AsyncEngine", "EngineOverloaded"]
 
 
-@dataclass(slots=True, eq=False)
-class _Sink:
-    """Where a request's items go: a queue on the submitting event loop."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    wants_tokens: bool
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    is_done: bool = False  # result or error handed over (engine thread side)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set on the loop when the last item is queued
-
-
-class AsyncEngine:
-    """An :class:`Engine` stepped by a background thread.
+class AsyncEngine(EngineThread):
+    """An :class:`Engine` stepped by a background thread
+    (:class:`~worker.engine_thread.EngineThread`: the state, the thread's loop).
 
     Invariants (:meth:`check_invariants`): the engine's own, and every request
     the engine holds has a live sink (a waiter), so nothing runs unobserved.
@@ -75,33 +61,6 @@ class AsyncEngine:
     thread waits for them at most one bounded copy after its forward.
     Order: ``_lock``, then ``_cache_lock``, then ``_sinks_lock``; never the reverse.
     """
-
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        *,
-        engine: Engine | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.engine = engine if engine is not None else Engine(config)
-        self.config = self.engine.config
-        self._clock = clock
-        self._lock = threading.RLock()
-        self._cache_lock = threading.RLock()
-        self.engine.forward_window = self._forward_window
-        self._sinks_lock = threading.Lock()
-        self._sinks: dict[str, _Sink] = {}
-        self._inbox: deque[tuple] = deque()
-        self._wakeup = threading.Event()
-        self._closed = False
-        self._step_failed = False
-        self._snapshot = self.engine.stats
-        self._output_lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)  # engine thread appends
-        self._num_output_tokens_total = 0  # tokens of every finished request (engine thread)
-        self._prefill_rate = PrefillRate()  # engine thread observes; fetch decisions read
-        self._step_costs = StepCosts()  # engine thread observes; cache summaries read
-        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------ passthrough
     @property
@@ -233,7 +192,7 @@ class AsyncEngine:
                 self._cancel(sink)
             self._forget(sink)
 
-    def _submit(self, prompt_token_ids, params, salt, request_id, *, wants_tokens: bool) -> _Sink:
+    def _submit(self, prompt_token_ids, params, salt, request_id, *, wants_tokens: bool) -> RequestSink:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         params = params if params is not None else SamplingParams()
@@ -243,7 +202,7 @@ class AsyncEngine:
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")
         request_id = request_id or uuid.uuid4().hex
-        sink = _Sink(request_id, asyncio.get_running_loop(), wants_tokens)
+        sink = RequestSink(request_id, asyncio.get_running_loop(), wants_tokens)
         with self._sinks_lock:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in flight")
@@ -255,114 +214,10 @@ class AsyncEngine:
         self._wakeup.set()
         return sink
 
-    def _cancel(self, sink: _Sink) -> None:
-        if not sink.is_done:
-            self._inbox.append(("abort", sink.request_id))
-            self._wakeup.set()
-
-    def _forget(self, sink: _Sink) -> None:
+    def _forget(self, sink: RequestSink) -> None:
         with self._sinks_lock:
             if self._sinks.get(sink.request_id) is sink:
                 del self._sinks[sink.request_id]
-
-    # ------------------------------------------------------------ engine side
-    def _run(self) -> None:
-        while True:
-            if not self._inbox and not self._closed and not self.engine.has_work():
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
-                continue
-            deliveries: list[tuple[_Sink, object]] = []
-            with self._exclusive():
-                self._drain_inbox(deliveries)
-                if self._closed:
-                    self._fail_all(RuntimeError("the engine shut down"), deliveries)
-                    self._deliver(deliveries)
-                    return
-                try:
-                    started_s = self._clock()
-                    events = self.engine.step() if self.engine.has_work() else []
-                    if self.engine.has_work() and not self.engine.last_step_ran:
-                        raise RuntimeError(f"no progress with {self.engine.scheduler.num_waiting} waiting")
-                    self._step_failed = False
-                except Exception as error:  # a bug: fail what is in flight, keep serving
-                    logger.exception("engine step failed; failing in-flight requests")
-                    self._step_failed = True
-                    events = []
-                    self._fail_all(RuntimeError(f"engine step failed: {error!r}"), deliveries)
-                self._route(events, deliveries)
-                previous, self._snapshot = self._snapshot, self.engine.stats
-                elapsed_s = self._clock() - started_s
-                self._prefill_rate.observe_step(previous, self._snapshot, elapsed_s)
-                self._step_costs.observe(  # each decoding sequence makes one token a step
-                    self._snapshot["prefill_tokens"] - previous["prefill_tokens"],
-                    self._snapshot["decode_tokens"] - previous["decode_tokens"], elapsed_s)
-            self._deliver(deliveries)
-
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Both locks: nothing else reads or changes the engine or its cache."""
-        with self._lock, self._cache_lock:
-            yield
-
-    @contextlib.contextmanager
-    def _forward_window(self) -> Iterator[None]:
-        """The engine thread, in a step: lets cache readers and importers in during the forward."""
-        self._cache_lock.release()
-        try:
-            yield
-        finally:
-            self._cache_lock.acquire()
-
-    def _drain_inbox(self, deliveries: list) -> None:
-        while self._inbox:
-            command = self._inbox.popleft()
-            if command[0] == "abort":
-                self.engine.abort(command[1])
-                continue
-            _, request_id, prompt, params, salt, arrival_s = command
-            with self._sinks_lock:
-                sink = self._sinks.get(request_id)
-            if sink is None or sink.is_done:  # cancelled before it was queued
-                continue
-            try:
-                self.engine.add_validated(prompt, params, salt=salt, request_id=request_id, arrival_s=arrival_s)
-            except ValueError as error:
-                sink.is_done = True
-                deliveries.append((sink, error))
-
-    def _route(self, events: list[TokenEvent], deliveries: list) -> None:
-        with self._sinks_lock:
-            for event in events:
-                sink = self._sinks.get(event.request_id)
-                if sink is None or sink.is_done:
-                    continue
-                if sink.wants_tokens:
-                    deliveries.append((sink, event))
-                if event.result is not None:
-                    self._output_lengths.append(len(event.result.token_ids))
-                    self._num_output_tokens_total += len(event.result.token_ids)
-                    sink.is_done = True
-                    deliveries.append((sink, event.result))
-
-    def _fail_all(self, error: BaseException, deliveries: list) -> None:
-        with self._sinks_lock:
-            sinks = [s for s in self._sinks.values() if not s.is_done]
-        for sink in sinks:
-            self.engine.abort(sink.request_id)
-            sink.is_done = True
-            deliveries.append((sink, error))
-
-    def _deliver(self, deliveries: list[tuple[_Sink, object]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for sink, item in deliveries:
-            by_loop.setdefault(sink.loop, []).append((sink, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: nobody is waiting any more
-                for sink, _ in items:
-                    self._cancel(sink)
 
     # ------------------------------------------------------------ inspection
     @property
@@ -410,7 +265,7 @@ class AsyncEngine:
 
     @property
     def prefill_s_per_token(self) -> float | None:
-        """Measured marginal seconds per prefilled token (:class:`worker.kv_fetch.PrefillRate`; None before the first prefill step)."""
+        """Measured marginal seconds per prefilled token (:class:`worker.fetch_estimates.PrefillRate`; None before the first prefill step)."""
         return self._prefill_rate.s_per_token
 
     def token_costs(self) -> tuple[float, float]:
@@ -508,10 +363,3 @@ class AsyncEngine:
         self._closed = True
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
-
-
-def _put_all(items: list[tuple[_Sink, object]]) -> None:
-    for sink, item in items:
-        sink.queue.put_nowait(item)
-        if isinstance(item, (GenerationResult, BaseException)):
-            sink.ended.set()

@@ -21,6 +21,7 @@ import torch
 from cache.kv_cache import KVCache
 from worker import host
 from worker.config import EngineConfig
+from worker.engine_stats import engine_stats
 from worker.kv import bytes_per_token, pool_tokens_from_free_memory
 from worker.kv_bundle import KVBundle, gather_rows, scatter_rows, weights_fingerprint
 from worker.results import GenerationResult, TokenEvent
@@ -363,37 +364,7 @@ class Engine:
         out in bundles and newly cached from imported ones. ``attention_path``
         and ``forward_path`` say which kernels this replica runs
         (:class:`~worker.runner.ModelRunner`; strings, so /metrics skips them)."""
-        c = self.scheduler.counters
-        lookups = c.hits + c.misses
-        return {
-            "hits": c.hits,
-            "misses": c.misses,
-            "hit_rate": c.hits / lookups if lookups else 0.0,
-            "tokens_saved": c.tokens_saved,
-            "readmission_tokens_saved": c.readmission_tokens_saved,
-            "prefill_tokens": c.prefill_tokens,
-            "decode_tokens": c.decode_tokens,
-            "preemptions": c.preemptions,
-            "inflight_holds": c.inflight_holds,
-            "cow_copies": c.cow_copies,
-            "num_finished": c.finished,
-            "num_aborted": c.aborted,
-            "num_steps": c.steps,
-            **self.load(),
-            "kv_blocks_total": self.allocator.num_blocks,
-            "kv_block_size": self.config.block_size,
-            "kv_bytes_per_token": self.bytes_per_token,
-            "cache_num_tokens": self.cache.num_tokens,
-            "cache_budget_tokens": self.cache.budget_tokens,
-            "cache_protected_tokens": self.cache.num_protected_tokens,
-            "cache_evicted_tokens": self.cache.stats.evicted_tokens,
-            "kv_exported_tokens": self.num_exported_tokens,
-            "kv_imported_tokens": self.num_imported_tokens,
-            "deterministic": self.config.deterministic,
-            "model_id": self.model_id,
-            "attention_path": self.runner.attention_path,
-            "forward_path": self.runner.forward_path,
-        }
+        return engine_stats(self)
 
     def load(self) -> dict:
         """What a router weighs against prefix affinity."""
