@@ -3,7 +3,8 @@
 ``simulate.cache_bound`` gives the *no-queue* floor (every request starts
 on arrival, every prefix cached). Two tighter references for the ``fifo``
 replica model, each with one cache shared by the whole fleet (a global LRU
-of the fleet's budget, or unbounded) — more than any partitioned fleet has:
+of the fleet's budget, evicting by plain LRU or by the replicas' segmented
+LRU, or unbounded) — more than any partitioned fleet has:
 
 - :func:`pooled_fifo` — one first-come-first-served queue in front of all
   N replicas (late binding: a request waits at the router until a replica
@@ -38,6 +39,7 @@ import sys
 from collections.abc import Sequence
 
 from cache import RadixCache
+from cache.segmented_lru import SERVING_PROTECTED_SHARE
 from harness.loadstats import percentile
 from router.cluster import CostModel
 from router.simulate import SimConfig, arrival_scale, cache_bound
@@ -46,22 +48,23 @@ from router.workload import Workload, load_mooncake, multi_turn, scale_arrivals,
 ESTIMATES = ("oracle", "mean", "residual")
 
 
-def _shared_cache(workload: Workload, budget_units: int | None) -> RadixCache:
+def _shared_cache(workload: Workload, budget_units: int | None, protected_share: float) -> RadixCache:
     if budget_units is None:
         budget_units = sum(len(r.cache_units) for r in workload.requests) + 1
-    return RadixCache(budget_units, block_size=1)
+    return RadixCache(budget_units, block_size=1, protected_share=protected_share)
 
 
 def pooled_fifo(workload: Workload, num_replicas: int, cost: CostModel,
-                budget_units: int | None = None) -> tuple[float, list[float]]:
+                budget_units: int | None = None, protected_share: float = 0.0) -> tuple[float, list[float]]:
     """``(hit rate, TTFTs in arrival order)`` of one FCFS queue feeding
-    ``num_replicas`` FIFO replicas over one shared LRU cache of
-    ``budget_units`` (None: unbounded); a request's hit is read when it
-    starts, and its ``cache_units`` inserted then (as optimistic as the
-    no-queue floor)."""
+    ``num_replicas`` FIFO replicas over one shared cache of ``budget_units``
+    (None: unbounded); a request's hit is read when it starts, and its
+    ``cache_units`` inserted then (as optimistic as the no-queue floor).
+    The cache evicts by plain LRU, or with ``protected_share`` > 0 by the
+    replicas' adaptive segmented LRU (:class:`cache.segmented_lru.SegmentedLru`)."""
     if num_replicas < 1:
         raise ValueError("num_replicas must be >= 1")
-    cache = _shared_cache(workload, budget_units)
+    cache = _shared_cache(workload, budget_units, protected_share)
     free_at = [0.0] * num_replicas
     ttfts: list[float] = []
     cached = total = 0
@@ -125,15 +128,16 @@ def _work_left(jobs: Sequence[_Job], now: float, cost: CostModel, lengths: _Outp
 
 
 def honest_dispatch(workload: Workload, num_replicas: int, cost: CostModel, budget_units: int | None = None,
-                    estimate: str = "residual", prior_output_tokens: float = 256) -> list[float]:
+                    estimate: str = "residual", prior_output_tokens: float = 256,
+                    protected_share: float = 0.0) -> list[float]:
     """TTFTs (arrival order) of immediate dispatch to the replica with the
     least estimated work left (ties: the lowest index), over one shared
-    LRU cache as in :func:`pooled_fifo`. A replica's job start times follow
+    cache as in :func:`pooled_fifo`. A replica's job start times follow
     from what the router saw: FIFO, each starts when it was sent or when the
     one before it completed."""
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {ESTIMATES}, not {estimate!r}")
-    cache = _shared_cache(workload, budget_units)
+    cache = _shared_cache(workload, budget_units, protected_share)
     queues: list[list[_Job]] = [[] for _ in range(num_replicas)]
     completions: list[tuple[float, int]] = []  # (end_s, output tokens): heard when end_s passes
     lengths = _OutputLengths(prior_output_tokens)
@@ -159,14 +163,21 @@ def honest_dispatch(workload: Workload, num_replicas: int, cost: CostModel, budg
     return ttfts
 
 
-def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units: int) -> dict:
-    """Every reference at ``budget_units`` per replica (shared: × replicas) and unbounded."""
+def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units: int,
+           protected_share: float = 0.0) -> dict:
+    """Every reference at ``budget_units`` per replica (shared: × replicas)
+    under plain LRU (``global_lru``), under the replicas' segmented LRU where
+    ``protected_share`` > 0 (``global_cache``), and unbounded."""
+    shared = budget_units * num_replicas
+    caches = [("global_lru", shared, 0.0), ("unbounded", None, 0.0)]
+    if protected_share > 0:
+        caches.insert(1, ("global_cache", shared, protected_share))
     result = {}
-    for label, budget in (("global_lru", budget_units * num_replicas), ("unbounded", None)):
-        hit, pooled = pooled_fifo(workload, num_replicas, cost, budget)
+    for label, budget, share in caches:
+        hit, pooled = pooled_fifo(workload, num_replicas, cost, budget, share)
         result[label] = {"hit_rate": hit, "pooled_ttft_p99_s": percentile(sorted(pooled), 99)}
         for estimate in ("mean", "residual"):
-            ttfts = sorted(honest_dispatch(workload, num_replicas, cost, budget, estimate))
+            ttfts = sorted(honest_dispatch(workload, num_replicas, cost, budget, estimate, protected_share=share))
             result[label][f"honest_{estimate}_ttft_p99_s"] = percentile(ttfts, 99)
     return result
 
@@ -182,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--utilisation", type=float, default=0.9)
     parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
     parser.add_argument("--decode-s-per-token", type=float, default=0.002)
+    parser.add_argument("--cache-protected-share", type=float, default=SERVING_PROTECTED_SHARE,
+                        help="the shared cache's segmented LRU, as the replicas evict (0: plain LRU only)")
     args = parser.parse_args(argv)
     if (args.trace is None) == (args.workload is None):
         parser.error("give exactly one of --trace FILE and --workload NAME")
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     _, no_queue = cache_bound(scaled, None, config.cost)
     print(f"no-queue floor (unbounded cache): TTFT p99 {no_queue:.3f} s")
     budget_units = args.budget_tokens // workload.unit_tokens
-    for label, figures in floors(scaled, args.replicas, config.cost, budget_units).items():
+    for label, figures in floors(scaled, args.replicas, config.cost, budget_units,
+                                 args.cache_protected_share).items():
         print(f"{label:>10}: hit {figures['hit_rate']:.4f}  pooled FCFS p99 {figures['pooled_ttft_p99_s']:.3f} s  "
               f"honest dispatch p99 (mean) {figures['honest_mean_ttft_p99_s']:.3f} s  "
               f"(residual) {figures['honest_residual_ttft_p99_s']:.3f} s")

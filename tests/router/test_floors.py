@@ -43,9 +43,24 @@ def test_dispatch_with_exact_work_is_the_pooled_queue(seed):
     """Least work left with true output lengths = one FCFS queue, request for request."""
     workload = random_workload(seed)
     cost = CostModel(prefill_tokens_per_s=2000.0, decode_s_per_token=0.01)
-    for budget in (None, 400):
-        _, pooled = pooled_fifo(workload, 4, cost, budget)
-        assert honest_dispatch(workload, 4, cost, budget, estimate="oracle") == pytest.approx(pooled)
+    for budget, share in ((None, 0.0), (400, 0.0), (400, 0.8)):
+        _, pooled = pooled_fifo(workload, 4, cost, budget, share)
+        assert honest_dispatch(workload, 4, cost, budget, estimate="oracle", protected_share=share) \
+            == pytest.approx(pooled)
+
+
+def test_the_shared_cache_evicts_as_the_replicas_do_when_asked():
+    """Six reused prefixes among one-off prompts, in a cache that holds about
+    three of them: the segmented LRU keeps more of the reused ones than plain
+    LRU (its hits read as the replicas' would); plain LRU is the default."""
+    workload = random_workload(4, num_requests=400)
+    cost = CostModel(prefill_tokens_per_s=2000.0, decode_s_per_token=0.01)
+    lru_hit, _ = pooled_fifo(workload, 4, cost, 400)
+    assert pooled_fifo(workload, 4, cost, 400, 0.0)[0] == lru_hit
+    segmented_hit, _ = pooled_fifo(workload, 4, cost, 400, 0.8)
+    assert segmented_hit != lru_hit
+    unbounded_hit, _ = pooled_fifo(workload, 4, cost)
+    assert lru_hit <= unbounded_hit and segmented_hit <= unbounded_hit
 
 
 @pytest.mark.parametrize("estimate", ["mean", "residual"])
@@ -90,14 +105,17 @@ def test_floors_order_and_cli(capsys):
     workload = load_mooncake(TRACE)
     config = SimConfig(num_replicas=4, budget_tokens=200_000, utilisation=0.9, cost=CostModel())
     scaled = scale_arrivals(workload, arrival_scale(workload, config))
-    figures = floors(scaled, 4, config.cost, 200_000 // workload.unit_tokens)
+    figures = floors(scaled, 4, config.cost, 200_000 // workload.unit_tokens, protected_share=0.8)
     assert figures["unbounded"]["hit_rate"] >= figures["global_lru"]["hit_rate"]
-    for label in ("unbounded", "global_lru"):
+    assert figures["unbounded"]["hit_rate"] >= figures["global_cache"]["hit_rate"]
+    assert "global_cache" not in floors(scaled, 4, config.cost, 200_000 // workload.unit_tokens)
+    for label in ("unbounded", "global_lru", "global_cache"):
         pooled = figures[label]["pooled_ttft_p99_s"]
         assert figures[label]["honest_mean_ttft_p99_s"] >= pooled - 1e-9
     assert main(["--trace", str(TRACE), "--replicas", "4", "--budget-tokens", "200000"]) == 0
     out = capsys.readouterr().out
     assert "no-queue floor" in out and "pooled FCFS p99" in out and "honest dispatch p99" in out
+    assert "global_cache" in out  # the replicas' eviction rule, by default
 
 
 def test_cli_takes_a_generated_workload_and_exactly_one_source(capsys):
