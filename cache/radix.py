@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from cache.blocks import BlockAllocator
 from cache.hashing import check_tokens
 from cache.namespaces import Namespaces
-from cache.radix_node import Node, Root, blocks_along, descend, ghost_key, linked_nodes, lookup_key, salt_key, split
+from cache.radix_checks import audit_tree, check_arguments, check_block_ids
+from cache.radix_node import Node, Root, blocks_along, descend, ghost_key, lookup_key, salt_key, split
 from cache.radix_records import CachedEdge, CacheStats, MatchResult
 from cache.segmented_lru import SegmentedLru
 
@@ -81,15 +82,7 @@ class RadixCache:
         max_namespaces: int = 1024,
         protected_share: float = 0.0,
     ) -> None:
-        if type(budget_tokens) is not int or budget_tokens < 0:
-            raise ValueError(f"budget_tokens must be a non-negative int, got {budget_tokens!r}")
-        if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if isinstance(protected_share, bool) or not isinstance(protected_share, (int, float)) \
-                or not 0.0 <= protected_share <= 1.0:
-            raise ValueError(f"protected_share must be within [0, 1], got {protected_share!r}")
-        if allocator is not None and allocator.block_size != block_size:
-            raise ValueError(f"allocator block_size {allocator.block_size} != block_size {block_size}")
+        check_arguments(budget_tokens, block_size, allocator, protected_share)
         self.budget_tokens = budget_tokens
         self.block_size = block_size
         self.allocator = allocator
@@ -226,7 +219,7 @@ class RadixCache:
         check_tokens(tokens)
         key = tuple(tokens)
         namespace = salt_key(salt)
-        self._check_block_ids(len(key), block_ids)
+        check_block_ids(self.allocator, self.block_size, len(key), block_ids)
         if not key or len(key) > self.budget_tokens:
             return 0
         root = self._namespaces.get(namespace)
@@ -321,56 +314,10 @@ class RadixCache:
 
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        total_tokens, total_nodes, locked_tokens, locks_in_tree, protected_tokens = 0, 0, 0, 0, 0
-        retained: dict[int, int] = {}
-        queued, recency = self._lru.live_keys(), self._lru.recency_keys()
-        assert len(self._namespaces) <= self._namespaces.max_namespaces
-        for root in self._namespaces:
-            assert isinstance(root, Root) and self._namespaces.holds(root), root
-            assert root.namespace is None or type(root.namespace) is bytes, root.namespace
-            assert root.lock_ref >= 1 and root.start == 0 and not root.tokens
-            assert root.children or root.lock_ref > 1, f"an emptied namespace was kept: {root.namespace!r}"
-            locks_in_tree += root.lock_ref - 1
-            for node in linked_nodes(root):
-                total_tokens += len(node.tokens)
-                total_nodes += 1
-                if node.lock_ref:
-                    locked_tokens += len(node.tokens)
-                assert node.last_access >= max((c.last_access for c in node.children.values()), default=0)
-                if self._is_evictable(node):
-                    assert (id(node), node.last_access) in queued, f"evictable leaf not queued: {node!r}"
-                if node.is_protected:
-                    protected_tokens += len(node.tokens)
-                    assert (id(node), node.last_access) in recency, f"protected node not in recency order: {node!r}"
-                if self.allocator is not None:
-                    first, last = node.start // self.block_size, (node.end - 1) // self.block_size
-                    assert len(node.block_ids) == last - first + 1, node
-                    for block_id in node.block_ids:
-                        retained[block_id] = retained.get(block_id, 0) + 1
-        assert total_tokens == self._num_tokens <= self.budget_tokens, (total_tokens, self._num_tokens)
-        assert locked_tokens == self._num_locked_tokens, (locked_tokens, self._num_locked_tokens)
-        assert total_nodes == self._num_nodes
-        assert protected_tokens == self._lru.num_protected_tokens, protected_tokens
-        self._lru.check_invariants()
-        assert locks_in_tree <= self._num_locks, (locks_in_tree, self._num_locks)  # the rest: on unknown namespaces
-        if self.allocator is not None:
-            for block_id, count in retained.items():
-                assert self.allocator.retained_count(block_id) == count, block_id
+        """Assert the class docstring's invariants (:func:`cache.radix_checks.audit_tree`)."""
+        audit_tree(self)
 
     # ----------------------------------------------------------------- private
-    def _check_block_ids(self, num_tokens: int, block_ids: Sequence[int] | None) -> None:
-        num_needed_blocks = -(-num_tokens // self.block_size)
-        if self.allocator is None:
-            if block_ids is not None:
-                raise ValueError("simulated RadixCache takes no block_ids")
-        elif block_ids is None or len(block_ids) < num_needed_blocks:
-            got = "none" if block_ids is None else len(block_ids)
-            raise ValueError(f"{num_tokens} tokens need {num_needed_blocks} block ids, got {got}")
-        else:
-            for block_id in block_ids[:num_needed_blocks]:
-                if self.allocator.ref_count(block_id) == 0:
-                    raise ValueError(f"insert names free block {block_id}; cache only blocks a sequence holds")
-
     def _lock_node(self, node: Node | None) -> None:
         self._num_locks += 1
         while node is not None:

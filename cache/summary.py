@@ -3,48 +3,24 @@
 A worker reports the hashes of every full block its tree caches (at the
 router's block size, per salt), so the router can tell which replica holds a
 prompt's prefix with the same :func:`cache.block_hashes` it computes itself.
-:class:`CacheSummary` is the record a worker sends (hashes plus load).
+:class:`CacheSummary` is the record a worker sends (hashes plus load). The
+walk that finds the hashes is :func:`cached_block_hashes`
+(cache/cached_hashes.py), their byte form :func:`pack_block_hashes`
+(cache/packed_hashes.py); both are importable from here, where they began.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import math
-import sys
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cache.hashing import continue_block_hashes, salt_seed
+from cache.cached_hashes import cached_block_hashes
+from cache.packed_hashes import pack_array, unpack_base64
+from cache.packed_hashes import pack_block_hashes, unpack_block_hashes  # noqa: F401 - re-exported: defined here first
 from cache.radix import RadixCache
-
-
-def cached_block_hashes(radix: RadixCache, block_size: int) -> set[int]:
-    """Chained hashes of every full ``block_size`` block cached in ``radix``.
-
-    Equal to the union of ``block_hashes(path, block_size, salt)`` over every
-    root-to-node path of every salt namespace (the tree keys a namespace by
-    its salt as bytes, which :func:`cache.hashing.salt_seed` hashes like the
-    str). One pass over :meth:`RadixCache.edges`: cost O(cached tokens +
-    nodes × block_size), both bounded by the tree's budget; reads only (no
-    LRU touch).
-    """
-    if type(block_size) is not int or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    hashes: set[int] = set()
-    # along the current path, per depth: the chain value of the last full block
-    # up to the end of that edge, and the tokens of the partial block after it
-    chain: list[tuple[int, tuple[int, ...]]] = []
-    for edge in radix.edges():
-        del chain[edge.depth :]
-        parent_hash, pending = chain[-1] if chain else (salt_seed(edge.namespace), ())
-        tokens = pending + edge.tokens
-        num_full = len(tokens) // block_size
-        chained = continue_block_hashes(parent_hash, tokens[: num_full * block_size], block_size)
-        hashes.update(chained)
-        chain.append((chained[-1] if chained else parent_hash, tokens[num_full * block_size :]))
-    return hashes
 
 
 # --------------------------------------------------------------------------
@@ -283,7 +259,7 @@ class CacheSummary:
     def to_dict(self, compact: bool = True) -> dict:
         if compact:
             return self._to_compact()
-        packed = _pack(self.block_hashes)
+        packed = pack_array(self.block_hashes)
         out = {
             "format": SUMMARY_FORMAT,
             "replica_id": self.replica_id,
@@ -301,7 +277,7 @@ class CacheSummary:
         if self.epoch:
             out["epoch"] = self.epoch
         if self.is_delta:
-            removed = _pack(self.removed_hashes)
+            removed = pack_array(self.removed_hashes)
             out.update(base_version=self.base_version, num_removed=len(removed),
                        removed_hashes=base64.b64encode(removed.tobytes()).decode("ascii"))
         return out
@@ -313,9 +289,9 @@ class CacheSummary:
         out["t"] = round(float(self.timestamp_s), 3)  # informational only: the millisecond is enough
         out["bs"] = self.block_size
         if self.block_hashes:
-            out["h"] = base64.b64encode(_pack(self.block_hashes).tobytes()).decode("ascii")
+            out["h"] = base64.b64encode(pack_array(self.block_hashes).tobytes()).decode("ascii")
         if self.removed_hashes:
-            out["rm"] = base64.b64encode(_pack(self.removed_hashes).tobytes()).decode("ascii")
+            out["rm"] = base64.b64encode(pack_array(self.removed_hashes).tobytes()).decode("ascii")
         for name in _COUNT_FIELDS:
             if getattr(self, name):
                 out[_COMPACT_KEYS[name]] = getattr(self, name)
@@ -336,12 +312,12 @@ class CacheSummary:
             version=data["version"],
             timestamp_s=_number(data["t"], "timestamp_s"),
             block_size=data["bs"],
-            block_hashes=frozenset(_unpack_any(data.get("h", ""), "block_hashes")),
+            block_hashes=frozenset(unpack_base64(data.get("h", ""), "block_hashes")),
             **{name: data.get(_COMPACT_KEYS[name], 0) for name in _COUNT_FIELDS},
             **{name: _number(data.get(_COMPACT_KEYS[name], 0.0), name) for name in _RATE_FIELDS},
             epoch=data.get("epoch", ""),
             base_version=data.get("bv", 0),
-            removed_hashes=frozenset(_unpack_any(data.get("rm", ""), "removed_hashes")),
+            removed_hashes=frozenset(unpack_base64(data.get("rm", ""), "removed_hashes")),
         )
 
     @classmethod
@@ -377,52 +353,11 @@ class CacheSummary:
 BASE_REF_KEY = "bref"  # a delta's out-of-band handle to its base (``SummaryStream(by_reference=True)``)
 
 
-def pack_block_hashes(hashes: frozenset[int] | set[int]) -> bytes:
-    """A block set as bytes: the sorted hashes as little-endian uint64 (what a base by reference holds)."""
-    return _pack(frozenset(hashes)).tobytes()
-
-
-def unpack_block_hashes(raw: object) -> frozenset[int]:
-    """The inverse of :func:`pack_block_hashes`; ``ValueError`` unless ``raw`` is bytes of a multiple of 8."""
-    if not isinstance(raw, (bytes, bytearray, memoryview)):
-        raise ValueError(f"a packed block set must be bytes, got {type(raw).__name__}")
-    return frozenset(_from_bytes(bytes(raw), "a packed block set"))
-
-
 def _number(value: object, name: str) -> float:
     """``value`` as a float; ``ValueError`` unless it is an int or float (never a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
-
-
-def _pack(hashes: frozenset[int]) -> array:
-    packed = array("Q", sorted(hashes))
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed
-
-
-def _unpack_any(encoded: object, name: str) -> array:
-    """Hashes from base64 of little-endian uint64 (v2: the count is the length / 8)."""
-    if not isinstance(encoded, str):
-        raise ValueError(f"{name} must be a base64 str, got {type(encoded).__name__}")
-    try:
-        raw = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{name} is not valid base64 ({len(encoded)} chars)") from None
-    return _from_bytes(raw, name)
-
-
-def _from_bytes(raw: bytes, name: str) -> array:
-    """Little-endian uint64 hashes; ``ValueError`` unless ``raw`` is a multiple of 8 bytes."""
-    if len(raw) % 8:
-        raise ValueError(f"{name} holds {len(raw)} bytes, not a multiple of 8")
-    hashes = array("Q")
-    hashes.frombytes(raw)
-    if sys.byteorder != "little":
-        hashes.byteswap()
-    return hashes
 
 
 def _unpack(data: Mapping, key: str, count_key: str) -> array:
@@ -432,7 +367,7 @@ def _unpack(data: Mapping, key: str, count_key: str) -> array:
     count = data[count_key]
     _check_count(count_key, count)
     try:
-        hashes = _unpack_any(data[key], key)
+        hashes = unpack_base64(data[key], key)
     except ValueError as error:
         if "multiple of 8" not in str(error):
             raise

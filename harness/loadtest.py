@@ -44,180 +44,22 @@ decisions and the shared summaries) with and without a policy knob::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
-import random
 import sys
-import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
-
-import httpx
+from dataclasses import asdict, replace
 
 from harness.loadstats import RequestRecord, request_log, summarize
-from harness.replica_counters import pool_counters, run_counters
+from harness.loadtest_arms import (ARM_KEYS, Arm, custom_arms, fetch_arms, fetch_patience_arms, router_arms,
+                                   stream_interval_arms, summary_arms, token_price_arms)
+from harness.loadtest_arms import kvroute_kwargs_of  # noqa: F401 - re-exported
+from harness.loadtest_client import RunOptions, run_one, warm_up
+from harness.loadtest_client import STATS_SETTLE_S, fetch_stats, run_workload  # noqa: F401 - re-exported
+from harness.replica_counters import pool_counters
 from harness.resources import cpu_s_by_role
-from harness.sse import DONE, sse_event
-from harness.workloads import WORKLOADS, Session, build_workload, shared_prefix
-
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    url: str
-    mode: str  # "closed" | "open"
-    concurrency: int
-    rate_rps: float | None  # open loop: Poisson rate; None = the workload's own arrival times
-    time_scale: float  # open loop with arrival times: multiply gaps by this
-    timeout_s: float
-    max_duration_s: float
-
-
-async def _one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_new_tokens: int,
-                       salt: str | None, session_id: int, turn: int, timeout_s: float) -> tuple[RequestRecord, list[int]]:
-    body = {"prompt_token_ids": prompt, "max_new_tokens": max_new_tokens, "stream": True, "ignore_eos": True}
-    if salt:
-        body["cache_salt"] = salt
-    start = time.perf_counter()
-    token_times: list[float] = []
-    tokens: list[int] = []
-    record = RequestRecord(session_id=session_id, turn=turn, prompt_tokens=len(prompt), start_s=start)
-    try:
-        async with client.stream("POST", f"{url}/generate", json=body, timeout=timeout_s) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.status = response.status_code
-                record.error = response.text[:200]
-                record.end_s = time.perf_counter()
-                return record, tokens
-            async for line in response.aiter_lines():
-                event = sse_event(line)
-                if event is None or event == DONE:
-                    continue
-                if "error" in event:
-                    record.status, record.error = 500, str(event["error"])[:200]
-                elif event.get("done"):
-                    record.replica_id = event.get("replica_id")
-                    record.cached_tokens = event.get("cached_tokens", 0)
-                    record.server_ttft_s = event.get("ttft_s")
-                    record.server_queue_s = event.get("queue_s")
-                elif "token_id" in event:
-                    token_times.append(time.perf_counter())
-                    tokens.append(event["token_id"])
-    except (httpx.HTTPError, asyncio.TimeoutError) as error:
-        record.status, record.error = 599, f"{type(error).__name__}: {error}"[:200]
-    record.end_s = time.perf_counter()
-    record.output_tokens = len(tokens)
-    if token_times:
-        record.ttft_s = token_times[0] - start
-        record.itl_s = [b - a for a, b in zip(token_times, token_times[1:])]
-    return record, tokens
-
-
-async def _run_session(client, options: RunOptions, session: Session, session_id: int,
-                       records: list[RequestRecord], deadline: float, progress) -> None:
-    history: list[int] = list(session.prefix)
-    for turn_index, turn in enumerate(session.turns):
-        if time.perf_counter() > deadline:
-            return
-        prompt = history + list(turn.question)
-        record, answer = await _one_request(client, options.url, prompt, turn.max_new_tokens, session.salt,
-                                            session_id, turn_index, options.timeout_s)
-        records.append(record)
-        progress(1)
-        if record.status != 200:
-            return  # a conversation cannot continue past a failed turn
-        history = prompt + answer
-
-
-async def run_workload(options: RunOptions, sessions: list[Session], progress=lambda n: None) -> tuple[list[RequestRecord], float]:
-    """Drive ``sessions`` against ``options.url``; returns the records and wall time."""
-    records: list[RequestRecord] = []
-    limits = httpx.Limits(max_connections=max(options.concurrency, 64) * 2, max_keepalive_connections=64)
-    start = time.perf_counter()
-    deadline = start + options.max_duration_s
-    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-        if options.mode == "closed":
-            queue = list(enumerate(sessions))[::-1]
-
-            async def worker():
-                while queue and time.perf_counter() < deadline:
-                    session_id, session = queue.pop()
-                    await _run_session(client, options, session, session_id, records, deadline, progress)
-
-            await asyncio.gather(*(worker() for _ in range(options.concurrency)))
-        else:
-            rng = random.Random(0)
-            arrivals, clock = [], 0.0
-            for session in sessions:
-                if options.rate_rps:
-                    clock += rng.expovariate(options.rate_rps)
-                else:
-                    clock = session.arrival_s * options.time_scale
-                arrivals.append(clock)
-            tasks = []
-            for session_id, (session, arrival) in enumerate(zip(sessions, arrivals)):
-                delay = start + arrival - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if time.perf_counter() > deadline:
-                    break
-                tasks.append(asyncio.create_task(
-                    _run_session(client, options, session, session_id, records, deadline, progress)))
-            await asyncio.gather(*tasks)
-    return records, time.perf_counter() - start
-
-
-async def fetch_stats(url: str) -> dict:
-    async with httpx.AsyncClient(trust_env=False) as client:
-        response = await client.get(f"{url}/stats", timeout=10)
-        response.raise_for_status()
-        return response.json()
-
-
-def _progress_bar(total: int, label: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is in the bench extra; fall back to silence
-        return lambda n: None, lambda: None
-    bar = tqdm(total=total, desc=label, unit="req", file=sys.stderr)
-    return bar.update, bar.close
-
-
-STATS_SETTLE_S = 2.5  # replicas post /stats every stats_period_s (1 s): the last requests show after this
-
-
-def _stats_or_error(url: str) -> dict:
-    try:
-        return asyncio.run(fetch_stats(url))
-    except Exception as error:  # noqa: BLE001 - stats are a bonus, the run already happened
-        return {"error": str(error)}
-
-
-def run_one(options: RunOptions, sessions: list[Session], label: str) -> tuple[list[RequestRecord], float, dict]:
-    """One measured run: records, wall time, and the server's /stats after it
-    (its ``run_counters``: the replicas' counters over the run, after minus before)."""
-    total = sum(len(s.turns) for s in sessions)
-    before = _stats_or_error(options.url)
-    update, close = _progress_bar(total, label)
-    records, wall_s = asyncio.run(run_workload(options, sessions, update))
-    close()
-    time.sleep(STATS_SETTLE_S)
-    server_stats = _stats_or_error(options.url)
-    server_stats["run_counters"] = run_counters(before, server_stats)
-    return records, wall_s, server_stats
-
-
-def warm_up(options: RunOptions, num_requests: int, seed: int) -> None:
-    """Untimed requests on unrelated prompts (so no measured prefix is cached):
-    every replica has run a step and the ingress's router knows every replica
-    before the clock starts. Then one routing-stats period of quiet."""
-    if num_requests <= 0:
-        return
-    sessions = shared_prefix(random.Random(seed + 7919), num_requests, 1, 64, 16, 4)
-    asyncio.run(run_workload(replace(options, mode="closed", concurrency=num_requests), sessions))
-    time.sleep(2.0)
+from harness.workloads import WORKLOADS, Session, build_workload
 
 
 def _rank_replicas(records: list[RequestRecord]) -> list[RequestRecord]:
@@ -236,107 +78,6 @@ def cpu_ms_per_request(rounds: list[dict]) -> dict[str, float]:
     if not num_ok:
         return {}
     return {role: 1e3 * sum(r["cpu_s_by_role"][role] for r in rounds) / num_ok for role in rounds[0]["cpu_s_by_role"]}
-
-
-@dataclass(frozen=True, slots=True)
-class Arm:
-    """One side of a comparison: its label, the router, the router's kwargs
-    (None: the config's), app args replacing the config's for it, and
-    deployment options replacing the config's (``{"Ingress": {"num_replicas": 2}}``)."""
-
-    label: str
-    router: str
-    router_kwargs: dict | None = None
-    app_args: dict | None = None
-    deployments: dict | None = None
-
-
-def kvroute_kwargs_of(args) -> dict | None:
-    """``--kvroute-kwargs`` parsed (None: not given, the config's kwargs)."""
-    return json.loads(args.kvroute_kwargs) if args.kvroute_kwargs else None
-
-
-def router_arms(args) -> list[Arm]:
-    """``--compare-routers``: one arm per router; ``--kvroute-kwargs`` for ours."""
-    kvroute_kwargs = kvroute_kwargs_of(args)
-    return [Arm(router, router, kvroute_kwargs if router == "kvroute" else None)
-            for router in args.compare_routers.split(",")]
-
-
-def fetch_arms(args) -> list[Arm]:
-    """``--compare-fetch``: our router with the app's ``fetch_enabled`` on, then off."""
-    kvroute_kwargs = kvroute_kwargs_of(args)
-    return [Arm(f"fetch-{state}", "kvroute", kvroute_kwargs, {"fetch_enabled": state == "on"})
-            for state in ("on", "off")]
-
-
-def summary_arms(args) -> list[Arm]:
-    """``--compare-summaries``: our router with the Workers' ``summary_mode`` stream, then full."""
-    kvroute_kwargs = kvroute_kwargs_of(args)
-    return [Arm(f"summary-{mode}", "kvroute", kvroute_kwargs, {"summary_mode": mode}) for mode in ("stream", "full")]
-
-
-def token_price_arms(args) -> list[Arm]:
-    """``--compare-token-prices``: our router pricing output tokens at what the
-    Workers measure (``learn_token_costs``), then at its configured priors only."""
-    kvroute_kwargs = kvroute_kwargs_of(args) or {}
-    return [Arm(f"prices-{label}", "kvroute", kvroute_kwargs | {"learn_token_costs": learn})
-            for label, learn in (("measured", True), ("configured", False))]
-
-
-def fetch_patience_arms(args) -> list[Arm]:
-    """``--compare-fetch-patience``: our router, the Workers' ``fetch_patience``
-    at its default 1 (a request waits for a fetch at most its estimated
-    recompute time), then 0 (up to ``fetch_timeout_s``)."""
-    kvroute_kwargs = kvroute_kwargs_of(args)
-    return [Arm(f"patience-{value:g}", "kvroute", kvroute_kwargs, {"fetch_patience": value}) for value in (1.0, 0.0)]
-
-
-ARM_KEYS = {"label", "router", "router_kwargs", "app_args", "ingress_replicas", "deployments"}
-
-
-def custom_arms(args) -> list[Arm]:
-    """``--compare-arms``: a JSON list (or ``@file``) of arms, each an object with
-    ``label`` and optionally ``router`` (default kvroute), ``router_kwargs``
-    (``--kvroute-kwargs`` for kvroute when absent), ``app_args``,
-    ``ingress_replicas`` and ``deployments``; e.g. one against two Ingress
-    replicas (two independent routers) with and without a policy knob."""
-    text = args.compare_arms
-    if text.startswith("@"):
-        with open(text[1:]) as file:
-            text = file.read()
-    specs = json.loads(text)
-    if not isinstance(specs, list) or len(specs) < 2 or not all(isinstance(spec, dict) for spec in specs):
-        raise ValueError("--compare-arms takes a JSON list of at least two arm objects")
-    kvroute_kwargs = kvroute_kwargs_of(args)
-    arms = []
-    for spec in specs:
-        unknown = set(spec) - ARM_KEYS
-        if unknown or not isinstance(spec.get("label"), str) or not spec["label"]:
-            raise ValueError(f"arm {spec!r}: needs a label; known keys {sorted(ARM_KEYS)}, unknown {sorted(unknown)}")
-        router = spec.get("router", "kvroute")
-        deployments = dict(spec.get("deployments") or {})
-        if "ingress_replicas" in spec:
-            replicas = spec["ingress_replicas"]
-            if type(replicas) is not int or replicas < 1:
-                raise ValueError(f"arm {spec['label']!r}: ingress_replicas must be a positive int, got {replicas!r}")
-            deployments["Ingress"] = {**deployments.get("Ingress", {}), "num_replicas": replicas}
-        default_kwargs = kvroute_kwargs if router == "kvroute" else None
-        arms.append(Arm(spec["label"], router, spec.get("router_kwargs", default_kwargs), spec.get("app_args"),
-                        deployments or None))
-    labels = [arm.label for arm in arms]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--compare-arms: labels must differ, got {labels}")
-    return arms
-
-
-def stream_interval_arms(args) -> list[Arm]:
-    """``--compare-stream-intervals 0,50``: our router with the app's
-    ``stream_interval_ms`` at each value (how often a stream's tokens leave
-    its Worker)."""
-    kvroute_kwargs = kvroute_kwargs_of(args)
-    intervals = [float(value) for value in args.compare_stream_intervals.split(",")]
-    return [Arm(f"stream-{value:g}ms", "kvroute", kvroute_kwargs, {"stream_interval_ms": value}) for value in intervals]
 
 
 def app_for(args):

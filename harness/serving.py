@@ -28,9 +28,11 @@ from pathlib import Path
 import httpx
 import yaml
 
+from harness.cluster_processes import cli_path, is_alive, pids_mentioning
 from harness.ray_nodes import node_resources, place_one_worker_per_node, replica_nodes, worker_node_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_alive = is_alive  # its name here before harness/cluster_processes.py (tests import it)
 
 
 _PORTS_HANDED_OUT: set[int] = set()
@@ -159,7 +161,7 @@ class ServeApp:
         self._temp_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
         gcs_port, self.dashboard_port = free_port(), free_port()
         command = [
-            _bin("ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={self.dashboard_port}",
+            cli_path("ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={self.dashboard_port}",
             f"--temp-dir={self._temp_dir}", "--include-dashboard=true", "--disable-usage-stats",
             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
@@ -176,7 +178,7 @@ class ServeApp:
         for index in range(1, self.num_nodes):
             node_dir = os.path.join(self._temp_dir, f"node{index}")
             os.makedirs(node_dir)
-            subprocess.run(worker_node_command(_bin("ray"), self.address, node_dir, index, free_port, self.num_cpus,
+            subprocess.run(worker_node_command(cli_path("ray"), self.address, node_dir, index, free_port, self.num_cpus,
                                                self.object_store_memory),
                            check=True, capture_output=True, text=True, env=self._env(), timeout=120)
 
@@ -184,7 +186,7 @@ class ServeApp:
         """Stop the processes of the cluster this object started, and only those."""
         if not self._temp_dir:
             return
-        pids = _pids_mentioning(self._temp_dir)
+        pids = pids_mentioning(self._temp_dir)
         # The GCS and the dashboard take >15 s to honour SIGTERM; the app is
         # already shut down and the session dir is private, so 3 s is plenty.
         for sig, grace_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
@@ -194,9 +196,9 @@ class ServeApp:
                 except ProcessLookupError:
                     pass
             deadline = time.time() + grace_s
-            while time.time() < deadline and any(_alive(pid) for pid in pids):
+            while time.time() < deadline and any(is_alive(pid) for pid in pids):
                 time.sleep(0.2)
-            pids = [pid for pid in pids if _alive(pid)]
+            pids = [pid for pid in pids if is_alive(pid)]
             if not pids:
                 break
         self._started_ray = False
@@ -204,7 +206,7 @@ class ServeApp:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
 
     def ray_pids(self) -> list[int]:
-        return _pids_mentioning(self._temp_dir) if self._temp_dir else []
+        return pids_mentioning(self._temp_dir) if self._temp_dir else []
 
     def replica_nodes(self) -> dict:
         """Alive Ray nodes and the node of each Worker replica (by its PID)."""
@@ -247,7 +249,7 @@ class ServeApp:
         """``serve run --non-blocking`` the (patched) config; wait until ready."""
         path = self.write_config(router, router_kwargs, app_args, deployments)
         subprocess.run(
-            [_bin("serve"), "run", "--non-blocking", "--address", self.address, path],
+            [cli_path("serve"), "run", "--non-blocking", "--address", self.address, path],
             check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
         )
         self.wait_ready()
@@ -304,7 +306,7 @@ class ServeApp:
             return
         if drain:
             self.drain_app()
-        subprocess.run([_bin("serve"), "shutdown", "-y"], capture_output=True, text=True, env=self._env(),
+        subprocess.run([cli_path("serve"), "shutdown", "-y"], capture_output=True, text=True, env=self._env(),
                        cwd=REPO_ROOT, timeout=120)
         if self._config_file and os.path.exists(self._config_file):
             os.unlink(self._config_file)
@@ -317,43 +319,6 @@ def _has_ray_token(env: dict[str, str]) -> bool:
         return True
     path = env.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
     return os.path.isfile(path)
-
-
-def _bin(name: str) -> str:
-    """The CLI next to this interpreter (the venv's), else from PATH."""
-
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
-def _pids_mentioning(path: str) -> list[int]:
-    """Processes whose command line names ``path`` or that hold a file under it
-    open (Ray renames its workers' command lines, but their logs stay open)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if path in cmdline or any(os.readlink(fd).startswith(path) for fd in (entry / "fd").iterdir()):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 
 
 class ProxyAdmissionApp(ServeApp):
