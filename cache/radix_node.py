@@ -1,5 +1,6 @@
 """The radix tree's node and namespace root, and the pure helpers on edges: the
-tree's internals (cache/radix.py, its checks in cache/radix_checks.py, its namespaces and records); no other module reads them.
+tree's internals (cache/radix.py, its checks in cache/radix_checks.py, its
+namespaces and records); no other module reads them.
 
 Layout of a node: its edge ``tokens`` holds absolute positions
 ``[start, end)``; its ``block_ids`` hold the physical blocks for block indices
