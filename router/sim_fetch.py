@@ -79,7 +79,8 @@ class Owner(Protocol):
         """Leading units of ``units`` cached now (no LRU touch)."""
 
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
-        """Copy ``units`` out: touch them (a use) and stay busy ``busy_s`` from ``now``."""
+        """Copy ``units`` out (a pure read, as the worker's export: no LRU touch)
+        and stay busy ``busy_s`` from ``now``."""
 
 
 @dataclass(frozen=True, slots=True)
