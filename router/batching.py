@@ -122,7 +122,7 @@ class _Seq:
     fetch: SimFetch | None = None  # the hint, until the admission that plans it
     num_fetched: int = 0  # prompt tokens fetched from the owner
     ready_s: float = 0.0  # when the fetched KV has arrived; no prefill chunk before
-    held_elsewhere_tokens: int | None = None  # set at the first admission (report only)
+    held_elsewhere_tokens: int = 0  # set at the first admission (report only)
     num_admissions: int = 0  # more than one: preempted and re-admitted
 
     @property
@@ -262,7 +262,7 @@ class BatchingReplica:
                 seq.num_generated = 1
                 self._kv_used += 1
                 self.outcomes.setdefault(seq.number, Outcome(seq.num_cached, end_s - seq.arrival_s, seq.num_fetched,
-                                                             seq.held_elsewhere_tokens or 0))
+                                                             seq.held_elsewhere_tokens))
         self._finish_done(end_s)
 
     def _decode_steps(self, decoding: list[_Seq], until: float) -> None:
@@ -322,8 +322,9 @@ class BatchingReplica:
         seq = self._waiting.popleft()
         request = seq.request
         seq.num_admissions += 1
+        is_first_admission = seq.num_admissions == 1
         # a re-admission finds what it cached itself: a pure read, not a reuse the segmented LRU protects
-        num_units = self.radix.match(request.units, touch=seq.num_admissions == 1).num_tokens
+        num_units = self.radix.match(request.units, touch=is_first_admission).num_tokens
         seq.num_cached = request.cached_tokens(num_units)
         if seq.fetch is not None:
             plan = plan_fetch(seq.fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,
@@ -335,7 +336,7 @@ class BatchingReplica:
                 seq.num_fetched = plan.num_tokens
             if plan.transfer_s:  # a fetch, or the round trips that found the prefix evicted
                 seq.ready_s = self._clock_s + plan.transfer_s
-        if seq.held_elsewhere_tokens is None:
+        if is_first_admission:
             seq.held_elsewhere_tokens = held_elsewhere(self.peers, request.units, request.cached_tokens,
                                                        seq.num_cached)
         seq.num_prefilled, seq.num_generated = seq.num_cached, 0
