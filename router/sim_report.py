@@ -9,7 +9,9 @@ from router.workload import Workload
 def replay_figures(workload: Workload, config, replicas: list, decision_us: list[float]) -> dict:
     """Hit rates, load imbalance (max / mean busy time; ``prompt_imbalance``: of
     prompt tokens, as the load test measures it), TTFT percentiles, queueing
-    delay (TTFT less the request's own prefill alone), decision cost; fetches
+    delay (TTFT less the request's own prefill alone), decision cost, the
+    prompt tokens each replica computed (``computed_tokens``: its cache's
+    turnover, summing to the misses); fetches
     (tokens fetched count as hits; ``fetched_rate`` is their share of prompt
     tokens) and fetch hints that fell back to recompute."""
     outcomes = {}
@@ -34,6 +36,8 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
     mean_busy = sum(busy) / len(busy)
     prompt = [sum(workload.requests[n].num_prompt_tokens for n in r.outcomes) for r in replicas]
     mean_prompt = sum(prompt) / len(prompt)
+    computed = [sum(workload.requests[n].num_prompt_tokens - o.cached_tokens for n, o in r.outcomes.items())
+                for r in replicas]
     figures = {
         "hit_rate": cached_total / max(prompt_total, 1),
         "request_hit_rate": num_hits / max(len(ttfts), 1),
@@ -50,6 +54,8 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
         "decision_us_p50": percentile(decision_us, 50),
         "decision_us_p99": percentile(decision_us, 99),
         "busy_s": busy,
+        # prompt tokens each replica computed and inserted: its cache's turnover
+        "computed_tokens": computed,
     }
     counts = [r.fetch_counts for r in replicas]
     num_fetched_tokens = sum(c.num_fetched_tokens for c in counts)

@@ -122,6 +122,11 @@ def test_simulate_reports_every_policy_in_the_contract_shape():
         assert 0 <= figures["hit_rate"] <= result["infinite_hit_rate"] + 1e-12
         assert figures["load_imbalance"] >= 1.0
         assert 0 <= figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+    for name in ("round_robin", "ours"):  # per replica, the prompt tokens it computed: the misses, all of them
+        figures = replay(workload, SimConfig(num_replicas=3, budget_tokens=600), name)
+        prompt_total = sum(request.num_prompt_tokens for request in workload.requests)
+        assert len(figures["computed_tokens"]) == 3
+        assert sum(figures["computed_tokens"]) == pytest.approx(prompt_total * (1.0 - figures["hit_rate"]))
 
 
 def test_replicas_evict_as_the_engine_does_and_the_cli_can_say_plain_lru(tmp_path):
