@@ -16,6 +16,9 @@ Python; every draw comes from the caller's seeded ``rng``.
   shared prefixes of S tokens whose popularity is Zipf-skewed (group of rank
   ``k`` drawn with weight ``1 / k**s``) + a suffix of Q tokens each, so the
   few hottest prefixes overload the replica that holds them.
+- **Documents and chats**: :func:`documents_and_chats`, one-off documents
+  among questions on a few reused system prompts (what the engine's
+  segmented LRU keeps and a plain LRU loses).
 
 The load test's sessions (:class:`Session`, :func:`build_workload`) are built
 from these at the end of the module.
@@ -285,6 +288,27 @@ def rotating_hot_prefix(rng: random.Random, num_phases: int, requests_per_phase:
     return [Session(p.prefix, (Turn(p.suffix, output_tokens),)) for p in prompts]
 
 
+def documents_and_chats(rng: random.Random, num_requests: int, num_systems: int, system_tokens: int,
+                        question_tokens: int, document_tokens: int, document_share: float,
+                        output_tokens: int) -> list[Session]:
+    """One-off documents among questions on a few reused system prompts,
+    where a cache's eviction order decides what survives: each request is,
+    with probability ``document_share``, a fresh document of
+    ``document_tokens`` (never seen again), else one of ``num_systems``
+    system prompts of ``system_tokens`` + a fresh question."""
+    if not 0.0 <= document_share <= 1.0:
+        raise ValueError(f"document_share must be in [0, 1], got {document_share!r}")
+    systems = [random_tokens(rng, system_tokens) for _ in range(num_systems)]
+    sessions = []
+    for _ in range(num_requests):
+        if rng.random() < document_share:
+            sessions.append(Session(random_tokens(rng, document_tokens), (Turn((), output_tokens),)))
+        else:
+            question = random_tokens(rng, question_tokens)
+            sessions.append(Session(rng.choice(systems), (Turn(question, output_tokens),)))
+    return sessions
+
+
 def mooncake(rng: random.Random, trace_path: str, tokens_per_block: int, max_requests: int,
              max_prompt_tokens: int, max_output_tokens: int) -> list[Session]:
     """Trace rows → one-turn sessions; prompts truncated to ``max_prompt_tokens``."""
@@ -317,13 +341,20 @@ PRESETS = {
         "gpu": dict(num_phases=32, requests_per_phase=64, hot_share=0.75, num_background_groups=8,
                     prefix_tokens=4096, suffix_tokens=128, output_tokens=128),
     },
+    "documents-and-chats": {
+        "cpu": dict(num_requests=96, num_systems=4, system_tokens=512, question_tokens=32, document_tokens=1024,
+                    document_share=0.5, output_tokens=4),
+        "gpu": dict(num_requests=1024, num_systems=8, system_tokens=2048, question_tokens=128, document_tokens=8192,
+                    document_share=0.5, output_tokens=64),
+    },
     "mooncake": {
         "cpu": dict(tokens_per_block=8, max_requests=200, max_prompt_tokens=1024, max_output_tokens=16),
         "gpu": dict(tokens_per_block=128, max_requests=2000, max_prompt_tokens=16384, max_output_tokens=256),
     },
 }
 WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prefix": hot_prefix,
-             "rotating-hot-prefix": rotating_hot_prefix, "mooncake": mooncake}
+             "rotating-hot-prefix": rotating_hot_prefix, "documents-and-chats": documents_and_chats,
+             "mooncake": mooncake}
 
 
 def build_workload(name: str, scale: str, overrides: dict, trace_path: str | None, seed: int) -> list[Session]:

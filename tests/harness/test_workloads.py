@@ -81,6 +81,24 @@ def test_load_test_sessions_follow_the_presets():
         build_workload("mooncake", "cpu", {}, None, seed=0)
 
 
+def test_documents_are_never_repeated_and_questions_reuse_a_few_system_prompts():
+    sessions = build_workload("documents-and-chats", "cpu", {"num_requests": 400}, None, seed=2)
+    assert sessions == build_workload("documents-and-chats", "cpu", {"num_requests": 400}, None, seed=2)
+    documents = [s.prefix for s in sessions if s.turns[0].question == ()]
+    questions = [s for s in sessions if s.turns[0].question != ()]
+    assert 160 < len(documents) < 240  # document_share 0.5 of 400
+    assert len(set(documents)) == len(documents) and all(len(d) == 1024 for d in documents)
+    assert len({s.prefix for s in questions}) == 4 and all(len(s.prefix) == 512 for s in questions)
+    assert all(len(s.turns) == 1 and len(s.turns[0].question) == 32 and s.turns[0].max_new_tokens == 4
+               for s in questions)
+    assert not set(documents) & {s.prefix for s in questions}
+    only_documents = build_workload("documents-and-chats", "cpu", {"num_requests": 20, "document_share": 1.0},
+                                    None, seed=0)
+    assert all(s.turns[0].question == () for s in only_documents)
+    with pytest.raises(ValueError, match="document_share"):
+        build_workload("documents-and-chats", "cpu", {"document_share": 1.5}, None, seed=0)
+
+
 def test_zipf_weights_fall_as_rank_to_the_minus_exponent_and_exponent_zero_is_uniform():
     weights = zipf_weights(4, 1.0)
     assert sum(weights) == pytest.approx(1.0)
