@@ -30,19 +30,17 @@ import statistics
 import sys
 import time
 
+from harness.workloads import documents_and_chats
+
 ARMS = (("segmented LRU", 0.8), ("plain LRU", 0.0))
 
 
 def make_stream(num_requests: int, groups: int, system_tokens: int, question_tokens: int, doc_tokens: int,
                 doc_share: float, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-
-    def fresh(count: int) -> list[int]:
-        return [rng.randrange(3, 259) for _ in range(count)]
-
-    systems = [fresh(system_tokens) for _ in range(groups)]
-    return [fresh(doc_tokens) if rng.random() < doc_share else rng.choice(systems) + fresh(question_tokens)
-            for _ in range(num_requests)]
+    """The prompts of :func:`harness.workloads.documents_and_chats` (byte-level token ids 3..258)."""
+    sessions = documents_and_chats(random.Random(seed), num_requests, groups, system_tokens, question_tokens,
+                                   doc_tokens, doc_share, output_tokens=1, tokens=(3, 259))
+    return [list(session.prefix + session.turns[0].question) for session in sessions]
 
 
 def run_arm(stream: list[list[int]], shape: str, share: float, budget_tokens: int, output_tokens: int) -> dict:

@@ -290,22 +290,23 @@ def rotating_hot_prefix(rng: random.Random, num_phases: int, requests_per_phase:
 
 def documents_and_chats(rng: random.Random, num_requests: int, num_systems: int, system_tokens: int,
                         question_tokens: int, document_tokens: int, document_share: float,
-                        output_tokens: int) -> list[Session]:
+                        output_tokens: int, tokens: tuple[int, int] = PRINTABLE_TOKENS) -> list[Session]:
     """One-off documents among questions on a few reused system prompts,
     where a cache's eviction order decides what survives: each request is,
     with probability ``document_share``, a fresh document of
     ``document_tokens`` (never seen again), else one of ``num_systems``
-    system prompts of ``system_tokens`` + a fresh question."""
+    system prompts of ``system_tokens`` + a fresh question. The load test's
+    workload and ``harness.eviction_bench``'s stream (``tokens`` 3..258)."""
     if not 0.0 <= document_share <= 1.0:
         raise ValueError(f"document_share must be in [0, 1], got {document_share!r}")
-    systems = [random_tokens(rng, system_tokens) for _ in range(num_systems)]
+    systems = [random_tokens(rng, system_tokens, tokens) for _ in range(num_systems)]
     sessions = []
     for _ in range(num_requests):
         if rng.random() < document_share:
-            sessions.append(Session(random_tokens(rng, document_tokens), (Turn((), output_tokens),)))
+            sessions.append(Session(random_tokens(rng, document_tokens, tokens), (Turn((), output_tokens),)))
         else:
-            question = random_tokens(rng, question_tokens)
-            sessions.append(Session(rng.choice(systems), (Turn(question, output_tokens),)))
+            system = rng.choice(systems)
+            sessions.append(Session(system, (Turn(random_tokens(rng, question_tokens, tokens), output_tokens),)))
     return sessions
 
 

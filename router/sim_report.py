@@ -36,8 +36,7 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
     mean_busy = sum(busy) / len(busy)
     prompt = [sum(workload.requests[n].num_prompt_tokens for n in r.outcomes) for r in replicas]
     mean_prompt = sum(prompt) / len(prompt)
-    computed = [sum(workload.requests[n].num_prompt_tokens - o.cached_tokens for n, o in r.outcomes.items())
-                for r in replicas]
+    computed = [total - sum(o.cached_tokens for o in r.outcomes.values()) for total, r in zip(prompt, replicas)]
     figures = {
         "hit_rate": cached_total / max(prompt_total, 1),
         "request_hit_rate": num_hits / max(len(ttfts), 1),
