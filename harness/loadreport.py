@@ -60,6 +60,7 @@ def print_table(report: dict) -> None:
         ("latency p90 s", lambda r: _fmt(r["latency_s"]["p90"])),
         ("latency p99 s", lambda r: _fmt(r["latency_s"]["p99"])),
         ("load imbalance", lambda r: _fmt(r["load_imbalance"])),
+        ("busy imbalance", lambda r: _fmt(r.get("busy_imbalance"))),
         ("requests/replica", lambda r: " ".join(str(v["requests"]) for v in r["per_replica"].values())),
         ("hit rate/replica", lambda r: " ".join(_fmt(v["hit_rate"], 2) for v in r["per_replica"].values())),
         ("sessions/replica", lambda r: " ".join(_fmt(v.get("sessions")) for v in r["per_replica"].values())),

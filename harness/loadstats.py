@@ -69,10 +69,24 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 4)
 
 
+def busy_s(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` spans: how long a replica had
+    at least one request in flight (O(n log n))."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replicas: int | None = None) -> dict:
     """Figures of one run. ``num_replicas`` (when known) counts replicas that
     served nothing in the load imbalance: all traffic on one of two replicas
-    is imbalance 2.0, not 1.0."""
+    is imbalance 2.0, not 1.0. ``load_imbalance`` is of prompt tokens sent;
+    ``busy_imbalance`` of each replica's busy time as the client saw it (the
+    union of its requests' spans, sent to last byte), the simulator's
+    measure."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for r in ok for x in r.itl_s]
@@ -98,8 +112,13 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
         if r.ttft_s is not None and r.output_tokens > 1:
             per_replica_pace.setdefault(r.replica_id, []).append((r.latency_s - r.ttft_s) / (r.output_tokens - 1))
     loads = list(per_replica_prompt.values())
+    spans: dict = {}
+    for r in ok:
+        spans.setdefault(r.replica_id, []).append((r.start_s, r.end_s))
+    busy = [busy_s(replica_spans) for replica_spans in spans.values()]
     if num_replicas is not None:
         loads += [0] * max(0, num_replicas - len(loads))
+        busy += [0.0] * max(0, num_replicas - len(busy))
     return {
         "num_requests": len(records),
         "num_ok": len(ok),
@@ -133,4 +152,5 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: dict, num_replic
             for replica in sorted(per_replica_requests, key=str)
         },
         "load_imbalance": max(loads) / (sum(loads) / len(loads)) if loads else None,
+        "busy_imbalance": max(busy) / (sum(busy) / len(busy)) if busy and sum(busy) > 0 else None,
     }

@@ -8,6 +8,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
+from router.busy_spans import BusySpans
+
 _REBASE_WINDOWS = 50.0  # rescale the recent-work counters before exp() overflows
 
 
@@ -37,6 +39,11 @@ class LoadTracker:
     random, ``sqrt(sum(d_i² w_i²) (N - 1)) / N`` (``d_i`` the decay of request
     ``i``): how far from the mean a replica lands by chance alone.
 
+    **Recent busy time** (``track_busy``, :meth:`busy_view`): how long each
+    replica had at least one of this router's requests in flight, decayed
+    alike (:class:`BusySpans`): what the replica's work cost it in time when
+    requests overlap.
+
     In-flight entries that never hear a completion are dropped after
     ``in_flight_timeout_s``: a lost callback must not leak load forever.
 
@@ -57,7 +64,9 @@ class LoadTracker:
     2. Recent counters are stored multiplied by ``exp((t - _base_s) / window_s)``
        (squares by its square) so that decay needs no updates;
        ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
-    3. The heap holds, for each tracked replica, exactly one entry with its
+    3. With ``track_busy``, the busy spans track exactly these replicas, each
+       with as many requests in flight as it has entries here.
+    4. The heap holds, for each tracked replica, exactly one entry with its
        current version: ``(load, scaled recent work, version, replica)``;
        others are stale and skipped. The least loaded replica is on top, the
        one with the least recent work first among equal loads.
@@ -67,7 +76,7 @@ class LoadTracker:
     """
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
-                 reservation_timeout_s: float = 5.0) -> None:
+                 reservation_timeout_s: float = 5.0, track_busy: bool = False) -> None:
         if not in_flight_timeout_s > 0:
             raise ValueError(f"in_flight_timeout_s must be > 0, got {in_flight_timeout_s!r}")
         if not window_s > 0:
@@ -89,6 +98,8 @@ class LoadTracker:
         self._base_s: float | None = None
         self._versions: dict[str, int] = {}
         self._heap: list[tuple[float, float, int, str]] = []
+        self._busy = BusySpans(self.window_s) if track_busy else None
+        self._last_s = 0.0  # the latest time an update was given: completions may come without one
 
     # ------------------------------------------------------------------ queries
     @property
@@ -139,6 +150,14 @@ class LoadTracker:
         sq_total = self._recent_sq_total * math.exp(2 * (self._base_s - now) / self.window_s)
         return math.sqrt(max(sq_total, 0.0) * (num_replicas - 1)) / num_replicas
 
+    def busy_view(self, now: float) -> tuple[Callable[[str], float], float] | None:
+        """``(busy_s(r), mean)``: each replica's recent busy seconds as of
+        ``now`` and their mean over the tracked replicas (:class:`BusySpans`);
+        None without ``track_busy``. Valid until the next update."""
+        if self._busy is None:
+            return None
+        return self._busy.view(now), self._busy.mean_busy_s(now)
+
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
@@ -170,6 +189,8 @@ class LoadTracker:
         self._recent[replica_id] = scaled_recent
         self._recent_sq[replica_id] = 0.0  # the chance spread counts real requests only
         self._recent_total += scaled_recent
+        if self._busy is not None:
+            self._busy.add_replica(replica_id, self._last_s)
         self._changed(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -179,6 +200,8 @@ class LoadTracker:
         del self._local[replica_id], self._foreign[replica_id], self._versions[replica_id]
         self._recent_total = max(0.0, self._recent_total - self._recent.pop(replica_id))
         self._recent_sq_total = max(0.0, self._recent_sq_total - self._recent_sq.pop(replica_id))
+        if self._busy is not None:
+            self._busy.remove_replica(replica_id)
         for request_id in [k for k, v in self._in_flight.items() if v.replica_id == replica_id]:
             del self._in_flight[request_id]
             self._reserved.pop(request_id, None)
@@ -226,11 +249,14 @@ class LoadTracker:
         recent_tokens = num_tokens if recent_tokens is None else recent_tokens
         if not recent_tokens >= 0:
             raise ValueError(f"recent_tokens must be >= 0, got {recent_tokens!r}")
+        self._last_s = max(self._last_s, now)
         self.expire(now)
-        self._forget(request_id)
+        self._forget(request_id, now)
         if replica_id not in self._local:  # routed to before set_replicas named it
             self._track(replica_id, 0.0)
         self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now, float(recent_tokens))
+        if self._busy is not None:
+            self._busy.start(replica_id, now)
         self._local[replica_id] += num_tokens
         self._total += num_tokens
         if self._base_s is None:
@@ -244,12 +270,18 @@ class LoadTracker:
         self._recent_sq_total += scaled * scaled
         self._changed(replica_id)
 
-    def on_completed(self, request_id: str) -> bool:
-        """The request finished (or failed); returns False if it was unknown."""
+    def on_completed(self, request_id: str, now: float | None = None) -> bool:
+        """The request finished (or failed) at ``now`` (default: the latest
+        time given to any update; it ends the replica's busy span); returns
+        False if it was unknown."""
         self._reserved.pop(request_id, None)
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return False
+        if now is not None:
+            self._last_s = max(self._last_s, now)
+        if self._busy is not None:
+            self._busy.stop(entry.replica_id, self._last_s if now is None else now)
         if entry.replica_id in self._local:
             self._local[entry.replica_id] = max(0.0, self._local[entry.replica_id] - entry.num_tokens)
             self._total -= entry.num_tokens
@@ -273,13 +305,13 @@ class LoadTracker:
             request_id, reserved_at = next(iter(self._reserved.items()))
             if reserved_at > deadline:
                 break
-            self._forget(request_id)
+            self._forget(request_id, reserved_at + self.reservation_timeout_s)  # when it lapsed
         deadline = now - self.in_flight_timeout_s
         while self._in_flight:
             request_id, entry = next(iter(self._in_flight.items()))
             if entry.routed_at > deadline:
                 break
-            self.on_completed(request_id)
+            self.on_completed(request_id, entry.routed_at + self.in_flight_timeout_s)
 
     def forget_recent(self) -> None:
         """Start the recent-work window afresh: every replica's recent work
@@ -297,10 +329,11 @@ class LoadTracker:
             self._changed(replica_id)
 
     # ----------------------------------------------------------------- private
-    def _forget(self, request_id: str) -> None:
-        """Undo a request as if never routed: its queued and its recent work."""
+    def _forget(self, request_id: str, now: float) -> None:
+        """Undo a request as if never routed: its queued and its recent work
+        (its busy span ends now: the replica may have started it)."""
         entry = self._in_flight.get(request_id)
-        self.on_completed(request_id)
+        self.on_completed(request_id, now)
         if entry is None or entry.replica_id not in self._recent or self._base_s is None:
             return
         replica_id = entry.replica_id
@@ -344,6 +377,13 @@ class LoadTracker:
         assert set(self._recent) == set(self._recent_sq) == set(self._local) == set(self._versions)
         assert math.isclose(sum(self._recent.values()), self._recent_total, rel_tol=1e-6, abs_tol=1e-3)
         assert math.isclose(sum(self._recent_sq.values()), self._recent_sq_total, rel_tol=1e-6, abs_tol=1e-3)
+        if self._busy is not None:
+            self._busy.check_invariants()
+            counts = dict.fromkeys(self._local, 0)
+            for entry in self._in_flight.values():
+                counts[entry.replica_id] += 1
+            assert set(self._busy.replica_ids) == set(counts), "busy spans of another replica set"
+            assert counts == {r: self._busy.num_in_flight(r) for r in counts}, "busy spans disagree"
         current = {(e[3], e[2]) for e in self._heap if self._versions.get(e[3]) == e[2]}
         assert current == set(self._versions.items()), "a replica without a current heap entry"
         for load, recent, version, replica_id in self._heap:

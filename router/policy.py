@@ -90,7 +90,13 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        towards replicas whose share of recent work is below the mean: a
        replica whose prefixes are unpopular would otherwise idle (with output
        lengths only estimated, a replica serving short-output applications
-       got 40 % less work on the Mooncake trace). Ties (idle
+       got 40 % less work on the Mooncake trace). ``balance_busy_share``
+       (a quarter) of that measure is the replica's recent busy time as this
+       router saw it, the union of its requests' spans from routed to
+       completed (:class:`router.busy_spans.BusySpans`), scaled to work
+       units: under batching overlapping requests share their steps, so the
+       work a replica took says little about how long it was busy, and its
+       spans do. Ties (idle
        replicas for a cold prompt) go in ring order from ``k`` (a pure
        function of the replica set, so every router homes a cold prefix on the
        same replica and cold prefixes spread by hash), then by a rendezvous
@@ -198,7 +204,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._ring = HashRing(virtual_nodes=self.config.virtual_nodes)
         self._index = PrefixIndex(self.config.max_blocks_per_replica, self.config.learned_grace_s)
         self._loads = LoadTracker(self.config.in_flight_timeout_s, self.config.load_window_s,
-                                  self.config.reservation_timeout_s)
+                                  self.config.reservation_timeout_s, track_busy=self.config.balance_busy_share > 0)
         grain = self.config.within_block_tokens
         self._partial = (PartialBlockIndex(self.config.block_size, grain, self.config.max_partial_entries)
                          if grain else None)

@@ -72,7 +72,8 @@ class RequestBookingMixin:
             self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
 
     def on_completed(self, request_id: str) -> None:
+        now = self._clock()
         self._pending.done(request_id)
         self._queue_priced.on_completed(request_id)
-        if self._loads.on_completed(request_id):
-            self._share.on_completed(self._clock())
+        if self._loads.on_completed(request_id, now):
+            self._share.on_completed(now)

@@ -33,6 +33,19 @@ class PolicyConfig:
     (mean over workload seeds 0-15; seed 0 alone went 1.087 -> 1.148, which
     kept "busy" the default while only seeds 0-2 were run).
 
+    ``balance_busy_share`` = 0.25 (issue 14, item 4; BENCHMARKS.md "Observed
+    busy time in the balance term"): a quarter of the balance term's measure
+    is each replica's recent busy time as this router saw it (the union of
+    its requests' spans, routed to completed; :class:`router.busy_spans.
+    BusySpans`), scaled so its mean is the mean recent work. Load imbalance
+    is busy time, and under batching at a mean decode batch of ~1.2-1.5 a
+    replica's busy time is the union of its requests' decode spans, which
+    no per-token price predicts. Measured over workload seeds 0-15 (0-39):
+    batching imbalance shared-prefix 1.089 -> 1.067 (1.100 -> 1.070),
+    multi-turn 1.104 -> 1.083 (1.093 -> 1.082); Mooncake 1.25M hit within
+    the summary-period noise (nine periods: FIFO 0.5914 -> 0.5909, batching
+    0.5934 -> 0.5939). 0 turns it off (the rule before 2026-12-06).
+
     ``split_affinity_by_holders`` = True with ``balance_weight`` = 0.2
     (issue 14, item 4; BENCHMARKS.md "Router policy defaults"): a cached
     token earns the affinity premium (``w`` above 1) divided by the number
@@ -232,6 +245,7 @@ class PolicyConfig:
     num_ranked: int = 3  # replicas returned, best first
     balance_weight: float = 0.2  # beta: cost per token of recent work above the mean (below: a credit)
     balance_output_price: str = "queue"  # an output token in the balance term: queue (queue_decode_token_cost) | busy
+    balance_busy_share: float = 0.25  # share of the balance term's measure that is observed busy time (BusySpans)
     balance_from_reports: bool = False  # balance on the replicas' reported work counters (shared; measured worse: they lag)
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
@@ -290,7 +304,7 @@ class PolicyConfig:
             raise ValueError(f"fetch_alternates must be a non-negative int, got {self.fetch_alternates!r}")
         if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
             raise ValueError(f"fetch_min_tokens must be a non-negative int, got {self.fetch_min_tokens!r}")
-        for name in ("fetch_token_cost", "fetch_affinity_share"):
+        for name in ("fetch_token_cost", "fetch_affinity_share", "balance_busy_share"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")

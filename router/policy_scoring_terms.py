@@ -31,6 +31,8 @@ class ScoringTermsMixin:
             balance_work, mean_balance = (lambda r: self._reported.value(r, now)), self._reported.mean(ring.nodes, now)
         else:  # None: the balance term reads recent work itself
             balance_work, mean_balance = self._queue_priced.view(now, mean_recent, len(ring)), mean_recent
+        if config.balance_busy_share > 0:
+            balance_work, mean_balance = self._with_busy(balance_work, mean_balance, mean_recent, now)
         return Scoring(
             config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
             one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
@@ -40,6 +42,21 @@ class ScoringTermsMixin:
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
             balance_work=balance_work)
+
+    def _with_busy(self, balance_work: Callable[[str], float] | None, mean_balance: float, mean_recent: float,
+                   now: float) -> tuple[Callable[[str], float] | None, float]:
+        """The balance term's measure with ``balance_busy_share`` of it the
+        replicas' recent busy time as this router saw it (:class:`BusySpans`),
+        scaled so its mean is ``mean_recent``: its deviations are in work
+        units like the rest. Unchanged before any busy time."""
+        busy, mean_busy = self._loads.busy_view(now)
+        if not mean_busy > 0:
+            return balance_work, mean_balance
+        share = self.config.balance_busy_share
+        work = balance_work if balance_work is not None else self._loads.recent_view(now)
+        scale = share * mean_recent / mean_busy
+        return (lambda replica_id: (1.0 - share) * work(replica_id) + scale * busy(replica_id),
+                (1.0 - share) * mean_balance + share * mean_recent)
 
     def _computed_view(self, request: RoutingRequest, found: Candidates) -> Callable[[str, int], float]:
         """(replica, cached tokens) -> those the affinity premium counts there

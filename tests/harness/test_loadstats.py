@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.loadstats import RequestRecord, percentile, request_log, summarize
+from harness.loadstats import RequestRecord, busy_s, percentile, request_log, summarize
 
 SLO = {"ttft_s": 1.0, "itl_s": 0.5}
 
@@ -41,6 +41,18 @@ def test_imbalance_counts_replicas_that_served_nothing():
     assert summarize(records, 1.0, SLO, num_replicas=2)["load_imbalance"] == pytest.approx(2.0)
     balanced = [record("a", 100, 0), record("b", 100, 0)]
     assert summarize(balanced, 1.0, SLO, num_replicas=2)["load_imbalance"] == pytest.approx(1.0)
+
+
+def test_busy_time_is_the_union_of_a_replicas_request_spans():
+    assert busy_s([]) == 0.0
+    assert busy_s([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.5)]) == pytest.approx(3.0)
+    spans = {"a": [(0.0, 1.0), (0.0, 1.0)], "b": [(0.0, 1.0), (1.0, 2.0)]}  # equal prompts, b busy twice as long
+    records = [RequestRecord(0, 0, 100, start, end, replica_id=replica)
+               for replica, replica_spans in spans.items() for start, end in replica_spans]
+    summary = summarize(records, 2.0, SLO)
+    assert summary["load_imbalance"] == pytest.approx(1.0)
+    assert summary["busy_imbalance"] == pytest.approx(2.0 / 1.5)
+    assert summarize(records[:2], 2.0, SLO, num_replicas=2)["busy_imbalance"] == pytest.approx(2.0)
 
 
 def test_percentile_of_two_values():

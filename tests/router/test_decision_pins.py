@@ -130,13 +130,19 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
 # (2026-12-04): every other config carries both off (BEFORE_REPLICATION), so its pins still check the rule it
 # was recorded with, and "before_replication" checks that the default with both off decides exactly as the
 # default pinned before them.
-BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+# balance_busy_share 0.25 (observed busy time in the balance term) became the default after all of them
+# (2026-12-06): every config but "default" and "busy_from_reports" carries it off (BEFORE_BUSY), and
+# "before_busy" checks that the default with it off decides exactly as the default pinned before it.
+BEFORE_BUSY = {"balance_busy_share": 0.0}
+BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, **BEFORE_BUSY}
 PREMIUM_ALWAYS = {"premium_needs_completion": False, **BEFORE_REPLICATION}
 UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256, **PREMIUM_ALWAYS}
 
 CONFIGS = {
     "default": {},
-    "queue_copies": {"queue_copy_requests": 2.0},  # the default with queued copies on
+    "queue_copies": {"queue_copy_requests": 2.0, **BEFORE_BUSY},  # the default with queued copies on
+    "before_busy": BEFORE_BUSY,  # the default before balance_busy_share
+    "busy_from_reports": {"balance_busy_share": 0.6, "balance_from_reports": True},
     "before_replication": BEFORE_REPLICATION,  # the default before replicate_hot_prefixes
     "premium_always": PREMIUM_ALWAYS,  # the default before premium_needs_completion
     "min256": {"fetch_min_tokens": 256, **PREMIUM_ALWAYS},
@@ -163,8 +169,13 @@ PINS: dict[tuple[str, int], str] = {
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
     # default still gives 1210e37c7b2030c9ee54 / a8b3c382eb8c4356ccce, the pins of replicate_hot_prefixes
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
-    ("default", 0): "f60d355b9e13584faea8",
-    ("default", 1): "b36a4b64e1f282d0706b",
+    # observed busy time as a quarter of the balance term's measure (2026-12-06)
+    ("default", 0): "f59c22b69ebe88585d98",
+    ("default", 1): "ab80a965ab96463ff3c7",
+    ("busy_from_reports", 0): "e7ced704a3e9a8f8dc0e",  # busy spans mixed with the reported work counters
+    ("busy_from_reports", 1): "89ba62c591612d2a16f6",
+    ("before_busy", 0): "f60d355b9e13584faea8",  # the default's pins before balance_busy_share
+    ("before_busy", 1): "b36a4b64e1f282d0706b",
     ("queue_copies", 0): "64ba51ddddccb5b4fcc2",  # queue_copy_requests 2 (off by default; 2026-12-04)
     ("queue_copies", 1): "c615da1659d37d1536a4",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4

@@ -274,6 +274,31 @@ def test_with_one_price_the_balance_term_reads_recent_work():
         assert not policy._queue_priced.is_active
 
 
+def test_the_balance_term_weighs_the_busy_time_this_router_saw():
+    """Replica 0 served two requests at once for half a second, replica 1 one
+    request for 8 s: replica 0 did twice the work, replica 1 was busy 16x as
+    long (under batching, overlapping requests share their steps). On recent
+    work alone a cold prompt goes to replica 1, even from a ring home on
+    replica 0; with half the balance measure on the busy time this router
+    saw (its requests' spans, routed to completed), to replica 0, even from
+    a ring home on replica 1."""
+    for share, expected in ((0.0, REPLICAS[1]), (0.5, REPLICAS[0])):
+        clock = Clock()
+        policy = make_policy(clock, replicas=REPLICAS[:2], balance_busy_share=share)
+        for i, replica in enumerate((REPLICAS[0], REPLICAS[0], REPLICAS[1])):
+            policy.on_routed(request(prompt(100 + i)), replica, f"q{i}")
+        clock.now = 0.5
+        policy.on_completed("q0")
+        policy.on_completed("q1")
+        clock.now = 8.0
+        policy.on_completed("q2")
+        policy.check_invariants()
+        assert policy.loads.recent_work(REPLICAS[0], 8.0) == pytest.approx(2 * policy.loads.recent_work(REPLICAS[1], 8.0))
+        homed_elsewhere = next(request(prompt(seed)) for seed in range(200, 300)
+                               if policy.ring.lookup(request(prompt(seed)).block_hashes[0]) != expected)
+        assert policy.rank(homed_elsewhere)[0] == expected
+
+
 def test_a_burst_decided_before_any_is_reported_sees_its_own_decisions():
     """Ray reports a request routed only after the replica accepted it: with
     request ids, decisions reserve at once, so a burst of cold prefixes splits
@@ -495,7 +520,7 @@ def test_tenants_do_not_share_affinity():
 
 @pytest.mark.parametrize("field, value", [
     ("block_size", 0), ("load_factor", 0.5), ("affinity_weight", 0.0), ("load_window_s", 0),
-    ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("balance_output_price", "free"), ("num_ranked", 1.5), ("load_factor", True),
+    ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("balance_output_price", "free"), ("balance_busy_share", 1.5), ("balance_busy_share", -0.1), ("num_ranked", 1.5), ("load_factor", True),
     ("load_slack_sd", -1.0), ("reservation_timeout_s", 0), ("premium_pending_min_users", 0),
     ("premium_needs_completion", 1),
 ])

@@ -18,12 +18,21 @@ from router.policy_config import PolicyConfig
 from router.simulate import SimConfig, simulate
 from router.workload import shared_prefix
 from tests.router.fake_clock import Clock
-from tests.router.test_fetch import BLOCK, REPLICAS, SHARED, hot_request, make_policy, request, route_hot_group
+from tests.router.test_fetch import BLOCK, REPLICAS, SHARED, hot_request, request, route_hot_group
+from tests.router.test_fetch import make_policy as make_fetch_policy
 from tests.router.test_policy import summary
 from tests.router.test_sim_fetch import FAST, make_replica, warm_owner
 from tests.router.test_sim_fetch import request as sim_request
 
 OFF = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+
+
+def make_policy(clock=None, **config):
+    """The fetch tests' policy with the balance term on recent work alone:
+    these scenarios are laid out in work units, and the share of observed
+    busy time (``balance_busy_share``; tests/router/test_busy_spans.py and
+    test_policy.py) would move their cold requests."""
+    return make_fetch_policy(clock, **{"balance_busy_share": 0.0, **config})
 
 
 # ------------------------------------------------------------------ PrefixDemand
@@ -370,10 +379,11 @@ def test_an_alternate_holder_keeps_a_prefix_the_hinted_owner_evicted():
     hinted owner had evicted its group's prefix since its last report.
     Named alone (``fetch_alternates`` 0) it costs a recompute of the whole
     system prompt; named with the other holders, the receiver fetches it
-    from one of them, and every prompt is computed once."""
+    from one of them, and every prompt is computed once. (The case was
+    found under the balance term on recent work alone, kept here.)"""
     figures = {}
     for alternates in (0, 2):
-        policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates)
+        policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates, balance_busy_share=0.0)
         config = SimConfig(num_replicas=8, budget_tokens=8000, seed=21, policy=policy)
         figures[alternates] = simulate(shared_prefix(seed=21), config, ["ours"], progress=False,
                                        seeds=range(21, 22))["policies"]["ours"]

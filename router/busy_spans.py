@@ -1,0 +1,142 @@
+"""How long each replica was recently busy with this router's requests: the
+union of their spans, routed to completed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+_REBASE_WINDOWS = 50.0  # rescale the stored values before exp() overflows
+
+
+class BusySpans:
+    """Each replica's recent busy seconds as one router observes them.
+
+    A replica counts as busy while at least one of this router's requests is
+    in flight there (:meth:`start` to :meth:`stop`); each busy second counts
+    ``exp(-age / window_s)``, as recent work does in :class:`LoadTracker`. So
+    ``busy(r, now) = ∫ [active(r, t)] exp(-(now - t) / window_s) dt``, at
+    most ``window_s``.
+
+    Why: under continuous batching a replica's busy time is the union of its
+    requests' spans, not the sum of their tokens. Two requests that overlap
+    share their steps and cost little more than one; the same two one after
+    the other cost twice. No per-token price predicts that (at a mean decode
+    batch of ~1.2 most of a replica's busy time is decode spans), but a live
+    router sees every span it opens and closes.
+
+    Stored per replica as ``c[r] = (busy(r, t) - W·active(r)) · e^{(t - base)/W}``
+    at its last change ``t``, which stays right until the next one:
+    ``busy(r, now) = c[r] · e^{(base - now)/W} + W·active(r)``. So a read, the
+    fleet's mean included, is O(1), and so is every update (a rebase every
+    ``50 × window_s`` is O(N)).
+
+    Invariants (checked by :meth:`check_invariants`): ``_total == sum(c)``;
+    ``_num_active`` is the number of replicas with a request in flight; no
+    replica has fewer than 0 in flight.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = float(window_s)
+        self._scaled: dict[str, float] = {}  # c[r]
+        self._num_in_flight: dict[str, int] = {}
+        self._total = 0.0  # sum of c
+        self._num_active = 0  # replicas with a request in flight
+        self._base_s: float | None = None
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._scaled
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return list(self._scaled)
+
+    def num_in_flight(self, replica_id: str) -> int:
+        return self._num_in_flight.get(replica_id, 0)
+
+    def busy_s(self, replica_id: str, now: float) -> float:
+        """Decayed busy seconds of ``replica_id`` as of ``now`` (0 if unknown)."""
+        if replica_id not in self._scaled:
+            return 0.0
+        return self._scaled[replica_id] * self._decay(now) + self._active_s(replica_id)
+
+    def mean_busy_s(self, now: float) -> float:
+        """The mean of :meth:`busy_s` over the tracked replicas (0 if none)."""
+        if not self._scaled:
+            return 0.0
+        return (self._total * self._decay(now) + self.window_s * self._num_active) / len(self._scaled)
+
+    def view(self, now: float) -> Callable[[str], float]:
+        """``busy_s(·, now)`` with the decay computed once; valid until the next update."""
+        scaled, num_in_flight, decay, window_s = self._scaled, self._num_in_flight, self._decay(now), self.window_s
+        return lambda replica_id: (scaled.get(replica_id, 0.0) * decay
+                                   + (window_s if num_in_flight.get(replica_id, 0) else 0.0))
+
+    # ------------------------------------------------------------------ updates
+    def add_replica(self, replica_id: str, now: float) -> None:
+        """Track a joining replica, at the others' mean busy time: at 0 it
+        would look idle for a whole window and draw every cold prefix."""
+        if replica_id in self._scaled:
+            return
+        mean = self.mean_busy_s(now)
+        self._rebase_if_due(now)
+        self._scaled[replica_id] = mean / self._decay(now)
+        self._num_in_flight[replica_id] = 0
+        self._total += self._scaled[replica_id]
+
+    def remove_replica(self, replica_id: str) -> None:
+        if replica_id not in self._scaled:
+            return
+        self._total -= self._scaled.pop(replica_id)
+        if self._num_in_flight.pop(replica_id):
+            self._num_active -= 1
+
+    def start(self, replica_id: str, now: float) -> None:
+        """One more of this router's requests is in flight on ``replica_id``."""
+        self.add_replica(replica_id, now)
+        if self._num_in_flight[replica_id] == 0:
+            self._switch(replica_id, now, active=True)
+        self._num_in_flight[replica_id] += 1
+
+    def stop(self, replica_id: str, now: float) -> None:
+        """One of them completed (or was forgotten). An unknown replica, or
+        one with nothing in flight, is ignored."""
+        count = self._num_in_flight.get(replica_id, 0)
+        if count == 0:
+            return
+        if count == 1:
+            self._switch(replica_id, now, active=False)
+        self._num_in_flight[replica_id] = count - 1
+
+    # ----------------------------------------------------------------- private
+    def _active_s(self, replica_id: str) -> float:
+        return self.window_s if self._num_in_flight.get(replica_id, 0) else 0.0
+
+    def _decay(self, now: float) -> float:
+        return 1.0 if self._base_s is None else math.exp((self._base_s - now) / self.window_s)
+
+    def _switch(self, replica_id: str, now: float, active: bool) -> None:
+        """Re-express ``c[r]`` for the new state, keeping ``busy_s`` continuous."""
+        self._rebase_if_due(now)
+        busy = self.busy_s(replica_id, now)
+        scaled = (busy - (self.window_s if active else 0.0)) / self._decay(now)
+        self._total += scaled - self._scaled[replica_id]
+        self._scaled[replica_id] = scaled
+        self._num_active += 1 if active else -1
+
+    def _rebase_if_due(self, now: float) -> None:
+        if self._base_s is None:
+            self._base_s = now
+        elif now - self._base_s > _REBASE_WINDOWS * self.window_s:
+            scale = self._decay(now)
+            self._scaled = {r: c * scale for r, c in self._scaled.items()}
+            self._total = sum(self._scaled.values())
+            self._base_s = now
+
+    def check_invariants(self) -> None:
+        assert set(self._scaled) == set(self._num_in_flight), "replicas tracked twice over"
+        assert all(count >= 0 for count in self._num_in_flight.values()), "fewer than none in flight"
+        assert self._num_active == sum(1 for count in self._num_in_flight.values() if count), "active count"
+        assert math.isclose(sum(self._scaled.values()), self._total, rel_tol=1e-9, abs_tol=1e-6), "total"
