@@ -44,7 +44,9 @@ class PolicyConfig:
     batching imbalance shared-prefix 1.089 -> 1.067 (1.100 -> 1.070),
     multi-turn 1.104 -> 1.083 (1.093 -> 1.082); Mooncake 1.25M hit within
     the summary-period noise (nine periods: FIFO 0.5914 -> 0.5909, batching
-    0.5934 -> 0.5939). 0 turns it off (the rule before 2026-12-06).
+    0.5934 -> 0.5939); at heavy batching load hit 0.5957 -> 0.5930 (llm-d
+    0.5920) for imbalance 1.064 -> 1.040. 0 turns it off (the rule before
+    2026-12-06).
 
     ``split_affinity_by_holders`` = True with ``balance_weight`` = 0.2
     (issue 14, item 4; BENCHMARKS.md "Router policy defaults"): a cached
