@@ -68,11 +68,13 @@ class BusySpans:
             return 0.0
         return (self._total * self._decay(now) + self.window_s * self._num_active) / len(self._scaled)
 
-    def view(self, now: float) -> Callable[[str], float]:
-        """``busy_s(·, now)`` with the decay computed once; valid until the next update."""
+    def view(self, now: float) -> tuple[Callable[[str], float], float]:
+        """``(busy_s(·, now), mean_busy_s(now))`` with the decay computed
+        once; valid until the next update."""
         scaled, num_in_flight, decay, window_s = self._scaled, self._num_in_flight, self._decay(now), self.window_s
-        return lambda replica_id: (scaled.get(replica_id, 0.0) * decay
-                                   + (window_s if num_in_flight.get(replica_id, 0) else 0.0))
+        mean = (self._total * decay + window_s * self._num_active) / len(scaled) if scaled else 0.0
+        return (lambda replica_id: (scaled.get(replica_id, 0.0) * decay
+                                    + (window_s if num_in_flight.get(replica_id, 0) else 0.0))), mean
 
     # ------------------------------------------------------------------ updates
     def add_replica(self, replica_id: str, now: float) -> None:
@@ -118,12 +120,14 @@ class BusySpans:
         return 1.0 if self._base_s is None else math.exp((self._base_s - now) / self.window_s)
 
     def _switch(self, replica_id: str, now: float, active: bool) -> None:
-        """Re-express ``c[r]`` for the new state, keeping ``busy_s`` continuous."""
+        """Re-express ``c[r]`` for the new state, keeping ``busy_s``
+        continuous: ``c`` moves by ``∓W · e^{(now - base)/W}``."""
         self._rebase_if_due(now)
-        busy = self.busy_s(replica_id, now)
-        scaled = (busy - (self.window_s if active else 0.0)) / self._decay(now)
-        self._total += scaled - self._scaled[replica_id]
-        self._scaled[replica_id] = scaled
+        step = self.window_s / self._decay(now)
+        if active:
+            step = -step
+        self._scaled[replica_id] += step
+        self._total += step
         self._num_active += 1 if active else -1
 
     def _rebase_if_due(self, now: float) -> None:

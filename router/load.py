@@ -156,7 +156,7 @@ class LoadTracker:
         None without ``track_busy``. Valid until the next update."""
         if self._busy is None:
             return None
-        return self._busy.view(now), self._busy.mean_busy_s(now)
+        return self._busy.view(now)
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)

@@ -52,11 +52,11 @@ def test_the_mean_and_the_view_agree_with_each_replica():
     spans.start("a", 0.0)
     spans.start("b", 1.0)
     spans.stop("b", 3.0)
-    view = spans.view(6.0)
+    view, mean = spans.view(6.0)
     values = [spans.busy_s(r, 6.0) for r in "abc"]
     assert [view(r) for r in "abc"] == pytest.approx(values)
     assert values[2] == 0.0 and view("unknown") == 0.0
-    assert spans.mean_busy_s(6.0) == pytest.approx(sum(values) / 3)
+    assert spans.mean_busy_s(6.0) == pytest.approx(sum(values) / 3) == pytest.approx(mean)
     spans.check_invariants()
 
 
