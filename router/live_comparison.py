@@ -18,6 +18,8 @@ METRICS = (
     ("engine_ttft_p50", "engine TTFT p50 s", "rel", GOALS["ttft_p50"]),
     ("engine_ttft_p99_rounds", "engine TTFT p99 s, median round", "rel", GOALS["ttft_p99"]),
     ("imbalance", "imbalance", None, None),
+    # the simulator's own measure (max / mean busy time); live, each Worker's request spans as the client saw them
+    ("busy_imbalance", "busy imbalance", None, None),
 )
 
 
@@ -30,6 +32,7 @@ def live_figures(report: dict) -> dict[str, dict]:
             "ttft_p50": result["ttft_s"]["p50"],
             "ttft_p99": result["ttft_s"]["p99"],
             "imbalance": result["load_imbalance"],
+            "busy_imbalance": result.get("busy_imbalance"),  # None in reports from before it was measured
             "ingress_p50": (result.get("ingress_overhead_s") or {}).get("p50"),
             "engine_ttft_p50": (result.get("server_ttft_s") or {}).get("p50"),
             "engine_ttft_p99": (result.get("server_ttft_s") or {}).get("p99"),
@@ -45,6 +48,7 @@ def live_figures(report: dict) -> dict[str, dict]:
 def _round_value(round_: dict, key: str) -> float | None:
     """One round's value of a compared figure (its p99 stands for the pooled and the median-round p99)."""
     picks = {"hit": ("cluster_hit_rate", None), "imbalance": ("load_imbalance", None),
+             "busy_imbalance": ("busy_imbalance", None),
              "ttft_p50": ("ttft_s", "p50"), "ttft_p99": ("ttft_s", "p99"), "ttft_p99_rounds": ("ttft_s", "p99"),
              "engine_ttft_p50": ("server_ttft_s", "p50"), "engine_ttft_p99_rounds": ("server_ttft_s", "p99")}
     name, quantile = picks[key]

@@ -64,7 +64,10 @@ CPU demo's Workers measure.
 
 Compared: token hit rate (goal: within 0.02), TTFT p50 (within 25 %) and
 p99 (within 40 %), and imbalance as the load test measures it (max / mean
-prompt tokens per replica); and whether the routers rank alike on each.
+prompt tokens per replica) and as the simulator does (max / mean busy time:
+live, the union of each Worker's request spans as the client saw them,
+HTTP included; simulated, the engine's steps); and whether the routers
+rank alike on each.
 
 Its parts: the arms (:mod:`router.live_arms`), the step times
 (:mod:`router.live_steps`), the other measured inputs
@@ -149,6 +152,7 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dic
             client = [client_ttft(t, arm_ingress_s) for t in engine]
         figures[label] = {"hit": statistics.fmean(f["hit_rate"] for f in seed_figures),
                           "imbalance": statistics.fmean(f["prompt_imbalance"] for f in seed_figures),
+                          "busy_imbalance": statistics.fmean(f["load_imbalance"] for f in seed_figures),
                           "ttft_p50": percentile(client, 50), "ttft_p99": percentile(client, 99),
                           "engine_ttft_p50": percentile(engine, 50), "engine_ttft_p99": percentile(engine, 99)}
         for f in seed_figures:

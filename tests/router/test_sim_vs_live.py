@@ -52,6 +52,7 @@ def test_live_figures_and_the_measured_ingress(tmp_path):
     live = live_figures(report)
     assert live["pow2"]["hit"] == pytest.approx(0.5)
     assert live["kvroute"]["imbalance"] == pytest.approx(1.0)
+    assert live["kvroute"]["busy_imbalance"] == pytest.approx(1.0)  # both Workers busy for the whole second
     assert measured_ingress_s(live) == pytest.approx(0.06)  # median of 0.04, 0.06, 0.08
     assert ranking(live, "hit") == ["kvroute", "prefix_affinity", "pow2"]
     assert ranking(live, "ttft_p99") == ["kvroute", "pow2", "prefix_affinity"]
