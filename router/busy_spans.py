@@ -58,15 +58,11 @@ class BusySpans:
 
     def busy_s(self, replica_id: str, now: float) -> float:
         """Decayed busy seconds of ``replica_id`` as of ``now`` (0 if unknown)."""
-        if replica_id not in self._scaled:
-            return 0.0
-        return self._scaled[replica_id] * self._decay(now) + self._active_s(replica_id)
+        return self.view(now)[0](replica_id)
 
     def mean_busy_s(self, now: float) -> float:
         """The mean of :meth:`busy_s` over the tracked replicas (0 if none)."""
-        if not self._scaled:
-            return 0.0
-        return (self._total * self._decay(now) + self.window_s * self._num_active) / len(self._scaled)
+        return self.view(now)[1]
 
     def view(self, now: float) -> tuple[Callable[[str], float], float]:
         """``(busy_s(·, now), mean_busy_s(now))`` with the decay computed
@@ -113,9 +109,6 @@ class BusySpans:
         self._num_in_flight[replica_id] = count - 1
 
     # ----------------------------------------------------------------- private
-    def _active_s(self, replica_id: str) -> float:
-        return self.window_s if self._num_in_flight.get(replica_id, 0) else 0.0
-
     def _decay(self, now: float) -> float:
         return 1.0 if self._base_s is None else math.exp((self._base_s - now) / self.window_s)
 
