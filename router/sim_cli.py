@@ -17,7 +17,7 @@ from router.batching import H100_LLAMA_8B, StepProfile
 from router.closed_loop import ClosedLoopConfig
 from router.cluster import CostModel
 from router.policy_config import PolicyConfig
-from router.sim_config import POLICY_NAMES, REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS, SimConfig
+from router.sim_config import KNOWN_POLICY_NAMES, POLICY_NAMES, REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS, SimConfig
 from router.sim_fetch import FetchModel
 from router.workload import Workload, load_mooncake, multi_turn, shared_prefix
 
@@ -119,4 +119,7 @@ def build_run(args: argparse.Namespace) -> tuple[Workload, SimConfig, list[str]]
         cache_protected_share=args.cache_protected_share,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KNOWN_POLICY_NAMES]
+    if unknown:  # before any replay starts, not after the first policy's
+        raise ValueError(f"unknown policies {unknown}; choose from {sorted(KNOWN_POLICY_NAMES)}")
     return workload, config, names

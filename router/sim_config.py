@@ -18,6 +18,7 @@ from router.sim_fetch import FetchModel
 # sends, its summary_mode "stream" (cache.summary_sender: deltas naming their base by an object ref)
 SIM_SUMMARY_MODES = ("full", "stream", "reference")
 POLICY_NAMES = ("ours", "ours_nofetch", "round_robin", "pow2", "ray_prefix_affinity", "sglang_cache_aware", "dynamo_kv", "llm_d")
+KNOWN_POLICY_NAMES = POLICY_NAMES + ("ray_prefix_tree",)  # what --policies accepts (the default runs POLICY_NAMES)
 
 
 @dataclass(frozen=True, slots=True)

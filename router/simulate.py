@@ -50,7 +50,7 @@ from router.policy import PrefixAffinityPolicy
 from router.request import RoutingRequest
 from router.sim_cli import build_parser, build_run
 from router.sim_cli import workload_kind  # re-exported
-from router.sim_config import POLICY_NAMES, SimConfig
+from router.sim_config import KNOWN_POLICY_NAMES, POLICY_NAMES, SimConfig
 from router.sim_config import REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS  # re-exported
 from router.sim_fetch import SimFetch
 from router.sim_report import plot, replay_figures
@@ -169,6 +169,7 @@ def make_policies(names, workload: Workload, replicas: list, config: SimConfig):
         "dynamo_kv": lambda: _Peer(DynamoKV(workload.router_block_tokens, rng), replicas),
         "llm_d": lambda: _Peer(LlmdScorers(rng), replicas),
     }
+    assert set(factories) == set(KNOWN_POLICY_NAMES), "router.sim_config.KNOWN_POLICY_NAMES is out of date"
     unknown = [n for n in names if n not in factories]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {sorted(factories)}")

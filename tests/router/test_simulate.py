@@ -8,7 +8,9 @@ import pytest
 
 from router.baselines import DynamoKV, LlmdScorers, PowerOfTwo, RayPrefixAffinity, RoundRobin, SGLangCacheAware
 from router.cluster import CostModel, SimReplica
-from router.simulate import POLICY_NAMES, SimConfig, arrival_scale, cache_bound_hit_rate, main, replay, simulate
+import router.simulate as simulate_module
+from router.simulate import (POLICY_NAMES, SimConfig, arrival_scale, cache_bound_hit_rate, main, make_policies, replay,
+                             simulate)
 from router.workload import SimRequest, Workload, load_mooncake, multi_turn, scale_arrivals, shared_prefix
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head400.jsonl"  # first 400 rows
@@ -169,10 +171,22 @@ def test_cli_writes_json_and_plot(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-def test_cli_rejects_an_unknown_policy(tmp_path):
-    with pytest.raises(ValueError, match="unknown policies"):
+def test_cli_rejects_an_unknown_policy_before_any_replay(tmp_path, capsys, monkeypatch):
+    def no_replay(*args, **kwargs):
+        raise AssertionError("a replay started before the policy names were checked")
+
+    monkeypatch.setattr(simulate_module, "replay", no_replay)
+    with pytest.raises(SystemExit) as exit_info:
         main(["--workload", "shared-prefix", "--replicas", "2", "--budget-tokens", "1000",
               "--json", str(tmp_path / "x.json"), "--no-progress", "--policies", "ours,nope"])
+    assert exit_info.value.code == 2
+    assert "unknown policies ['nope']" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_library_rejects_an_unknown_policy():
+    with pytest.raises(ValueError, match="unknown policies"):
+        make_policies(["ours", "nope"], shared_prefix(seed=0), [], SimConfig(num_replicas=2, budget_tokens=1000))
 
 
 # ----------------------------------------------------------------- baselines
