@@ -91,7 +91,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        replica whose prefixes are unpopular would otherwise idle (with output
        lengths only estimated, a replica serving short-output applications
        got 40 % less work on the Mooncake trace). ``balance_busy_share``
-       (a quarter) of that measure is the replica's recent busy time as this
+       (0.6) of that measure is the replica's recent busy time as this
        router saw it, the union of its requests' spans from routed to
        completed (:class:`router.busy_spans.BusySpans`), scaled to work
        units: under batching overlapping requests share their steps, so the

@@ -133,16 +133,21 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
 # balance_busy_share 0.25 (observed busy time in the balance term) became the default after all of them
 # (2026-12-06): every config but "default" and "busy_from_reports" carries it off (BEFORE_BUSY), and
 # "before_busy" checks that the default with it off decides exactly as the default pinned before it.
-BEFORE_BUSY = {"balance_busy_share": 0.0}
+# balance_busy_share 0.6 with balance_weight 0.6 (a stronger balance term) became the default after all of
+# them (2026-12-06, later): every config but "default" carries the weight 0.2 explicitly (and the share it was
+# pinned with), and "before_balance" checks that the default with 0.25 / 0.2 decides as the default pinned before.
+BEFORE_BALANCE = {"balance_busy_share": 0.25, "balance_weight": 0.2}
+BEFORE_BUSY = {"balance_busy_share": 0.0, "balance_weight": 0.2}
 BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, **BEFORE_BUSY}
 PREMIUM_ALWAYS = {"premium_needs_completion": False, **BEFORE_REPLICATION}
-UNSPLIT = {"split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256, **PREMIUM_ALWAYS}
+UNSPLIT = {**PREMIUM_ALWAYS, "split_affinity_by_holders": False, "balance_weight": 0.1, "fetch_min_tokens": 256}
 
 CONFIGS = {
     "default": {},
     "queue_copies": {"queue_copy_requests": 2.0, **BEFORE_BUSY},  # the default with queued copies on
     "before_busy": BEFORE_BUSY,  # the default before balance_busy_share
-    "busy_from_reports": {"balance_busy_share": 0.6, "balance_from_reports": True},
+    "before_balance": BEFORE_BALANCE,  # the default before the stronger balance term
+    "busy_from_reports": {"balance_busy_share": 0.6, "balance_weight": 0.2, "balance_from_reports": True},
     "before_replication": BEFORE_REPLICATION,  # the default before replicate_hot_prefixes
     "premium_always": PREMIUM_ALWAYS,  # the default before premium_needs_completion
     "min256": {"fetch_min_tokens": 256, **PREMIUM_ALWAYS},
@@ -169,9 +174,11 @@ PINS: dict[tuple[str, int], str] = {
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
     # default still gives 1210e37c7b2030c9ee54 / a8b3c382eb8c4356ccce, the pins of replicate_hot_prefixes
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
-    # observed busy time as a quarter of the balance term's measure (2026-12-06)
-    ("default", 0): "f59c22b69ebe88585d98",
-    ("default", 1): "ab80a965ab96463ff3c7",
+    # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
+    ("default", 0): "8ba394ef447ace6d5e28",
+    ("default", 1): "f5f5eaafea3852e14401",
+    ("before_balance", 0): "f59c22b69ebe88585d98",  # observed busy time as a quarter of the measure (2026-12-06)
+    ("before_balance", 1): "ab80a965ab96463ff3c7",
     ("busy_from_reports", 0): "e7ced704a3e9a8f8dc0e",  # busy spans mixed with the reported work counters
     ("busy_from_reports", 1): "89ba62c591612d2a16f6",
     ("before_busy", 0): "f60d355b9e13584faea8",  # the default's pins before balance_busy_share

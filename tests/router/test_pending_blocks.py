@@ -7,7 +7,7 @@ import pytest
 
 from router.cache_fill import FleetCacheFill
 from router.pending_blocks import PendingBlocks
-from tests.router.test_policy import REPLICAS, make_policy, prompt, request, summary
+from tests.router.test_policy import EARLIER_BALANCE, REPLICAS, make_policy, prompt, request, summary
 
 
 def test_computed_depth_is_the_leading_blocks_no_request_in_flight_still_computes():
@@ -48,7 +48,7 @@ def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_wait
     # replicate_hot_prefixes off: it would split the burst too (tests/router/test_replication.py)
     policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
                          premium_pending_min_users=min_users, queue_decode_token_cost=4.0,
-                         replicate_hot_prefixes=False)
+                         replicate_hot_prefixes=False, **EARLIER_BALANCE)
     system = prompt(7, 256)
     chats = [request(system + prompt(100 + i, 32), num_output_tokens=16) for i in range(8)]
     chosen = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]
@@ -96,7 +96,7 @@ def test_once_every_cache_is_full_the_premium_counts_pending_blocks_again():
     chosen = {}
     for needs_completion in (False, True):
         policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
-                             queue_decode_token_cost=4.0)
+                             queue_decode_token_cost=4.0, **EARLIER_BALANCE)
         for replica_id in REPLICAS[:2]:
             policy.on_summary(dataclasses.replace(summary(replica_id, 1, []), num_cached_tokens=10_000))
         chosen[needs_completion] = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]

@@ -28,11 +28,13 @@ OFF = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
 
 
 def make_policy(clock=None, **config):
-    """The fetch tests' policy with the balance term on recent work alone:
-    these scenarios are laid out in work units, and the share of observed
-    busy time (``balance_busy_share``; tests/router/test_busy_spans.py and
-    test_policy.py) would move their cold requests."""
-    return make_fetch_policy(clock, **{"balance_busy_share": 0.0, **config})
+    """The fetch tests' policy with the balance term on recent work alone, at
+    the weight it had when they were written (0.2): these scenarios are laid
+    out in work units, and the share of observed busy time
+    (``balance_busy_share``; tests/router/test_busy_spans.py and
+    test_policy.py) or the stronger default weight would move their cold
+    requests."""
+    return make_fetch_policy(clock, **{"balance_busy_share": 0.0, "balance_weight": 0.2, **config})
 
 
 # ------------------------------------------------------------------ PrefixDemand
@@ -380,10 +382,11 @@ def test_an_alternate_holder_keeps_a_prefix_the_hinted_owner_evicted():
     Named alone (``fetch_alternates`` 0) it costs a recompute of the whole
     system prompt; named with the other holders, the receiver fetches it
     from one of them, and every prompt is computed once. (The case was
-    found under the balance term on recent work alone, kept here.)"""
+    found under the balance term on recent work alone at weight 0.2, kept here.)"""
     figures = {}
     for alternates in (0, 2):
-        policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates, balance_busy_share=0.0)
+        policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates, balance_busy_share=0.0,
+                              balance_weight=0.2)
         config = SimConfig(num_replicas=8, budget_tokens=8000, seed=21, policy=policy)
         figures[alternates] = simulate(shared_prefix(seed=21), config, ["ours"], progress=False,
                                        seeds=range(21, 22))["policies"]["ours"]
