@@ -8,7 +8,9 @@ so the choice between owner and non-owner falls to the balance term, which
 sends each request to the replica with less recent work. The tests run in
 order and each step's target is the replica with less recent work by
 construction (stated at each step); ``fetch_min_tokens`` 0 hints any
-difference. A fresh receiver has measured no prefill yet, so it trusts the
+difference. The balance term reads recent work alone here (``balance_busy_share``
+0): the steps are laid out in work, and a receiver's busy time includes its
+wait for the fetch. A fresh receiver has measured no prefill yet, so it trusts the
 hint (worker/kv_fetch.py, step 2); later ones have measured both rates, so
 ``fetch_min_speedup`` 0 makes every hinted request fetch whatever they say
 (the measured decision is tested in process, tests/worker/test_kv_fetch.py).
@@ -35,7 +37,8 @@ AUTH_A, AUTH_B = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Beare
 PREFIX_TOKENS = 512  # 8 routing blocks of 64
 NEW_TOKENS = 8
 FORCE_HINTS = {"affinity_weight": 1.0, "fetch_token_cost": 0.0, "fetch_min_tokens": 0,
-               "fetch_credit_scope": "always"}  # the credit against any owner (the default, "never", moves nothing)
+               "fetch_credit_scope": "always",  # the credit against any owner (the default, "never", moves nothing)
+               "balance_busy_share": 0.0}
 
 
 def tokens(seed: int, n: int) -> list[int]:
