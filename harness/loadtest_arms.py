@@ -72,7 +72,11 @@ def custom_arms(args) -> list[Arm]:
     ``label`` and optionally ``router`` (default kvroute), ``router_kwargs``
     (``--kvroute-kwargs`` for kvroute when absent), ``app_args``,
     ``ingress_replicas`` and ``deployments``; e.g. one against two Ingress
-    replicas (two independent routers) with and without a policy knob."""
+    replicas (two independent routers) with and without a policy knob. An
+    arm's ``router_kwargs`` replace deploy/config.yaml's (they are not merged
+    with them): an A/B of one knob repeats the config's other knobs in both
+    arms (e.g. ``replicate_hot_prefixes: false``), and ``{}`` is the library's
+    defaults."""
     text = args.compare_arms
     if text.startswith("@"):
         with open(text[1:]) as file:
