@@ -17,7 +17,8 @@ from router.batching import H100_LLAMA_8B, StepProfile
 from router.closed_loop import ClosedLoopConfig
 from router.cluster import CostModel
 from router.policy_config import PolicyConfig
-from router.sim_config import KNOWN_POLICY_NAMES, POLICY_NAMES, REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS, SimConfig
+from router.sim_config import (POLICY_NAMES, REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS, SimConfig,
+                               check_policy_names)
 from router.sim_fetch import FetchModel
 from router.workload import Workload, load_mooncake, multi_turn, shared_prefix
 
@@ -119,7 +120,5 @@ def build_run(args: argparse.Namespace) -> tuple[Workload, SimConfig, list[str]]
         cache_protected_share=args.cache_protected_share,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in KNOWN_POLICY_NAMES]
-    if unknown:  # before any replay starts, not after the first policy's
-        raise ValueError(f"unknown policies {unknown}; choose from {sorted(KNOWN_POLICY_NAMES)}")
+    check_policy_names(names)  # before any replay starts, not after the first policy's
     return workload, config, names

@@ -21,6 +21,13 @@ POLICY_NAMES = ("ours", "ours_nofetch", "round_robin", "pow2", "ray_prefix_affin
 KNOWN_POLICY_NAMES = POLICY_NAMES + ("ray_prefix_tree",)  # what --policies accepts (the default runs POLICY_NAMES)
 
 
+def check_policy_names(names) -> None:
+    """ValueError naming every policy in ``names`` the simulator does not know."""
+    unknown = [n for n in names if n not in KNOWN_POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {sorted(KNOWN_POLICY_NAMES)}")
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """One simulation's setup. ``replica_model``: ``"fifo"`` (:class:`CostModel`,

@@ -50,7 +50,7 @@ from router.policy import PrefixAffinityPolicy
 from router.request import RoutingRequest
 from router.sim_cli import build_parser, build_run
 from router.sim_cli import workload_kind  # re-exported
-from router.sim_config import KNOWN_POLICY_NAMES, POLICY_NAMES, SimConfig
+from router.sim_config import KNOWN_POLICY_NAMES, POLICY_NAMES, SimConfig, check_policy_names
 from router.sim_config import REPLICA_MODELS, SIM_SUMMARY_MODES, TRACE_MAX_TOKENS  # re-exported
 from router.sim_fetch import SimFetch
 from router.sim_report import plot, replay_figures
@@ -170,9 +170,7 @@ def make_policies(names, workload: Workload, replicas: list, config: SimConfig):
         "llm_d": lambda: _Peer(LlmdScorers(rng), replicas),
     }
     assert set(factories) == set(KNOWN_POLICY_NAMES), "router.sim_config.KNOWN_POLICY_NAMES is out of date"
-    unknown = [n for n in names if n not in factories]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {sorted(factories)}")
+    check_policy_names(names)
     return [factories[n]() for n in names]
 
 
