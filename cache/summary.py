@@ -37,7 +37,7 @@ _COMPACT_KEYS = {
     "num_queued_tokens": "q", "num_running_tokens": "r", "num_running": "nr", "num_waiting": "nw",
     "num_prefill_tokens_total": "pt", "num_output_tokens_total": "ot", "mean_output_tokens": "mo",
     "decode_token_cost": "dc", "queue_token_cost": "qc", "base_version": "bv",
-    "fetch_token_cost": "fc", "fetch_overhead_tokens": "fo",
+    "fetch_token_cost": "fc", "fetch_overhead_tokens": "fo", "busy_s_total": "bu",
 }
 _COUNT_FIELDS = (
     "num_cached_tokens",
@@ -51,7 +51,7 @@ _COUNT_FIELDS = (
 )
 
 _RATE_FIELDS = ("mean_output_tokens", "decode_token_cost", "queue_token_cost", "fetch_token_cost",
-                "fetch_overhead_tokens")  # floats >= 0, absent reads as 0.0
+                "fetch_overhead_tokens", "busy_s_total")  # floats >= 0, absent reads as 0.0
 
 
 def rounded_rate(value: float, digits: int = 3) -> float:
@@ -101,6 +101,10 @@ class CacheSummary:
         process has run through prefill and generated since it started (its
         epoch): counters every router reads alike, so routers that see only
         their own decisions still agree on each replica's share of the work.
+      busy_s_total: seconds this replica's engine spent in steps since it
+        started (its epoch), to the millisecond: a counter every router reads
+        alike, where each router's own view of who is busy covers only its
+        own requests (``router.reported_busy.ReportedBusy``).
       epoch: names the replica process's stream of summaries ("" for none); a
         new epoch (a restart) starts its versions afresh and drops what the
         router held for the replica.
@@ -123,7 +127,7 @@ class CacheSummary:
          "rm"?: the same of removed_hashes (a delta),
          "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?: the counts,
          "mo"?: mean_output_tokens, "dc"?, "qc"?: the token costs,
-         "fc"?, "fo"?: the fetch costs,
+         "fc"?, "fo"?: the fetch costs, "bu"?: busy_s_total,
          "bv"?: base_version}
 
     where a field left out is 0 (empty for hashes, "" for the epoch): a
@@ -177,6 +181,7 @@ class CacheSummary:
     queue_token_cost: float = 0.0
     fetch_token_cost: float = 0.0
     fetch_overhead_tokens: float = 0.0
+    busy_s_total: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -233,6 +238,7 @@ class CacheSummary:
         queue_token_cost: float = 0.0,
         fetch_token_cost: float = 0.0,
         fetch_overhead_tokens: float = 0.0,
+        busy_s_total: float = 0.0,
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -254,6 +260,7 @@ class CacheSummary:
             queue_token_cost=float(queue_token_cost),
             fetch_token_cost=float(fetch_token_cost),
             fetch_overhead_tokens=float(fetch_overhead_tokens),
+            busy_s_total=float(busy_s_total),
         )
 
     def to_dict(self, compact: bool = True) -> dict:

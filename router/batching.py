@@ -175,6 +175,7 @@ class BatchingReplica:
         self.reported_token_costs: tuple[float, float] | None = None  # None: the profile's
         self.reported_fetch_costs: tuple[float, float] = (0.0, 0.0)  # what a fetch costs here (FetchModel)
         self.busy_s = 0.0
+        self._last_busy = (0.0, 0.0)  # (start, end) of the latest busy run counted in busy_s
         self.outcomes: dict[int, Outcome] = {}
         self._clock_s = 0.0  # when the next step may start
         self._running: list[_Seq] = []
@@ -191,12 +192,24 @@ class BatchingReplica:
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
+    def busy_until(self, now: float) -> float:
+        """Seconds this replica was busy up to ``now``: ``busy_s`` less the
+        part of its latest busy run (steps or an export, counted whole when
+        they start) that lies past ``now``. Busy runs start in clock order,
+        so no earlier one reaches past the latest's start."""
+        start, end = self._last_busy
+        return self.busy_s - max(0.0, end - max(now, start))
+
+    def _count_busy(self, start: float, busy_s: float) -> None:
+        self.busy_s += busy_s
+        self._last_busy = (start, start + busy_s)
+
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
         # the worker's export reads the tree without an LRU touch (KVCache.pinned_prefix): nothing to do here
         if not self._running and not self._waiting:
             self._clock_s = max(self._clock_s, now)
+        self._count_busy(self._clock_s, busy_s)
         self._clock_s += busy_s
-        self.busy_s += busy_s
         self.fetch_counts.export_busy_s += busy_s
 
     def submit(self, number: int, request: SimRequest, now: float, fetch: SimFetch | None = None) -> None:
@@ -250,7 +263,7 @@ class BatchingReplica:
             context += seq.num_prefilled + chunk
         step_s = profile.step_s(num_prefill, len(decoding), context)
         end_s = self._clock_s + step_s
-        self.busy_s += step_s
+        self._count_busy(self._clock_s, step_s)
         self.num_steps += 1
         self._clock_s = end_s
         for seq in decoding:
@@ -291,8 +304,8 @@ class BatchingReplica:
                     high = mid
             k = low
         step_s = elapsed(k)
+        self._count_busy(self._clock_s, step_s)
         self._clock_s += step_s
-        self.busy_s += step_s
         self.num_steps += k
         for seq in decoding:
             seq.num_generated += k

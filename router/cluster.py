@@ -170,6 +170,11 @@ class SimReplica:
             return self.reported_token_costs
         return self.cost.decode_token_cost, self.cost.queue_token_cost
 
+    def busy_until(self, now: float) -> float:
+        """Seconds this replica was busy up to ``now`` (what it has booked
+        past ``now`` is one contiguous run of service, not yet done)."""
+        return self.busy_s - max(0.0, self.free_at_s - now)
+
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
         # the worker's export reads the tree without an LRU touch (KVCache.pinned_prefix): nothing to do here
         self.free_at_s = max(self.free_at_s, now) + busy_s
@@ -271,4 +276,5 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
         queue_token_cost=queue_token_cost,
         fetch_token_cost=replica.reported_fetch_costs[0],
         fetch_overhead_tokens=replica.reported_fetch_costs[1],
+        busy_s_total=replica.busy_until(now),
     )

@@ -23,6 +23,7 @@ from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex
 from router.queue_priced import QueuePricedWork
 from router.request import RoutingRequest
+from router.reported_busy import ReportedBusy
 from router.reported_work import ReportedWork
 from router.ring import HashRing
 from router.router_share import RouterShare
@@ -172,7 +173,13 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        many routers share the traffic from the replicas' output counters
        (1 below a ratio of 1.5, so a lone router is untouched); with K of
        them this router's recent-work deviations are ~1/K of the real ones,
-       so the balance term is scaled by K (``balance_fleet_scale``). Off,
+       so the balance term is scaled by K (``balance_fleet_scale``). With
+       K > 1 the busy part of the balance term is each replica's own busy-time
+       counter (``CacheSummary.busy_s_total``), topped up with this router's
+       spans since the replica's last report (``busy_from_reports``,
+       :class:`ReportedBusy`), and weighs ``reported_busy_share`` (0.8) of the
+       measure: a router's own spans cover ~1/K of every replica's busy time,
+       the counter all of it, the same for every router. Off,
        measured: ``load_peer_estimate`` (a replica's queued work adds
        (K - 1) × what this router sent it since its last report: the others,
        seeing alike traffic, likely sent as much), ``drain_foreign_load``,
@@ -212,6 +219,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._outputs = OutputEstimate(self.config.prior_output_tokens)
         self._reported = ReportedWork(self.config.load_window_s, self.config.decode_token_cost,
                                       self.config.queue_token_cost)
+        self._busy_reports = ReportedBusy(self.config.load_window_s)
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._typical_queued = float(self.config.block_size)  # its queued work (the load's units), likewise
         self._share = RouterShare(self.config.load_window_s)
@@ -265,6 +273,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
+        self._busy_reports.remove(replica_id)
         self._share.remove(replica_id)
         if self._prices.remove(replica_id):
             self._reprice()

@@ -264,6 +264,8 @@ class PolicyConfig:
     balance_weight: float = 0.6  # beta: cost per token of recent work above the mean (below: a credit)
     balance_output_price: str = "queue"  # an output token in the balance term: queue (queue_decode_token_cost) | busy
     balance_busy_share: float = 0.6  # share of the balance term's measure that is observed busy time (BusySpans)
+    busy_from_reports: bool = True  # with several routers, busy time from the replicas' counters (ReportedBusy)
+    reported_busy_share: float = 0.8  # balance_busy_share while those counters are read
     balance_from_reports: bool = False  # balance on the replicas' reported work counters (shared; measured worse: they lag)
     balance_dead_sd: float = 0.0  # chance deviations of recent work the balance term ignores (2: worse, measured)
     prior_output_tokens: int = 256  # expected output length until a replica reports its mean
@@ -315,14 +317,14 @@ class PolicyConfig:
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
                      "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
-                     "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale"):
+                     "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale", "busy_from_reports"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fetch_alternates) is not int or self.fetch_alternates < 0:
             raise ValueError(f"fetch_alternates must be a non-negative int, got {self.fetch_alternates!r}")
         if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
             raise ValueError(f"fetch_min_tokens must be a non-negative int, got {self.fetch_min_tokens!r}")
-        for name in ("fetch_token_cost", "fetch_affinity_share", "balance_busy_share"):
+        for name in ("fetch_token_cost", "fetch_affinity_share", "balance_busy_share", "reported_busy_share"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")

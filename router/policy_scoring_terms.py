@@ -50,9 +50,13 @@ class ScoringTermsMixin:
         scaled so its mean is ``mean_recent``: its deviations are in work
         units like the rest. Unchanged before any busy time."""
         busy, mean_busy = self._loads.busy_view(now)
+        share = self.config.balance_busy_share
+        if (self.config.busy_from_reports and len(self._busy_reports) == len(self._ring)
+                and self._routers_seen(now) > 1.0):  # every replica reported; others route too
+            busy, mean_busy = self._busy_reports.view(now, busy, mean_busy)
+            share = self.config.reported_busy_share
         if not mean_busy > 0:
             return balance_work, mean_balance
-        share = self.config.balance_busy_share
         work = balance_work if balance_work is not None else self._loads.recent_view(now)
         scale = share * mean_recent / mean_busy
         return (lambda replica_id: (1.0 - share) * work(replica_id) + scale * busy(replica_id),

@@ -71,6 +71,7 @@ class EngineThread:
         self._snapshot = self.engine.stats
         self._output_lengths: deque[int] = deque(maxlen=OUTPUT_WINDOW)  # engine thread appends
         self._num_output_tokens_total = 0  # tokens of every finished request (engine thread)
+        self._busy_s_total = 0.0  # seconds spent in steps that had work (engine thread)
         self._prefill_rate = PrefillRate()  # engine thread observes; fetch decisions read
         self._step_costs = StepCosts()  # engine thread observes; cache summaries read
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
@@ -99,18 +100,21 @@ class EngineThread:
                     return
                 try:
                     started_s = self._clock()
-                    events = self.engine.step() if self.engine.has_work() else []
+                    had_work = self.engine.has_work()
+                    events = self.engine.step() if had_work else []
                     if self.engine.has_work() and not self.engine.last_step_ran:
                         raise RuntimeError(f"no progress with {self.engine.scheduler.num_waiting} waiting")
                     self._step_failed = False
                 except Exception as error:  # a bug: fail what is in flight, keep serving
                     logger.exception("engine step failed; failing in-flight requests")
                     self._step_failed = True
-                    events = []
+                    had_work, events = False, []
                     self._fail_all(RuntimeError(f"engine step failed: {error!r}"), deliveries)
                 self._route(events, deliveries)
                 previous, self._snapshot = self._snapshot, self.engine.stats
                 elapsed_s = self._clock() - started_s
+                if had_work:
+                    self._busy_s_total += elapsed_s
                 self._prefill_rate.observe_step(previous, self._snapshot, elapsed_s)
                 self._step_costs.observe(  # each decoding sequence makes one token a step
                     self._snapshot["prefill_tokens"] - previous["prefill_tokens"],

@@ -125,6 +125,10 @@ def test_a_fifo_summary_is_what_the_worker_observes():
     later = replica.summary(2, 3.0, 1, 4)
     assert later.mean_output_tokens == 4.0
     assert (later.num_prefill_tokens_total, later.num_output_tokens_total) == (150, 4)
+    # busy: 1.0 + 2.0 s of request 0 and 0.5 + 1.0 s of request 1 by 4.5 s; at 1.6 s only 1.6 of them
+    assert summary.busy_s_total == pytest.approx(1.6)
+    assert later.busy_s_total == pytest.approx(3.0)
+    assert replica.summary(3, 10.0, 1, 4).busy_s_total == pytest.approx(4.5) == replica.busy_s
     # what its steps cost, as a worker measures it: one price under FIFO (0.5 s / 0.01 s a token)
     assert (later.decode_token_cost, later.queue_token_cost) == (50.0, 50.0)
     contract = ["replica_id", "version", "timestamp_s", "block_size", "block_hashes", "num_cached_tokens",
@@ -144,6 +148,10 @@ def test_a_batching_summary_counts_prompts_not_yet_admitted_and_running_tokens()
     assert (summary.num_running_tokens, summary.num_queued_tokens) == (100, 40)
     # a lone decode step (10 ms) against a prefill token (1 ms): busy 10; a decoding row costs 0 here
     assert (summary.decode_token_cost, summary.queue_token_cost) == (10.0, 0.0)
+    assert 0.0 < summary.busy_s_total <= 0.01 + 1e-12  # the steps up to now, not the one that runs past it
+    busy = [replica.summary(2 + i, now, 1, 4).busy_s_total for i, now in enumerate((0.02, 0.05, 0.5, 5.0))
+            if replica.advance(now) is not None]
+    assert busy == sorted(busy) and busy[-1] == pytest.approx(replica.busy_s)  # a counter; all of it once idle
 
 
 def test_a_simulated_router_given_the_fifo_price_learns_the_batching_profiles_two():

@@ -158,3 +158,18 @@ def test_fetch_costs_round_trip_and_an_older_worker_reads_as_unmeasured():
         assert (read.fetch_token_cost, read.fetch_overhead_tokens) == (0.0, 0.0)
     with pytest.raises(ValueError, match="fetch_token_cost"):
         CacheSummary("r", 1, 0.0, 4, frozenset(), fetch_token_cost=-0.5)
+
+
+def test_busy_time_round_trips_to_the_millisecond_and_an_older_worker_reads_as_zero():
+    radix = RadixCache(1000, 4)
+    summary = CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0, busy_s_total=1234.567)
+    wire = summary.to_dict()
+    assert wire["bu"] == 1234.567
+    assert CacheSummary.from_dict(wire) == summary == CacheSummary.from_dict(summary.to_dict(compact=False))
+    for old in (summary.to_dict(), summary.to_dict(compact=False)):
+        old.pop("bu", None)
+        old.pop("busy_s_total", None)  # a worker from before the field
+        assert CacheSummary.from_dict(old).busy_s_total == 0.0
+    assert "bu" not in CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0).to_dict()
+    with pytest.raises(ValueError, match="busy_s_total"):
+        CacheSummary("r", 1, 0.0, 4, frozenset(), busy_s_total=-1.0)

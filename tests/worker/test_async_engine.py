@@ -271,8 +271,11 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
             "eos_token_ids": [1], "block_size": 16, "deterministic": True,
         }
         prompt = prompts(5, 1, shared=50)[0]
+        assert engine.cache_summary(16, replica_id="r1", version=1, timestamp_s=0.0).busy_s_total == 0.0
+        started = time.perf_counter()
         await engine.generate(prompt, SamplingParams(max_new_tokens=3))
         await engine.wait_idle()
+        wall_s = time.perf_counter() - started
         load = engine.load()
         assert set(load) == {"num_running", "num_waiting", "queued_tokens", "running_tokens", "kv_blocks_free"}
         stats = engine.stats
@@ -288,6 +291,10 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         summary = engine.cache_summary(16, replica_id="r1", version=3, timestamp_s=1.5)
         assert summary.block_hashes == frozenset(hashes) and summary.num_cached_tokens == engine.cache.num_tokens
         assert (summary.replica_id, summary.version, summary.num_running, summary.num_waiting) == ("r1", 3, 0, 0)
+        assert 0.0 < summary.busy_s_total <= wall_s + 1e-3  # its steps' time, to the millisecond
+        await asyncio.sleep(0.05)  # idle time is not busy
+        assert engine.cache_summary(16, replica_id="r1", version=4, timestamp_s=2.0).busy_s_total == \
+            summary.busy_s_total
         assert engine.vocab_size == 259 and engine.max_model_len == 1024 and engine.model_id == "tiny-llama"
         assert engine.tokenizer.decode(engine.tokenizer.encode("ok")) == "ok"
         await engine.shutdown()
