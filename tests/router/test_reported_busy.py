@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from cache import block_hashes
 from cache.summary import CacheSummary
-from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
+from router import PolicyConfig
 from router.reported_busy import ReportedBusy
 from tests.router.fake_clock import Clock
+from tests.router.test_cold_home import BLOCK, REPLICAS, make_policy, request
 
 W = 10.0
 
@@ -104,21 +104,6 @@ def test_it_agrees_with_the_formula_over_a_long_random_run():
 
 
 # ---------------------------------------------------------------- the policy
-BLOCK = 4
-REPLICAS = [f"replica-{i}" for i in range(8)]
-
-
-def make_policy(clock, **config):
-    policy = PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK, **config), clock=clock)
-    policy.set_replicas(REPLICAS)
-    return policy
-
-
-def request(seed, num_tokens=32):
-    tokens = [seed * 1000 + i for i in range(num_tokens)]
-    return RoutingRequest(tuple(block_hashes(tokens, BLOCK)), len(tokens), None, "", 16)
-
-
 def summaries(policy, version, busy, outputs):
     for replica_id in REPLICAS:
         policy.on_summary(CacheSummary(replica_id, version, 0.0, BLOCK, frozenset(), 0, 10_000,
