@@ -152,7 +152,8 @@ class CacheSummary:
          "num_running": int, "num_waiting": int,
          "mean_output_tokens": float,  # absent reads as 0.0
          "decode_token_cost": float, "queue_token_cost": float,
-         "fetch_token_cost": float, "fetch_overhead_tokens": float}  # the same
+         "fetch_token_cost": float, "fetch_overhead_tokens": float,
+         "busy_s_total": float}  # the same
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
     ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field;

@@ -64,6 +64,20 @@ class PolicyConfig:
     everywhere measured for ~0.001-0.004 of hit; a deployment that puts
     hits first sets the two back to 0.25 and 0.2 (the rule before).
 
+    ``busy_from_reports`` = True with ``reported_busy_share`` = 0.8 (issue
+    14, item 6; 2026-12-06, session 46; BENCHMARKS.md "Several routers read
+    the replicas' busy time"): once :class:`RouterShare` reads more than one
+    router and every replica has reported, the busy part of the balance term
+    is the replicas' own busy-time counters (``CacheSummary.busy_s_total``)
+    topped up with this router's spans since each report
+    (:class:`router.reported_busy.ReportedBusy`), 0.8 of the measure. A
+    lone router is untouched. With 0.25 s summaries, workload seeds 0-39,
+    imbalance against one router at 1 s, 2 / 4 routers: shared-prefix FIFO
+    +0.012 / +0.023 -> +0.006 / +0.009, batching +0.038 / +0.066 -> +0.001
+    / +0.028; multi-turn FIFO +0.003 / +0.006 -> 0.000 / +0.006, batching
+    +0.028 / +0.032 -> -0.007 / -0.005; hit within 0.006 of one router in
+    all (as before). At 0.6 (the lone router's share) or 1.0 it did less.
+
     ``split_affinity_by_holders`` = True with ``balance_weight`` = 0.2 (0.6 since, above)
     (issue 14, item 4; BENCHMARKS.md "Router policy defaults"): a cached
     token earns the affinity premium (``w`` above 1) divided by the number
