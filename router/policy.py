@@ -177,7 +177,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        K > 1 the busy part of the balance term is each replica's own busy-time
        counter (``CacheSummary.busy_s_total``), topped up with this router's
        spans since the replica's last report (``busy_from_reports``,
-       :class:`ReportedBusy`), and weighs ``reported_busy_share`` (0.8) of the
+       :class:`ReportedBusy`; once every replica's counter has moved), and weighs ``reported_busy_share`` (0.8) of the
        measure: a router's own spans cover ~1/K of every replica's busy time,
        the counter all of it, the same for every router. Off,
        measured: ``load_peer_estimate`` (a replica's queued work adds

@@ -51,8 +51,8 @@ class ScoringTermsMixin:
         units like the rest. Unchanged before any busy time."""
         busy, mean_busy = self._loads.busy_view(now)
         share = self.config.balance_busy_share
-        if (self.config.busy_from_reports and len(self._busy_reports) == len(self._ring)
-                and self._routers_seen(now) > 1.0):  # every replica reported; others route too
+        if (self.config.busy_from_reports and self._busy_reports.num_counting == len(self._ring)
+                and self._routers_seen(now) > 1.0):  # every replica's counter moved; others route too
             busy, mean_busy = self._busy_reports.view(now, busy, mean_busy)
             share = self.config.reported_busy_share
         if not mean_busy > 0:

@@ -32,7 +32,10 @@ class ReportedBusy:
     noise at light load; the replica knows how long its engine was busy, and
     every router reads the same report. The first report of a replica (or
     of a new epoch, or a counter that went back) seeds it with this
-    router's own figure.
+    router's own figure. :attr:`num_counting` is how many replicas'
+    counters have moved: a worker from before the field reports 0 for
+    ever, and read as a counter it would look idle, so the policy reads
+    these figures only when every replica's has.
 
     Stored per replica as ``a[r] = (R(r) - own(r, t_r)) · e^{(t_r - base)/W}``,
     so ``busy(r, now) = a[r] · e^{(base - now)/W} + own(r, now)`` and the
@@ -52,6 +55,7 @@ class ReportedBusy:
         self._reported: dict[str, tuple[float, float]] = {}  # replica -> (t_r, R(r))
         self._total = 0.0  # sum of a
         self._base_s: float | None = None
+        self._counting: set[str] = set()  # replicas whose counter has moved (reported > 0)
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._scaled
@@ -59,11 +63,20 @@ class ReportedBusy:
     def __len__(self) -> int:
         return len(self._scaled)
 
+    @property
+    def num_counting(self) -> int:
+        """Replicas whose busy counter has reported more than 0."""
+        return len(self._counting)
+
     def report(self, replica_id: str, epoch: str, busy_s_total: float, now: float, own_busy_s: float) -> None:
         """A summary of ``replica_id`` counted ``busy_s_total`` busy seconds;
         ``own_busy_s`` is this router's own decayed busy figure for it now."""
         last = self._last.get(replica_id)
         self._last[replica_id] = (epoch, busy_s_total)
+        if busy_s_total > 0:
+            self._counting.add(replica_id)
+        else:
+            self._counting.discard(replica_id)
         if last is None or last[0] != epoch or busy_s_total < last[1]:
             reported = own_busy_s  # nothing to difference: this router's own figure
         else:
@@ -86,6 +99,7 @@ class ReportedBusy:
     def remove(self, replica_id: str) -> None:
         self._last.pop(replica_id, None)
         self._reported.pop(replica_id, None)
+        self._counting.discard(replica_id)
         self._total -= self._scaled.pop(replica_id, 0.0)
 
     # ----------------------------------------------------------------- private
@@ -103,4 +117,5 @@ class ReportedBusy:
 
     def check_invariants(self) -> None:
         assert set(self._scaled) == set(self._last) == set(self._reported), "replicas tracked in part"
+        assert self._counting <= set(self._scaled), "a counting replica without a value"
         assert math.isclose(sum(self._scaled.values()), self._total, rel_tol=1e-9, abs_tol=1e-6), "total"

@@ -68,8 +68,9 @@ def test_the_mean_matches_the_replicas_and_removal_drops_one():
     busy, mean = tracker.view(3.0, lambda r: own_now[r], sum(own_now.values()) / 3)
     assert mean == pytest.approx(sum(busy(r) for r in "abc") / 3)
     assert len(tracker) == 3 and "a" in tracker
+    assert tracker.num_counting == 3  # b's counter moved at its second report
     tracker.remove("b")
-    assert len(tracker) == 2 and "b" not in tracker
+    assert len(tracker) == 2 and "b" not in tracker and tracker.num_counting == 2
     tracker.check_invariants()
 
 
@@ -147,6 +148,25 @@ def test_with_several_routers_a_replica_its_counter_shows_busy_loses_cold_reques
         policy.check_invariants()
     assert REPLICAS[3] not in firsts[True]
     assert REPLICAS[3] in firsts[False]
+
+
+def test_a_replica_whose_counter_never_moved_keeps_every_router_on_its_own_spans():
+    """A worker from before busy_s_total reports 0 for ever: read as a
+    counter it would look idle, so with one such replica in the fleet the
+    several-router decisions are those of a router reading its own spans."""
+    firsts = {}
+    for from_reports in (True, False):
+        clock = Clock()
+        policy = make_policy(clock, busy_from_reports=from_reports)
+        with_history(clock, policy, 4 * 32 * 16 // len(REPLICAS))
+        clock.now += 2.0
+        busy = {r: 1.2 for r in REPLICAS}
+        busy[REPLICAS[3]] = 11.0
+        busy[REPLICAS[5]] = 0.0  # the old worker
+        summaries(policy, 3, busy, 4 * 32 * 16 // len(REPLICAS))
+        assert policy._busy_reports.num_counting == (len(REPLICAS) - 1 if from_reports else 0)  # noqa: SLF001
+        firsts[from_reports] = [policy.rank(request(100 + seed))[0] for seed in range(40)]
+    assert firsts[True] == firsts[False]
 
 
 def test_one_router_reads_its_own_spans_whatever_the_counters_say():
