@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-_REBASE_WINDOWS = 50.0  # rescale the stored values before exp() overflows
+from router.decay_base import DecayBase
 
 
 class BusySpans:
@@ -37,14 +37,12 @@ class BusySpans:
     """
 
     def __init__(self, window_s: float) -> None:
-        if not window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {window_s!r}")
-        self.window_s = float(window_s)
+        self._base = DecayBase(window_s)  # raises for window_s <= 0
+        self.window_s = self._base.window_s
         self._scaled: dict[str, float] = {}  # c[r]
         self._num_in_flight: dict[str, int] = {}
         self._total = 0.0  # sum of c
         self._num_active = 0  # replicas with a request in flight
-        self._base_s: float | None = None
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._scaled
@@ -110,7 +108,7 @@ class BusySpans:
 
     # ----------------------------------------------------------------- private
     def _decay(self, now: float) -> float:
-        return 1.0 if self._base_s is None else math.exp((self._base_s - now) / self.window_s)
+        return self._base.decay(now)
 
     def _switch(self, replica_id: str, now: float, active: bool) -> None:
         """Re-express ``c[r]`` for the new state, keeping ``busy_s``
@@ -124,13 +122,10 @@ class BusySpans:
         self._num_active += 1 if active else -1
 
     def _rebase_if_due(self, now: float) -> None:
-        if self._base_s is None:
-            self._base_s = now
-        elif now - self._base_s > _REBASE_WINDOWS * self.window_s:
-            scale = self._decay(now)
+        scale = self._base.rebase_if_due(now)
+        if scale is not None:
             self._scaled = {r: c * scale for r, c in self._scaled.items()}
             self._total = sum(self._scaled.values())
-            self._base_s = now
 
     def check_invariants(self) -> None:
         assert set(self._scaled) == set(self._num_in_flight), "replicas tracked twice over"

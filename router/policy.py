@@ -174,12 +174,11 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        (1 below a ratio of 1.5, so a lone router is untouched); with K of
        them this router's recent-work deviations are ~1/K of the real ones,
        so the balance term is scaled by K (``balance_fleet_scale``). With
-       K > 1 the busy part of the balance term is each replica's own busy-time
-       counter (``CacheSummary.busy_s_total``), topped up with this router's
-       spans since the replica's last report (``busy_from_reports``,
-       :class:`ReportedBusy`; once every replica's counter has moved), and weighs ``reported_busy_share`` (0.8) of the
-       measure: a router's own spans cover ~1/K of every replica's busy time,
-       the counter all of it, the same for every router. Off,
+       K > 1 its busy part is each replica's busy-time counter (its summaries'
+       ``busy_s_total``, once every replica's has moved) plus this router's
+       spans since (``busy_from_reports``, :class:`ReportedBusy`), at
+       ``reported_busy_share`` (0.8): a router's own spans cover ~1/K of a
+       replica's busy time, the counter all of it, alike for every router. Off,
        measured: ``load_peer_estimate`` (a replica's queued work adds
        (K - 1) × what this router sent it since its last report: the others,
        seeing alike traffic, likely sent as much), ``drain_foreign_load``,
@@ -409,6 +408,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._pending.check_invariants()
         self._fill.check_invariants()
         self._demand.check_invariants()
+        self._busy_reports.check_invariants()
         self._fetch_cost.check_invariants(nodes)
         self._prices.check_invariants(nodes)
         assert (self.config.decode_token_cost, self.config.queue_token_cost) == (

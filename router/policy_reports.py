@@ -67,9 +67,9 @@ class ReplicaReportsMixin:
                               summary.num_output_tokens_total, self._clock(), reported_work)
         self._loads.on_report(replica_id, reported_work)
         self._share.on_report(replica_id, summary.epoch, summary.num_output_tokens_total, self._clock())
-        if self.config.busy_from_reports and (view := self._loads.busy_view(self._clock())) is not None:
-            self._busy_reports.report(replica_id, summary.epoch, summary.busy_s_total, self._clock(),
-                                      view[0](replica_id))
+        now = self._clock()
+        if self.config.busy_from_reports and (view := self._loads.busy_view(now)) is not None:
+            self._busy_reports.report(replica_id, summary.epoch, summary.busy_s_total, now, view[0](replica_id))
         return True
 
     def _reprice(self) -> None:

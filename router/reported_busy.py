@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-_REBASE_WINDOWS = 50.0  # rescale the stored values before exp() overflows
+from router.decay_base import DecayBase
 
 
 class ReportedBusy:
@@ -47,14 +47,12 @@ class ReportedBusy:
     """
 
     def __init__(self, window_s: float) -> None:
-        if not window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {window_s!r}")
-        self.window_s = float(window_s)
+        self._base = DecayBase(window_s)  # raises for window_s <= 0
+        self.window_s = self._base.window_s
         self._last: dict[str, tuple[str, float]] = {}  # replica -> (epoch, busy_s_total) last seen
         self._scaled: dict[str, float] = {}  # a[r]
         self._reported: dict[str, tuple[float, float]] = {}  # replica -> (t_r, R(r))
         self._total = 0.0  # sum of a
-        self._base_s: float | None = None
         self._counting: set[str] = set()  # replicas whose counter has moved (reported > 0)
 
     def __contains__(self, replica_id: object) -> bool:
@@ -104,16 +102,13 @@ class ReportedBusy:
 
     # ----------------------------------------------------------------- private
     def _decay(self, now: float) -> float:
-        return 1.0 if self._base_s is None else math.exp((self._base_s - now) / self.window_s)
+        return self._base.decay(now)
 
     def _rebase_if_due(self, now: float) -> None:
-        if self._base_s is None:
-            self._base_s = now
-        elif now - self._base_s > _REBASE_WINDOWS * self.window_s:
-            scale = self._decay(now)
+        scale = self._base.rebase_if_due(now)
+        if scale is not None:
             self._scaled = {r: a * scale for r, a in self._scaled.items()}
             self._total = sum(self._scaled.values())
-            self._base_s = now
 
     def check_invariants(self) -> None:
         assert set(self._scaled) == set(self._last) == set(self._reported), "replicas tracked in part"
