@@ -7,6 +7,11 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import islice
 
+# a replica's trimmed entries kept for its next summary, in caches' worth: past that (an index churning its
+# whole cache many times between two summaries), a delta puts back fewer than a full summary would
+TRIMMED_KEPT = 8
+
+
 def last_true(n: int, predicate: Callable[[int], bool]) -> int:
     """Largest ``d`` in ``1..n`` with ``predicate(d)``, for a predicate that is
     true up to some point and false after it; 0 if ``predicate(1)`` is false."""
@@ -61,6 +66,9 @@ class PrefixIndex:
     3. Every entry has its current ``(tick, hash)`` in ``_fifo[r]``; items
        with a tick > 0 are in ascending tick order; ``_fifo_size[r]`` is the
        number of items, and no run is empty.
+    4. ``_trimmed[r]`` (the entries trimmed since the last summary, for
+       :meth:`apply_delta` to put back) holds at most ``TRIMMED_KEPT ×
+       capacity_blocks(r)`` hashes.
 
     Cost: :meth:`deepest_holders` and :meth:`depth` are O(log n) lookups per
     depth returned (binary search: whoever holds block ``j`` of a chain holds
@@ -90,6 +98,10 @@ class PrefixIndex:
         # grace period), and the tick when that summary was applied (later learns come after it)
         self._unreported: dict[str, set[int]] = {}
         self._applied_tick: dict[str, int] = {}
+        # per replica: entries trimmed for capacity since the last summary was applied (bounded: TRIMMED_KEPT);
+        # those it reported go back as least recent at the next one (apply_summary re-adds them anyway;
+        # apply_delta from here)
+        self._trimmed: dict[str, set[int]] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -201,6 +213,7 @@ class PrefixIndex:
         bit = 1 << self._slot_of(replica_id)
         entries = self._entries[replica_id]
         fresh_tick = self._first_tick_after(now - self.learned_grace_s) if keep_learned else self._tick
+        self._trimmed[replica_id] = set()
         survivors = set()
         for block_hash in entries.keys() - reported:
             if entries[block_hash] < fresh_tick:
@@ -208,7 +221,7 @@ class PrefixIndex:
                 self._clear_bit(block_hash, bit)
             else:
                 survivors.add(block_hash)
-        self._add_reported(replica_id, tuple(reported - entries.keys()), bit)
+        self._add_reported(replica_id, reported - entries.keys(), bit)
         self._unreported[replica_id] = survivors
         self._applied_tick[replica_id] = self._tick
         self._maybe_trim(replica_id)
@@ -220,12 +233,16 @@ class PrefixIndex:
         ``reported - added | removed``: O(changes + blocks learned since then),
         not O(cached blocks).
 
-        The same entries as :meth:`apply_summary` would leave, but for blocks
-        a summary reported that the index had trimmed for capacity (a full
-        summary adds them back as least recent; a delta names only what
-        changed), and the least-recent order among the added blocks.
-        Learned entries are always kept within the grace period (a restart
-        comes as a full summary).
+        The same entries, ticks and least-recent order as :meth:`apply_summary`
+        would leave (while the index trims at most ``TRIMMED_KEPT`` caches'
+        worth of blocks between two summaries). Blocks the index trimmed for
+        capacity since the summary before and ``reported`` still names go
+        back as least recent, as a full summary would put them: a delta
+        names only what changed, and without them an index that dropped a
+        held block for a learned one would lack it until the next snapshot,
+        though the replica reports it every period. Learned entries are
+        always kept within the grace period (a restart comes as a full
+        summary).
         """
         if replica_id not in self._applied_tick:  # no summary applied yet (or the replica left since)
             self.apply_summary(replica_id, reported, now, capacity_blocks)
@@ -245,7 +262,9 @@ class PrefixIndex:
                 self._clear_bit(block_hash, bit)
             else:
                 survivors.add(block_hash)
-        self._add_reported(replica_id, [h for h in added if h not in entries], bit)
+        trimmed, self._trimmed[replica_id] = self._trimmed[replica_id], set()
+        restored = {h for h in trimmed if h in reported}  # trimmed, and the replica still holds them
+        self._add_reported(replica_id, {h for h in added if h not in entries} | (restored - entries.keys()), bit)
         self._unreported[replica_id] = survivors
         self._applied_tick[replica_id] = self._tick
         self._maybe_trim(replica_id)
@@ -265,12 +284,15 @@ class PrefixIndex:
                 return
             yield from run
 
-    def _add_reported(self, replica_id: str, added: Sequence[int], bit: int) -> None:
-        """Blocks a summary reported that the index did not know, as least recent."""
+    def _add_reported(self, replica_id: str, added: Collection[int], bit: int) -> None:
+        """Blocks a summary reported that the index did not know, as least
+        recent, in hash order (so a full summary and a delta reporting the
+        same set leave the same FIFO, whatever order their sets iterate in)."""
         if not added:
             return
+        added = sorted(added)
         self._entries[replica_id].update(dict.fromkeys(added, 0))
-        self._fifo[replica_id].appendleft((0, tuple(added)[::-1]))  # each pushed on the left in turn
+        self._fifo[replica_id].appendleft((0, tuple(added[::-1])))  # each pushed on the left in turn
         self._fifo_size[replica_id] += len(added)
         holders = self._holders
         for block_hash in added:
@@ -284,7 +306,7 @@ class PrefixIndex:
         bit = 1 << slot
         for block_hash in self._entries.pop(replica_id):
             self._clear_bit(block_hash, bit)
-        del self._fifo[replica_id], self._fifo_size[replica_id]
+        del self._fifo[replica_id], self._fifo_size[replica_id], self._trimmed[replica_id]
         self._capacity.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
         self._applied_tick.pop(replica_id, None)
@@ -304,6 +326,7 @@ class PrefixIndex:
             self._entries[replica_id] = {}
             self._fifo[replica_id] = deque()
             self._fifo_size[replica_id] = 0
+            self._trimmed[replica_id] = set()
         return slot
 
     def _first_tick_after(self, time_s: float) -> int:
@@ -327,6 +350,9 @@ class PrefixIndex:
         excess = len(entries) - self.capacity_blocks(replica_id)
         if excess > 0:
             bit = 1 << self._slot[replica_id]
+            # kept for the next summary only if one was applied, and at most TRIMMED_KEPT caches' worth
+            trimmed = self._trimmed[replica_id] if replica_id in self._applied_tick else None
+            room = TRIMMED_KEPT * self.capacity_blocks(replica_id) - len(trimmed) if trimmed is not None else 0
             while excess > 0:
                 first_tick, run = fifo.popleft()
                 self._fifo_size[replica_id] -= len(run)
@@ -334,6 +360,9 @@ class PrefixIndex:
                     if entries.get(block_hash) == (first_tick + offset if first_tick else 0):
                         del entries[block_hash]
                         self._clear_bit(block_hash, bit)
+                        if room > 0:
+                            trimmed.add(block_hash)
+                            room -= 1
                         excess -= 1
                         if not excess:  # put back the rest of the run
                             rest = run[offset + 1:]
@@ -353,11 +382,12 @@ class PrefixIndex:
         }
         assert pairs_from_entries == pairs_from_holders, "holders and entries disagree"
         assert all(self._holders.values()), "zero holder mask"
-        assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size)
+        assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size) == set(self._trimmed)
         assert set(self._unreported) == set(self._applied_tick) <= set(self._entries)
         for replica_id, entries in self._entries.items():
             assert self._replica_at[self._slot[replica_id]] == replica_id
             assert len(entries) <= self.capacity_blocks(replica_id), replica_id
+            assert len(self._trimmed[replica_id]) <= TRIMMED_KEPT * self.capacity_blocks(replica_id), replica_id
             assert all(run for _, run in self._fifo[replica_id]), "empty FIFO run"
             fifo = list(_items(self._fifo[replica_id]))
             assert len(fifo) == self._fifo_size[replica_id], replica_id

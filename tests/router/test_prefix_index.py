@@ -5,6 +5,7 @@ import random
 import pytest
 
 from router import PrefixIndex
+from router.prefix_index import _items
 
 
 def chain(*ids):
@@ -188,20 +189,28 @@ def _reference(path, naive):
 
 
 def _state(index):
-    """Everything a decision reads: per replica its entries and their ticks, and who holds what."""
-    return {r: dict(index._entries[r]) for r in index.replica_ids}, dict(index._holders)
+    """Everything a decision or a later trim reads: per replica its entries
+    and their ticks, who holds what, and the FIFO's current items in order."""
+    fifo = {r: [(t, h) for t, h in _items(index._fifo[r]) if index._entries[r].get(h) == t]
+            for r in index.replica_ids}
+    return {r: dict(index._entries[r]) for r in index.replica_ids}, dict(index._holders), fifo
 
 
+@pytest.mark.parametrize("capacity", [None, 12, 30])
 @pytest.mark.parametrize("seed", range(6))
-def test_a_delta_leaves_the_entries_a_full_summary_would(seed):
+def test_a_delta_leaves_the_entries_a_full_summary_would(seed, capacity):
     """apply_delta against apply_summary of the same reported sets, with learns
     (some confirmed later, some never, some dropped by the replica) and the
-    grace period passing between summaries; capacity never binds."""
+    grace period passing between summaries; with a capacity the index trims
+    reported blocks for learned ones, and a delta (which names only what
+    changed) must put back those the replica still reports, in the same
+    least-recent order, as the full summary does."""
     rng = random.Random(seed)
     full, delta = PrefixIndex(learned_grace_s=2.0), PrefixIndex(learned_grace_s=2.0)
     reported = {r: set() for r in ("a", "b")}
     now = 0.0
-    for step in range(60):
+    num_restored = 0
+    for step in range(120):
         now += rng.choice([0.3, 1.0, 2.5])
         replica = rng.choice("ab")
         if rng.random() < 0.5:
@@ -215,14 +224,41 @@ def test_a_delta_leaves_the_entries_a_full_summary_would(seed):
         learned = [h for h in full._entries.get(replica, {}) if h not in after]
         after |= set(rng.sample(learned, min(len(learned), rng.randrange(3))))  # learned blocks confirmed
         after |= {rng.randrange(10**6, 2 * 10**6) for _ in range(rng.randrange(4))}  # blocks the router never routed
+        if capacity is not None:  # what a replica of that budget can hold
+            after = set(sorted(after)[:capacity])
         reported[replica] = after
-        full.apply_summary(replica, frozenset(after), now)
+        full.apply_summary(replica, frozenset(after), now, capacity)
         if step == 0 or replica not in delta._applied_tick:
-            delta.apply_summary(replica, frozenset(after), now)
+            delta.apply_summary(replica, frozenset(after), now, capacity)
         else:
-            delta.apply_delta(replica, frozenset(after - before), frozenset(before - after), after, now)
+            trimmed_held = (after & before) - delta._entries[replica].keys()  # only the trimmed can be missing
+            delta.apply_delta(replica, frozenset(after - before), frozenset(before - after), after, now, capacity)
+            num_restored += len(trimmed_held & delta._entries[replica].keys())
         assert _state(delta) == _state(full), step
         delta.check_invariants()
+    if capacity is None:
+        assert num_restored == 0  # nothing is trimmed
+    elif capacity == 12:
+        assert num_restored > 0  # the tight runs exercise the put-back
+
+
+def test_a_delta_puts_back_a_reported_block_the_index_trimmed_for_a_learned_one():
+    """The replica holds 1 and 2 (capacity 2); the router learns 3 there, so
+    its index trims a reported block. The replica never took 3 (say the
+    request failed) and keeps reporting 1 and 2; its next deltas name only
+    what changed (nothing), yet once 3's grace period is over the index must
+    hold 1 and 2 again, as a full summary would leave it."""
+    index = PrefixIndex(learned_grace_s=1.0)
+    index.apply_summary("a", frozenset({1, 2}), 0.0, capacity_blocks=2)
+    index.learn("a", [3], 0.5)
+    assert index.num_blocks("a") == 2 and index.holds("a", 3)
+    trimmed = {1, 2} - set(index._entries["a"])
+    assert len(trimmed) == 1
+    index.apply_delta("a", frozenset(), frozenset(), {1, 2}, 1.0)  # 3 within its grace: kept
+    assert index.holds("a", 3) and not any(index.holds("a", h) for h in trimmed)
+    index.apply_delta("a", frozenset(), frozenset(), {1, 2}, 2.0)  # 3 expired: the trimmed block is back
+    assert not index.holds("a", 3) and index.holds("a", 1) and index.holds("a", 2)
+    index.check_invariants()
 
 
 def test_a_delta_before_any_summary_is_applied_as_a_full_one():

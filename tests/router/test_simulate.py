@@ -245,3 +245,22 @@ def test_round_robin_and_pow2():
     pow2 = PowerOfTwo(random.Random(1))
     picks = [pow2.choose(None, replicas, 0.0) for _ in range(30)]
     assert picks.count(1) >= 15  # whenever it is drawn it wins
+
+
+def test_every_summary_mode_replays_to_the_same_figures(tmp_path):
+    """A full summary each period, a chained delta stream, and what a Worker
+    sends (cumulative deltas naming their base by reference) tell a router
+    the same block sets, so they must route alike. A multi-turn replay whose
+    index trims reported blocks for learned ones (8 replicas × 16k tokens):
+    before deltas put back the trimmed blocks the replica still reported,
+    the Worker's stream lost 0.0012 of hit rate here."""
+    figures = {}
+    for mode in ("full", "stream", "reference"):
+        out = tmp_path / f"{mode}.json"
+        assert main(["--workload", "multi-turn", "--seed", "0", "--replicas", "8", "--budget-tokens", "16000",
+                     "--policies", "ours", "--summary-mode", mode, "--no-progress", "--json", str(out)]) == 0
+        ours = json.loads(out.read_text())["policies"]["ours"]
+        figures[mode] = {k: ours[k] for k in ("hit_rate", "load_imbalance", "ttft_p50_s", "ttft_p99_s",
+                                              "num_fetches", "num_fetch_hints")}
+    assert figures["stream"] == figures["full"]
+    assert figures["reference"] == figures["full"]
