@@ -17,6 +17,7 @@ from deploy.ray_client import RayWorkerClient
 from deploy.request_builder import ModelBounds, RequestBuilder
 from deploy.settings import ROUTERS, AppConfig
 from router.policy_config import PolicyConfig
+from router.serve import routing_status
 from worker import EngineConfig
 from worker.config import FetchConfig
 from worker.model import load_tokenizer, model_info
@@ -36,7 +37,8 @@ class Ingress:
         self._config = config
 
     def __serve_build_asgi_app__(self):
-        return build_http_app(self._config, self._client, self._tokenizer, self._builder)
+        return build_http_app(self._config, self._client, self._tokenizer, self._builder,
+                              routing_status=routing_status)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

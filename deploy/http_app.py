@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -138,9 +138,12 @@ async def _send_error(send, error: HTTPException) -> None:
 
 
 def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: RequestBuilder,
-                   metrics: IngressMetrics | None = None) -> FastAPI:
+                   metrics: IngressMetrics | None = None,
+                   routing_status: Callable[[], Awaitable[list[dict]]] | None = None) -> FastAPI:
     """The ingress app over ``client``; ``tokenizer`` for the OpenAI routes'
-    text; ``builder`` checks prompts against the model's bounds."""
+    text; ``builder`` checks prompts against the model's bounds;
+    ``routing_status``: what this ingress's request routers read (``/stats``'
+    ``routing``; ``router.serve.routing_status`` under Ray)."""
     metrics = metrics or IngressMetrics(model_name=config.model_name if config.vllm_metrics else None)
     dispatcher = Dispatcher(client, metrics, config.router_block_size, config.retry_after_s)
     openai = OpenAIRoutes(config.model_name, tokenizer, builder, dispatcher)
@@ -234,7 +237,8 @@ def build_http_app(config: AppConfig, client: WorkerClient, tokenizer, builder: 
         lookups = totals.get("hits", 0) + totals.get("misses", 0)
         totals["hit_rate"] = totals.get("hits", 0) / lookups if lookups else 0.0
         return {"model": config.model_name, "router": config.router,
-                "replicas": {replica_id: s.to_dict() for replica_id, s in replicas.items()}, "totals": totals}
+                "replicas": {replica_id: s.to_dict() for replica_id, s in replicas.items()}, "totals": totals,
+                "routing": await routing_status() if routing_status is not None else []}
 
     @app.get("/metrics", dependencies=auth if config.metrics_require_key else [])
     async def prometheus_metrics() -> Response:

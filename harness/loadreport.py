@@ -40,6 +40,17 @@ def _cpu_by_role(result: dict) -> str:
     return "/".join(f"{cpu[role]:.0f}" for role in ("proxy", "ingress", "workers")) if cpu else "-"
 
 
+def _routers_seen(result: dict) -> str:
+    """Per round, how many routers each Ingress's router read sharing the
+    traffic, with where its balance term's busy time came from (c: the
+    replicas' counters, s: its own spans, o: off); "/" between Ingresses."""
+    source = {"replica_counters": "c", "own_spans": "s", "off": "o"}
+    stats = [x.get("server_stats", {}) for x in result.get("rounds", ())] or [result.get("server_stats", {})]
+    rounds = ["/".join(f"{r['routers_seen']:.1f}{source.get(r.get('balance_busy_source'), '?')}"
+                       for r in s.get("routing", ()) if "routers_seen" in r) for s in stats]
+    return " ".join(text or "-" for text in rounds)
+
+
 def print_table(report: dict) -> None:
     results = report["results"]
     rows = [
@@ -78,6 +89,7 @@ def print_table(report: dict) -> None:
         ("fetch MB/s (runs)", lambda r: _mb_per_s(r.get("replica_counters", {}).get("fetch_bandwidth_bytes_per_s"))),
         ("est. MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),
         ("est. overhead ms", lambda r: _estimates(r.get("replica_counters", {}), "estimated_overhead_s", 1e-3)),
+        ("routers seen/round", _routers_seen),
         ("CPU ms/req prx/ing/wrk", _cpu_by_role),
         ("errors", lambda r: str(r["errors"] or "-")),
     ]

@@ -157,9 +157,25 @@ def _stats_or_error(url: str) -> dict:
         return {"error": str(error)}
 
 
+ROUTING_READS = 8  # /stats reads after a run: each shows the router of the Ingress replica that answered
+
+
+def every_router(url: str, first: dict) -> list[dict]:
+    """The request routers' own view (``/stats``' ``routing``) of every
+    Ingress replica that answered one of ``ROUTING_READS`` more reads
+    (the proxy spreads them), by the replica each runs in; ``first``: a
+    ``/stats`` answer already read."""
+    routers = {router.get("in_replica"): router for router in first.get("routing", ())}
+    for _ in range(ROUTING_READS):
+        for router in _stats_or_error(url).get("routing", ()):
+            routers.setdefault(router.get("in_replica"), router)
+    return [routers[key] for key in sorted(routers, key=str)]
+
+
 def run_one(options: RunOptions, sessions: list[Session], label: str) -> tuple[list[RequestRecord], float, dict]:
     """One measured run: records, wall time, and the server's /stats after it
-    (its ``run_counters``: the replicas' counters over the run, after minus before)."""
+    (its ``run_counters``: the replicas' counters over the run, after minus
+    before; ``routing``: what every Ingress's router read, :func:`every_router`)."""
     total = sum(len(s.turns) for s in sessions)
     before = _stats_or_error(options.url)
     update, close = _progress_bar(total, label)
@@ -168,6 +184,8 @@ def run_one(options: RunOptions, sessions: list[Session], label: str) -> tuple[l
     time.sleep(STATS_SETTLE_S)
     server_stats = _stats_or_error(options.url)
     server_stats["run_counters"] = run_counters(before, server_stats)
+    if "error" not in server_stats:
+        server_stats["routing"] = every_router(options.url, server_stats)
     return records, wall_s, server_stats
 
 

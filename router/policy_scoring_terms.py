@@ -16,7 +16,9 @@ class ScoringTermsMixin:
     """The scoring-terms part of :class:`router.policy.PrefixAffinityPolicy`
     (mixed into it, never used alone): reads the components the policy
     creates (``_loads``, ``_ring``, ``_reported``, ``_queue_priced``,
-    ``_outputs``, ``_pending``, ``_fill``, ``_share``); changes nothing."""
+    ``_outputs``, ``_pending``, ``_fill``, ``_share``, and for
+    :meth:`routing_status` ``_intake``, ``_index``, ``_busy_reports``,
+    ``_prices``); changes nothing."""
 
     def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
         """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""
@@ -51,8 +53,7 @@ class ScoringTermsMixin:
         units like the rest. Unchanged before any busy time."""
         busy, mean_busy = self._loads.busy_view(now)
         share = self.config.balance_busy_share
-        if (self.config.busy_from_reports and self._busy_reports.num_counting == len(self._ring)
-                and self._routers_seen(now) > 1.0):  # every replica's counter moved; others route too
+        if self._reads_busy_counters(now):
             busy, mean_busy = self._busy_reports.view(now, busy, mean_busy)
             share = self.config.reported_busy_share
         if not mean_busy > 0:
@@ -105,6 +106,40 @@ class ScoringTermsMixin:
             drained = min(loads.foreign(replica_id), drain_rate * reported.age(replica_id, now)) if drain_rate else 0.0
             return loads.load(replica_id) - drained + peers * reported.pending(replica_id)
         return load
+
+    def routing_status(self) -> dict:
+        """What this router reads now, for an operator (the Ingress's
+        ``/stats``): the replicas it routes over and how many of them have
+        reported a summary, the blocks its index holds, how many routers it
+        reads sharing the traffic (:class:`RouterShare`), where the balance
+        term's busy time comes from (``replica_counters`` with several
+        routers once every replica's counter moved, ``own_spans``, or
+        ``off``), the token prices in force and whether a replica measured
+        them, and its requests in flight. Plain JSON values; changes nothing."""
+        now = self._clock()
+        nodes = self._ring.nodes
+        if not self.config.balance_busy_share > 0:
+            busy_source = "off"
+        else:
+            busy_source = "replica_counters" if self._reads_busy_counters(now) else "own_spans"
+        return {
+            "replicas": len(nodes),
+            "replicas_reporting": len(nodes & self._intake.replica_ids),
+            "index_blocks": sum(self._index.num_blocks(r) for r in nodes),
+            "routers_seen": round(self._routers_seen(now), 2),
+            "balance_busy_source": busy_source,
+            "decode_token_cost": round(self.config.decode_token_cost, 3),
+            "queue_token_cost": round(self.config.queue_token_cost, 3),
+            "token_costs_measured": self._prices.is_measured,
+            "in_flight": self._loads.num_in_flight(),
+        }
+
+    def _reads_busy_counters(self, now: float) -> bool:
+        """The balance term's busy time is the replicas' own counters
+        (:class:`ReportedBusy`): ``busy_from_reports``, every replica's
+        counter has moved, and other routers share the traffic."""
+        return (self.config.busy_from_reports and self._busy_reports.num_counting == len(self._ring)
+                and self._routers_seen(now) > 1.0)
 
     def _routers_seen(self, now: float) -> float:
         """How many routers share the traffic (:class:`RouterShare`, >= 1):

@@ -23,17 +23,38 @@ Two things ride on the request object (``pending_request.args[0]``):
   ``ExportRequest``) is routed to that replica only, never through the
   policy (no reservation, no load counted); when that replica is gone it
   goes to any replica, which answers at once that it is not the target.
+
+:func:`routing_status` reports what each of this process's routers reads
+(the policy's ``routing_status``); the Ingress puts it in ``/stats``, so
+with several Ingress replicas each answer shows the router of the one
+that served it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+import weakref
 
+from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from router.base_fetch import BaseFetcher
 from router.policy import PolicyConfig, PrefixAffinityPolicy
+
+
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()  # this process's KVRouteRouters (an Ingress holds one)
+STATUS_TIMEOUT_S = 2.0  # a router whose loop does not answer by then is reported as such
+
+
+async def routing_status() -> list[dict]:
+    """Each of this process's kvroute request routers, as it reads its
+    replicas now (``PrefixAffinityPolicy.routing_status``, with the
+    deployment it routes to and the replica it runs in); [] where none has
+    routed yet (Ray creates a handle's router with its first request)."""
+    return [await router.status() for router in list(_ROUTERS)]
 
 
 def _key(replica_id) -> str:
@@ -69,6 +90,29 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
         self._policy = PrefixAffinityPolicy(PolicyConfig(**kwargs), clock=time.monotonic)
         self._fetches: set = set()  # tasks in flight, referenced until done (the loop keeps only weak ones)
         self._summaries = BaseFetcher(self._policy, self._spawn)
+        # Ray unpickles this class by value, with module globals of its own (checked live): register with
+        # the module in sys.modules, whose routing_status the Ingress calls
+        from router import serve as imported_module
+        imported_module._ROUTERS.add(self)
+
+    async def status(self) -> dict:
+        """:func:`routing_status` for this router, read on its own loop (Ray
+        runs routers on a thread of their own: the policy is never read
+        while that loop changes it)."""
+        try:
+            ingress = serve.get_replica_context().replica_id.to_full_id_str()
+        except RayServeException:  # not inside a Serve replica (a driver's handle)
+            ingress = None
+        head = {"deployment": self._deployment_id.name, "app": self._deployment_id.app_name, "in_replica": ingress}
+
+        async def read() -> dict:
+            return self._policy.routing_status()
+        future = asyncio.run_coroutine_threadsafe(read(), self._event_loop)
+        try:
+            return {**head, **await asyncio.wait_for(asyncio.wrap_future(future), STATUS_TIMEOUT_S)}
+        except asyncio.TimeoutError:
+            future.cancel()
+            return {**head, "error": f"the router's loop did not answer within {STATUS_TIMEOUT_S:.0f} s"}
 
     def _spawn(self, coroutine) -> None:
         task = self._event_loop.create_task(coroutine)

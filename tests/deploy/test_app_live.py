@@ -40,6 +40,25 @@ def test_stats_board_lists_both_replicas(live_app):
         assert {"hits", "misses", "tokens_saved", "prefill_tokens", "cache_num_tokens", "pid"} <= set(replica)
 
 
+def test_stats_show_what_the_ingress_router_reads(live_app):
+    """/stats' ``routing``: the request router inside the Ingress replica
+    that answered (Ray creates it with the handle's first request), over
+    both Workers, each of which has reported a summary within a few routing
+    periods; one Ingress, so one router's worth of traffic."""
+    post(live_app, "/generate", {"prompt_token_ids": tokens(1, 200), "max_new_tokens": 2})
+    deadline = time.time() + 20
+    while True:
+        routing = httpx.get(live_app.url + "/stats", trust_env=False).json()["routing"]
+        if (len(routing) == 1 and routing[0]["replicas_reporting"] == 2) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    (router,) = routing
+    assert router["deployment"] == "Worker" and router["replicas"] == 2 and router["replicas_reporting"] == 2
+    assert router["in_replica"].startswith("SERVE_REPLICA::") and "Ingress" in router["in_replica"]
+    assert router["routers_seen"] == 1.0 and router["balance_busy_source"] == "own_spans"
+    assert router["index_blocks"] > 0 and router["in_flight"] >= 0
+
+
 def test_repeated_prompt_returns_to_its_replica_with_cached_prefix(live_app):
     prompt = tokens(2, 100)
     body = {"prompt_token_ids": prompt, "max_new_tokens": 4, "ignore_eos": True}

@@ -112,3 +112,25 @@ def test_the_report_splits_ttft_into_engine_queue_and_outside(capsys):
     assert lines["engine TTFT p50/p99 s"] == "0.030/0.040"
     assert lines["of it queue p50/p99"] == "0.010/0.020"
     assert lines["outside engine p50/p99"] == "0.020/0.050"
+
+
+def test_every_router_merges_the_ingresses_that_answered_by_replica(monkeypatch):
+    """The proxy spreads /stats reads over the Ingress replicas: each answer
+    shows one router; the run keeps one entry per Ingress, first seen first."""
+    import harness.loadtest_client as client
+
+    answers = iter([{"routing": [{"in_replica": "I#b", "routers_seen": 2.1}]}, {"error": "timeout"}]
+                   + [{"routing": [{"in_replica": "I#a", "routers_seen": 9.0}]}] * 10)
+    monkeypatch.setattr(client, "_stats_or_error", lambda url: next(answers))
+    routers = client.every_router("http://x", {"routing": [{"in_replica": "I#a", "routers_seen": 1.9}]})
+    assert routers == [{"in_replica": "I#a", "routers_seen": 1.9}, {"in_replica": "I#b", "routers_seen": 2.1}]
+
+
+def test_the_report_shows_what_each_ingress_router_read():
+    from harness.loadreport import _routers_seen
+
+    rounds = [{"server_stats": {"routing": [{"routers_seen": 1.98, "balance_busy_source": "replica_counters"},
+                                            {"routers_seen": 2.1, "balance_busy_source": "own_spans"}]}},
+              {"server_stats": {"error": "timeout"}}]
+    assert _routers_seen({"rounds": rounds}) == "2.0c/2.1s -"
+    assert _routers_seen({"server_stats": {"routing": [{"routers_seen": 1.0, "balance_busy_source": "off"}]}}) == "1.0o"

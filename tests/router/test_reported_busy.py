@@ -2,6 +2,7 @@
 busy-time counter its summaries carry, topped up with this router's own
 spans since; and how the policy reads it with several routers."""
 
+import json
 import math
 import random
 
@@ -182,6 +183,29 @@ def test_one_router_reads_its_own_spans_whatever_the_counters_say():
         summaries(policy, 3, {r: 1.0 + 3.0 * i for i, r in enumerate(REPLICAS)}, 32 * 16 // len(REPLICAS))
         chosen[from_reports] = [policy.rank(request(100 + seed))[0] for seed in range(40)]
     assert chosen[True] == chosen[False]
+
+
+def test_routing_status_says_what_the_router_reads():
+    """The operator's view (the Ingress's /stats): before any report the
+    router reads one router and its own spans; with four routers' worth of
+    outputs and every counter moved it reads the replicas' counters; with
+    the busy share off it says so."""
+    clock = Clock()
+    policy = make_policy(clock)
+    status = policy.routing_status()
+    assert status["replicas"] == len(REPLICAS) and status["replicas_reporting"] == 0
+    assert status["routers_seen"] == 1.0 and status["balance_busy_source"] == "own_spans"
+    assert status["index_blocks"] == 0 and status["in_flight"] == 0 and status["token_costs_measured"] is False
+    with_history(clock, policy, 4 * 32 * 16 // len(REPLICAS))
+    req = request(999)
+    policy.on_routed(req, policy.rank(req)[0], "999")  # in flight, its blocks learned
+    status = policy.routing_status()
+    assert status["replicas_reporting"] == len(REPLICAS) and status["in_flight"] == 1
+    assert status["index_blocks"] >= len(req.block_hashes)
+    assert status["routers_seen"] == pytest.approx(4.0, rel=0.05)
+    assert status["balance_busy_source"] == "replica_counters"
+    assert status == json.loads(json.dumps(status))  # plain JSON values
+    assert make_policy(Clock(), balance_busy_share=0.0).routing_status()["balance_busy_source"] == "off"
 
 
 def test_config_checks_the_reported_busy_knobs():
