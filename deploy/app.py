@@ -49,6 +49,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
                                min_speedup=config.fetch_min_speedup, prior_overhead_s=config.fetch_prior_overhead_s,
                                patience=config.fetch_patience)
     router_kwargs = checked_router_kwargs(config)
+    if config.router_class_path == ROUTERS["kvroute"]:  # the adapter's own kwarg (router/serve.py)
+        router_kwargs["share_decisions_period_s"] = config.share_decisions_period_s
     worker = Worker.options(
         request_router_config=RequestRouterConfig(
             request_router_class=config.router_class_path,

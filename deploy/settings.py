@@ -68,6 +68,11 @@ class AppConfig:
     routing stats: ``"stream"`` (a snapshot, then deltas naming their base in
     Ray's object store; issue 14, item 5) or ``"full"`` (every cached block
     each period).
+    ``share_decisions_period_s``: with several Ingress replicas, each one's
+    kvroute router exchanges the decisions it made with the others this
+    often and books theirs as its own recent work
+    (``router.serve_decisions``); a lone router exchanges once a second. 0:
+    each router sees only its own decisions and the Workers' summaries.
     ``stream_interval_ms``: a streamed request's tokens travel from its Worker
     in messages at most this often (the first token and the result at once;
     tokens gather in between), so a stream costs the ingress and Serve's
@@ -82,6 +87,7 @@ class AppConfig:
     router_kwargs: Mapping[str, Any] = field(default_factory=dict)
     router_block_size: int = 64
     routing_stats_period_s: float = 1.0
+    share_decisions_period_s: float = 0.05  # Ingress routers exchange decisions this often; 0: never
     stats_period_s: float = 1.0
     limits: Limits = field(default_factory=Limits)
     api_keys: tuple[str, ...] = ()
@@ -108,6 +114,9 @@ class AppConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if (isinstance(self.share_decisions_period_s, bool) or not isinstance(self.share_decisions_period_s, (int, float))
+                or not 0 <= self.share_decisions_period_s < float("inf")):
+            raise ValueError(f"share_decisions_period_s must be a finite number >= 0, got {self.share_decisions_period_s!r}")
         if not isinstance(self.router, str) or not self.router:
             raise ValueError(f"router must be a name or import path, got {self.router!r}")
         if any(not isinstance(key, str) or not key for key in self.api_keys):

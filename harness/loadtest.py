@@ -51,6 +51,9 @@ import sys
 from collections import Counter
 from dataclasses import asdict, replace
 
+import yaml
+
+from deploy.settings import AppConfig
 from harness.loadstats import RequestRecord, request_log, summarize
 from harness.loadtest_arms import (ARM_KEYS, Arm, custom_arms, fetch_arms, fetch_patience_arms, router_arms,
                                    stream_interval_arms, summary_arms, token_price_arms)
@@ -189,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     slo = {"ttft_s": args.slo_ttft_s, "itl_s": args.slo_itl_s}
     meta = {"workload": args.workload, "scale": args.scale, "mode": args.mode, "concurrency": args.concurrency,
             "rate_rps": args.rate, "num_sessions": len(sessions), "num_requests": sum(len(s.turns) for s in sessions),
-            "options": asdict(options), "slo": slo}
+            "options": asdict(options), "slo": slo,
+            # what an arm that does not set it deploys with (router.live_arms replays it)
+            "share_decisions_period_s": _config_arg(args.config, "share_decisions_period_s",
+                                                    AppConfig.share_decisions_period_s)}
     flags = ("compare_routers", "compare_fetch", "compare_summaries", "compare_stream_intervals",
              "compare_token_prices", "compare_fetch_patience", "compare_arms")
     comparisons = [flag for flag in flags if getattr(args, flag)]
@@ -226,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         write_plot(report, args.plot)
     return 0
+
+
+def _config_arg(config_path: str, name: str, default):
+    """The app arg ``name`` of the config file's first application (``default`` where it sets none)."""
+    with open(config_path) as file:
+        return (yaml.safe_load(file)["applications"][0].get("args") or {}).get(name, default)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 ROUTERS = {"kvroute": "ours", "pow2": "pow2", "prefix_affinity": "ray_prefix_tree"}  # live name -> simulated
 LIVE_SUMMARY_PERIOD_S = 1.0  # deploy/config.yaml's routing_stats_period_s, for an arm that does not set it
-MODELLED_APP_ARGS = frozenset({"routing_stats_period_s"})  # the app args an arm's replay follows
+MODELLED_APP_ARGS = frozenset({"routing_stats_period_s", "share_decisions_period_s"})  # the app args a replay follows
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,16 @@ class SimArm:
     ``ingress_replicas`` (each with its own request router, so our policy
     runs as that many independent routers: :attr:`num_routers`; a peer is
     replayed as one), ``policy_args``, the arm's router kwargs (ours only),
-    and ``summary_period_s``, the arm's ``routing_stats_period_s`` (how often
-    the routers hear the Workers' summaries)."""
+    ``summary_period_s``, the arm's ``routing_stats_period_s`` (how often
+    the routers hear the Workers' summaries), and ``share_decisions_s``, its
+    ``share_decisions_period_s`` (how late each router books the others'
+    decisions; None: not shared)."""
 
     policy: str
     ingress_replicas: int = 1
     policy_args: dict = field(default_factory=dict)
     summary_period_s: float = LIVE_SUMMARY_PERIOD_S
+    share_decisions_s: float | None = None
 
     @property
     def num_routers(self) -> int:
@@ -48,8 +51,12 @@ def live_arms(report: dict) -> dict[str, SimArm]:
             raise ValueError(f"arm {label!r}: router {router!r} has no simulated counterpart ({sorted(ROUTERS)})")
         ingress = ((spec.get("deployments") or {}).get("Ingress") or {}).get("num_replicas", default_ingress)
         kwargs = dict(spec.get("router_kwargs") or {}) if router == "kvroute" else {}
-        period_s = (spec.get("app_args") or {}).get("routing_stats_period_s", LIVE_SUMMARY_PERIOD_S)
-        arms[label] = SimArm(ROUTERS[router], int(ingress), kwargs, float(period_s))
+        app_args = spec.get("app_args") or {}
+        period_s = app_args.get("routing_stats_period_s", LIVE_SUMMARY_PERIOD_S)
+        # a run from before shared decisions recorded no default: they were not shared
+        share_s = app_args.get("share_decisions_period_s", meta.get("share_decisions_period_s", 0.0))
+        arms[label] = SimArm(ROUTERS[router], int(ingress), kwargs, float(period_s),
+                             float(share_s) if share_s and router == "kvroute" and int(ingress) > 1 else None)
     return arms
 
 
@@ -67,6 +74,8 @@ def describe_arms(report: dict, arms: dict[str, SimArm], ingress_s: dict[str, fl
             line += f", {arm.policy_args}"
         if arm.summary_period_s != LIVE_SUMMARY_PERIOD_S:
             line += f", summaries every {arm.summary_period_s:g} s"
+        if arm.share_decisions_s is not None:
+            line += f", decisions shared every {arm.share_decisions_s:g} s"
         unmodelled = {k: v for k, v in (app_args.get(label) or {}).items() if k not in MODELLED_APP_ARGS}
         if unmodelled:
             line += f"; app args not modelled: {unmodelled}"

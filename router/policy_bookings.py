@@ -27,6 +27,29 @@ class RequestBookingMixin:
         else:
             self._queue_priced.confirm(request_id, replica_id)
 
+    def on_peer_routed(self, request: RoutingRequest, replica_id: str, tail_token_ids: tuple[int, ...] = ()) -> None:
+        """Another router sent ``request`` to ``replica_id`` (the routers share
+        their decisions: ``router.serve_decisions``). Its blocks are learned
+        there and its work counts as this router's recent work, as if this
+        router had routed it and seen it done at once: no in-flight entry
+        (its completion is the other router's to see; the replica's reports
+        carry its queue), and no completion for :class:`RouterShare`.
+        ``request`` comes without token ids (a prompt's worth per decision
+        would be most of what the routers exchange); ``tail_token_ids``, the
+        tokens past its last full block, are learned as its partial last
+        block (:class:`PartialBlockIndex`), as the router that sent it did."""
+        if replica_id not in self._ring:
+            return
+        now = self._clock()
+        request_id = f"peer:{self._share.on_peer_decision(now)}"
+        self._count(request, replica_id, request_id, reserve=False)
+        self._pending.done(request_id)
+        self._queue_priced.on_completed(request_id)
+        self._loads.on_completed(request_id, now)
+        if self._partial is not None and tail_token_ids:
+            hashes = request.block_hashes
+            self._partial.learn(replica_id, hashes[-1] if hashes else salt_seed(request.salt), tail_token_ids)
+
     def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
                num_fetched_tokens: int = 0, found: Candidates | None = None) -> None:
         """``found``: the candidates of the decision just made for ``request``

@@ -38,7 +38,9 @@ class ScoringTermsMixin:
         return Scoring(
             config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
             one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
-            balance=config.balance_weight * (routers if config.balance_fleet_scale else 1.0),
+            # ~1/K of the real deviations, unless the others' decisions are booked here too
+            balance=config.balance_weight * (routers if config.balance_fleet_scale
+                                             and not self._share.sees_peers(now) else 1.0),
             mean_balance=mean_balance,
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
@@ -115,7 +117,9 @@ class ScoringTermsMixin:
         term's busy time comes from (``replica_counters`` with several
         routers once every replica's counter moved, ``own_spans``, or
         ``off``), the token prices in force and whether a replica measured
-        them, and its requests in flight. Plain JSON values; changes nothing."""
+        them, its requests in flight, and the other routers' decisions it has
+        booked (``peer_decisions``: ``router.serve_decisions``). Plain JSON
+        values; changes nothing."""
         now = self._clock()
         nodes = self._ring.nodes
         if not self.config.balance_busy_share > 0:
@@ -132,6 +136,7 @@ class ScoringTermsMixin:
             "queue_token_cost": round(self.config.queue_token_cost, 3),
             "token_costs_measured": self._prices.is_measured,
             "in_flight": self._loads.num_in_flight(),
+            "peer_decisions": self._share.num_peer_decisions,
         }
 
     def _reads_busy_counters(self, now: float) -> bool:

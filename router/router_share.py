@@ -23,7 +23,12 @@ class RouterShare:
     6-second run; so does anything before ``min_completions`` (16) of its
     own requests completed. Both counters decay by ``exp(-age / window_s)``;
     O(1) per event. A replica's first report (or a new epoch, or counters
-    that went back) adds nothing."""
+    that went back) adds nothing.
+
+    Where the routers share their decisions (``router.serve_decisions``),
+    the others' are booked as recent work but are no completion of this
+    router's, so the ratio still reads how many routers there are;
+    :meth:`sees_peers` says the router's recent work covers theirs."""
 
     def __init__(self, window_s: float, max_routers: float = 64.0, min_ratio: float = 1.5,
                  min_completions: float = 16.0) -> None:
@@ -34,6 +39,8 @@ class RouterShare:
         self._last_output: dict[str, tuple[str, int]] = {}  # replica -> (epoch, output total)
         self._fleet = (0.0, None)  # (decayed output tokens, as of)
         self._own_count = (0.0, None)  # decayed completions
+        self.num_peer_decisions = 0  # other routers' decisions booked here (shared decisions)
+        self._peer_seen_s: float | None = None  # when the last one was
 
     def _decayed(self, counter: tuple[float, float | None], now: float) -> float:
         value, as_of = counter
@@ -56,6 +63,18 @@ class RouterShare:
             return 1.0
         ratio = self._decayed(self._fleet, now) / (count * mean_output_tokens)
         return 1.0 if ratio < self.min_ratio else min(ratio, self.max_routers)
+
+    def on_peer_decision(self, now: float) -> int:
+        """Another router's decision was booked here (it counts as no
+        completion of this router's); its serial number, from 1."""
+        self.num_peer_decisions += 1
+        self._peer_seen_s = now
+        return self.num_peer_decisions
+
+    def sees_peers(self, now: float) -> bool:
+        """Other routers' decisions reach this router (one within ``window_s``):
+        its recent work then covers theirs too."""
+        return self._peer_seen_s is not None and now - self._peer_seen_s <= self.window_s
 
     def remove(self, replica_id: str) -> None:
         self._last_output.pop(replica_id, None)

@@ -43,6 +43,7 @@ from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRoute
 
 from router.base_fetch import BaseFetcher
 from router.policy import PolicyConfig, PrefixAffinityPolicy
+from router.serve_decisions import DecisionExchange
 
 
 _ROUTERS: weakref.WeakSet = weakref.WeakSet()  # this process's KVRouteRouters (an Ingress holds one)
@@ -86,8 +87,13 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
     first choice under Ray's internal request id; ``on_request_routed``
     confirms or moves it."""
 
-    def initialize_state(self, **kwargs) -> None:
+    def initialize_state(self, share_decisions_period_s: float = 0.0, **kwargs) -> None:
+        """``kwargs``: :class:`PolicyConfig` fields. ``share_decisions_period_s``
+        > 0: exchange decisions with the deployment's other routers that often
+        (``router.serve_decisions``), from this router's first routed request."""
         self._policy = PrefixAffinityPolicy(PolicyConfig(**kwargs), clock=time.monotonic)
+        self._share_period_s = float(share_decisions_period_s)
+        self._exchange: DecisionExchange | None = None
         self._fetches: set = set()  # tasks in flight, referenced until done (the loop keeps only weak ones)
         self._summaries = BaseFetcher(self._policy, self._spawn)
         # Ray unpickles this class by value, with module globals of its own (checked live): register with
@@ -104,6 +110,8 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
         except RayServeException:  # not inside a Serve replica (a driver's handle)
             ingress = None
         head = {"deployment": self._deployment_id.name, "app": self._deployment_id.app_name, "in_replica": ingress}
+        if self._exchange is not None:
+            head["shared_decisions"] = {"sent": self._exchange.num_sent, "booked": self._exchange.num_booked}
 
         async def read() -> dict:
             return self._policy.routing_status()
@@ -151,6 +159,13 @@ class KVRouteRouter(MultiplexMixin, LocalityMixin, RequestRouter):
         if _pinned_to(request) is not None:
             return
         self._policy.on_routed(request, _key(replica_id), pending_request.metadata.internal_request_id)
+        if self._share_period_s > 0:
+            if self._exchange is None:  # a router that routes (not a Worker's pinned export handle) shares
+                self._exchange = DecisionExchange(self._policy, self._deployment_id.app_name,
+                                                  self._deployment_id.name, self._share_period_s,
+                                                  self._policy.config.block_size)
+                self._event_loop.call_soon_threadsafe(self._spawn, self._exchange.run())
+            self._exchange.post(request, _key(replica_id))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._policy.on_completed(internal_request_id)

@@ -53,6 +53,9 @@ def build_parser(prog: str = "python -m router.simulate", description: str | Non
                         help="max_tokens of every request, all a router knows of its output "
                              "(default: 2048 for a trace, the output length for generated workloads)")
     parser.add_argument("--routers", type=int, default=1, help="independent routers for ours")
+    parser.add_argument("--share-decisions-s", type=float, default=None,
+                        help="with several routers, each books the others' decisions this many seconds later "
+                             "(the live Ingresses' share_decisions_period_s); default: none shared")
     parser.add_argument("--summary-mode", choices=SIM_SUMMARY_MODES, default="full",
                         help="full: every cached block each period; stream: snapshots + chained deltas; "
                              "reference: a live Worker's stream (deltas naming their base by an object ref)")
@@ -111,7 +114,7 @@ def build_run(args: argparse.Namespace) -> tuple[Workload, SimConfig, list[str]]
         replica_model=args.replica_model,
         profile=StepProfile.load(args.profile) if args.profile else H100_LLAMA_8B,
         max_tokens=args.max_tokens or (TRACE_MAX_TOKENS if kind == "mooncake" else None),
-        num_routers=args.routers,
+        num_routers=args.routers, share_decisions_s=args.share_decisions_s,
         decode_token_cost=args.decode_token_cost,
         summary_mode=args.summary_mode,
         closed_loop=ClosedLoopConfig(args.concurrency, ingress_s=args.ingress_s) if args.arrivals == "closed" else None,

@@ -62,6 +62,10 @@ class SimConfig:
     # Each replica's eviction, as the engine runs it (worker.EngineConfig.cache_protected_share): adaptive
     # segmented LRU whose protected segment for reused prefixes starts at this share of the budget; 0: plain LRU.
     cache_protected_share: float = SERVING_PROTECTED_SHARE
+    # With several routers, each books the others' decisions this many seconds after they were made
+    # (router.serve_decisions, live: one exchange per period through a shared Ray actor); None: routers
+    # see only their own decisions and the summaries.
+    share_decisions_s: float | None = None
 
     def __post_init__(self) -> None:
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
@@ -80,6 +84,8 @@ class SimConfig:
             raise ValueError(f"summary_mode must be one of {SIM_SUMMARY_MODES}, got {self.summary_mode!r}")
         if type(self.num_routers) is not int or self.num_routers <= 0:
             raise ValueError(f"num_routers must be a positive int, got {self.num_routers!r}")
+        if self.share_decisions_s is not None and not 0.0 <= self.share_decisions_s < float("inf"):
+            raise ValueError(f"share_decisions_s must be None or a finite number >= 0, got {self.share_decisions_s!r}")
         if not 0.0 <= self.cache_protected_share <= 1.0:
             raise ValueError(f"cache_protected_share must be within [0, 1], got {self.cache_protected_share!r}")
 

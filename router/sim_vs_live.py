@@ -140,6 +140,7 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dic
             decode_token_cost=live_policy.decode_token_cost,
             closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=arm_ingress_s),
             reported_token_costs=token_costs, num_routers=arm.num_routers, summary_period_s=arm.summary_period_s,
+            share_decisions_s=arm.share_decisions_s,
             **({"fetch": fetch} if fetch is not None else {}), reported_fetch_costs=fetch_costs,
         )
         runs = [simulate(workload, config, [arm.policy], seeds=[s]) for s in range(seed, seed + seeds)]

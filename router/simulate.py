@@ -34,6 +34,7 @@ import math
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, replace
 
 from cache import RadixCache
@@ -48,6 +49,7 @@ from router.cluster import CostModel, SimReplica
 from router.policy import PolicyConfig  # re-exported
 from router.policy import PrefixAffinityPolicy
 from router.request import RoutingRequest
+from router.shared_decisions import PeerDecision
 from router.sim_cli import build_parser, build_run
 from router.sim_cli import workload_kind  # re-exported
 from router.sim_config import KNOWN_POLICY_NAMES, POLICY_NAMES, SimConfig, check_policy_names
@@ -83,7 +85,9 @@ class Ours:
     simulated replica) and completion events; it never reads a replica.
     With ``num_routers > 1`` each router takes every ``num_routers``-th
     request and sees only its own decisions and completions, plus every
-    summary. A decision's fetch hint goes to the chosen replica as a
+    summary; with ``share_decisions_s`` each also books the others'
+    decisions that long after they were made (``on_peer_routed``, with what
+    a live router sends: the tokens past the last full block, not the prompt). A decision's fetch hint goes to the chosen replica as a
     :class:`SimFetch` (:meth:`take_fetch`); ``fetch=False`` (``ours_nofetch``)
     turns fetch off in the policy."""
 
@@ -107,6 +111,8 @@ class Ours:
         self._index_of = {r.replica_id: i for i, r in enumerate(replicas)}
         self._max_tokens = config.max_tokens or max((r.num_output_tokens for r in workload.requests), default=1)
         self._router_of: dict[str, PrefixAffinityPolicy] = {}
+        self._share_s = config.share_decisions_s if config.num_routers > 1 else None
+        self._shared: deque = deque()  # (due, router index, PeerDecision): decisions on their way to the others
 
     def routing_request(self, request) -> RoutingRequest:
         """What the ingress knows: block hashes, prompt length, token ids, max_tokens."""
@@ -114,24 +120,40 @@ class Ours:
         return RoutingRequest(request.block_hashes, request.num_prompt_tokens,
                               num_output_tokens=self._max_tokens, token_ids=token_ids)
 
+    def _deliver_shared(self, now: float) -> None:
+        """Book every shared decision due by ``now`` in the routers that did not make it."""
+        while self._shared and self._shared[0][0] <= now:
+            due, origin, decision = self._shared.popleft()
+            self.now = due
+            for index, router in enumerate(self.routers):
+                if index != origin:
+                    router.on_peer_routed(decision.request, decision.replica_id, decision.tail_token_ids)
+        self.now = now
+
     def on_summary(self, summary, now: float) -> None:
+        self._deliver_shared(now)
         self.now = now
         for router in self.routers:
             router.on_summary(summary)
 
     def on_completed(self, number: int, now: float) -> None:
+        self._deliver_shared(now)
         self.now = now
         router = self._router_of.pop(str(number), None)
         if router is not None:
             router.on_completed(str(number))
 
     def choose(self, number: int, request, now: float) -> int:
+        self._deliver_shared(now)
         self.now = now
         router = self.routers[number % len(self.routers)]
         routing = self.routing_request(request)
         decision = router.decide(routing, request_id=str(number))
         replica_id = decision.ranked[0]
         router.on_routed(routing, replica_id, str(number))
+        if self._share_s is not None:  # delays are equal: due times stay in order
+            self._shared.append((now + self._share_s, number % len(self.routers),
+                                 PeerDecision.of(routing, replica_id, router.config.block_size)))
         self._router_of[str(number)] = router
         hint = decision.fetch
         replica_of = lambda replica_id: self._replicas[self._index_of[replica_id]]  # noqa: E731
@@ -319,7 +341,7 @@ def simulate(
             "replica_model": config.replica_model,
             "profile": config.profile.to_dict() if config.replica_model == "cb" else None,
             "max_tokens": config.max_tokens or max((r.num_output_tokens for r in workload.requests), default=1),
-            "num_routers": config.num_routers,
+            "num_routers": config.num_routers, "share_decisions_s": config.share_decisions_s,
             "summary_mode": config.summary_mode,
             "closed_loop": asdict(config.closed_loop) if config.closed_loop else None,
             "router_block_tokens": workload.router_block_tokens,

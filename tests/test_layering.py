@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # The Ray Serve adapters: the only modules that may import ray.
-RAY_ADAPTERS = {"router.serve", "worker.replica", "worker.stats_board", "worker.kv_transport"}
+RAY_ADAPTERS = {"router.serve", "router.serve_decisions", "worker.replica", "worker.stats_board", "worker.kv_transport"}
 
 LAYERS = {
     "cache": (("cache",), ("torch", "ray", "transformers")),

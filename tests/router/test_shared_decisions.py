@@ -1,0 +1,142 @@
+"""Routers sharing their decisions: the shared log, what a router sends, how
+the policy books another router's decision, and the simulated effect."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache import block_hashes
+from harness.workloads import build_workload
+from router.batching import StepProfile
+from router.closed_loop import ClosedLoopConfig
+from router.policy_config import PolicyConfig
+from router.request import RoutingRequest
+from router.shared_decisions import DecisionLog, PeerDecision
+from router.simulate import SimConfig, replay
+from router.workload import from_sessions
+from tests.router.fake_clock import Clock
+from tests.router.test_cold_home import BLOCK, REPLICAS, make_policy
+from tests.router.test_reported_busy import with_history
+
+
+# ------------------------------------------------------------------ the log
+def test_an_exchange_returns_the_other_routers_events_since_the_last_one_in_order():
+    log = DecisionLog()
+    assert log.exchange("a", ["a1"], None, 0.0) == ([], 1)
+    found, since_b = log.exchange("b", ["b1", "b2"], None, 0.1)  # joins: the others' last join_window_s
+    assert found == ["a1"] and since_b == 3
+    found, since_a = log.exchange("a", ["a2"], 1, 0.2)
+    assert found == ["b1", "b2"] and since_a == 4  # never its own
+    assert log.exchange("b", [], since_b, 0.3) == (["a2"], 4)
+    assert log.exchange("a", [], since_a, 0.4) == ([], 4)
+
+
+def test_a_joining_router_books_only_the_last_join_window():
+    log = DecisionLog(join_window_s=2.0)
+    log.exchange("a", ["old"], None, 0.0)
+    log.exchange("a", ["recent"], 0, 9.0)
+    assert log.exchange("b", [], None, 10.0) == (["recent"], 2)
+
+
+def test_the_log_holds_the_last_max_events_and_counts_what_a_late_router_missed():
+    log = DecisionLog(max_events=3)
+    _, since = log.exchange("b", [], None, 0.0)
+    log.exchange("a", ["e1", "e2", "e3", "e4", "e5"], None, 0.0)
+    assert len(log) == 3
+    assert log.exchange("b", [], since, 0.1) == (["e3", "e4", "e5"], 5)
+    assert log.num_missed == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"max_events": 0}, {"max_events": 1.5}, {"join_window_s": -1.0},
+                                    {"join_window_s": float("inf")}])
+def test_bad_log_config(kwargs):
+    with pytest.raises(ValueError):
+        DecisionLog(**kwargs)
+
+
+# ---------------------------------------------------------- what a router sends
+def routing(tokens, num_output_tokens=16, salt=None):
+    return RoutingRequest(tuple(block_hashes(tokens, BLOCK, salt)), len(tokens), salt, "the text", num_output_tokens,
+                          tuple(tokens))
+
+
+def test_a_peer_decision_carries_the_blocks_and_the_partial_tail_not_the_prompt():
+    tokens = list(range(1000, 1000 + 3 * BLOCK + BLOCK // 2))
+    decision = PeerDecision.of(routing(tokens), "r1", BLOCK)
+    assert decision.replica_id == "r1" and decision.tail_token_ids == tuple(tokens[3 * BLOCK:])
+    assert len(decision.tail_token_ids) == BLOCK // 2
+    assert decision.request.block_hashes == routing(tokens).block_hashes
+    assert decision.request.token_ids == () and decision.request.prompt == ""
+    assert decision.request.num_prompt_tokens == len(tokens) and decision.request.num_output_tokens == 16
+    assert PeerDecision.of(object(), "r1", BLOCK) is None  # no routing attributes: nothing to share
+    assert PeerDecision.from_wire(decision.to_wire()) == decision
+    assert all(type(v) in (str, int, tuple, type(None)) for v in decision.to_wire())
+
+
+# ------------------------------------------------------------ the policy's side
+def test_a_peer_decision_is_learned_and_counted_as_recent_work_without_an_in_flight_entry():
+    clock = Clock()
+    policy = make_policy(clock)
+    tokens = list(range(5000, 5000 + 4 * BLOCK + 3))
+    decision = PeerDecision.of(routing(tokens), REPLICAS[2], BLOCK)
+    policy.on_peer_routed(decision.request, decision.replica_id, decision.tail_token_ids)
+    assert policy.index.depth(REPLICAS[2], decision.request.block_hashes) == 4
+    assert policy.loads.recent_work(REPLICAS[2], clock.now) > 0
+    assert policy.loads.num_in_flight() == 0
+    assert policy.routing_status()["peer_decisions"] == 1
+    for seed, replica_id in enumerate(REPLICAS):  # the same work everywhere else: only the prefix differs
+        if replica_id != REPLICAS[2]:
+            first = 10**5 * (seed + 1)
+            other = PeerDecision.of(routing(list(range(first, first + len(tokens)))), replica_id, BLOCK)
+            policy.on_peer_routed(other.request, other.replica_id, other.tail_token_ids)
+    follow_up = routing(tokens + list(range(7, 7 + BLOCK)))  # the chat's next turn: the peer's replica
+    assert policy.rank(follow_up)[0] == REPLICAS[2]
+    policy.on_peer_routed(decision.request, "a replica that left", ())
+    assert policy.routing_status()["peer_decisions"] == len(REPLICAS)  # the last one ignored
+    policy.check_invariants()
+
+
+def test_a_peer_decision_is_no_completion_of_this_router_and_turns_the_balance_scale_off():
+    """With four routers' worth of outputs the router reads K ~ 4 and scales
+    its balance term by it (its own recent work is ~1/4 of the fleet's);
+    once the others' decisions are booked here its recent work is the
+    fleet's, and the balance term is the configured one again, while the
+    router count still reads 4 (the Workers' busy counters stay in use)."""
+    clock = Clock()
+    policy = make_policy(clock)
+    with_history(clock, policy, 4 * 32 * 16 // len(REPLICAS))
+    request = routing(list(range(9000, 9000 + 2 * BLOCK)))
+    assert policy._scoring(request, clock.now).balance == pytest.approx(  # noqa: SLF001
+        4 * policy.config.balance_weight, rel=0.05)
+    tokens = list(range(7000, 7000 + 2 * BLOCK))
+    for _ in range(3):
+        decision = PeerDecision.of(routing(tokens), REPLICAS[0], BLOCK)
+        policy.on_peer_routed(decision.request, decision.replica_id, decision.tail_token_ids)
+    assert policy._scoring(request, clock.now).balance == policy.config.balance_weight  # noqa: SLF001
+    status = policy.routing_status()
+    assert status["routers_seen"] == pytest.approx(4.0, rel=0.05)
+    assert status["balance_busy_source"] == "replica_counters"
+    assert policy._share.sees_peers(clock.now)  # noqa: SLF001
+    assert not policy._share.sees_peers(clock.now + 1.01 * policy.config.load_window_s)  # noqa: SLF001
+
+
+# ------------------------------------------------------------- the simulator
+def test_shared_decisions_win_back_what_a_second_router_loses_on_back_to_back_chat_turns():
+    """The live load test's chats (48 × 6, the next turn ~30 ms after the
+    answer) over 2 CPU Workers: a second independent router loses hit rate
+    (the second turn of a new chat reaches the router that has not seen the
+    first); booking each other's decisions 50 ms late wins most of it back."""
+    sessions = build_workload("multi-turn", "cpu", {"num_chats": 48, "num_turns": 6}, None, 0)
+    workload = from_sessions(sessions, 64, "multi-turn", 0)
+    profile = StepProfile.load("router/profiles/tiny_llama_cpu.json")
+    hits = {}
+    for routers, share_s in ((1, None), (2, None), (2, 0.05)):
+        config = SimConfig(num_replicas=2, budget_tokens=65536, replica_model="cb", profile=profile,
+                           policy=PolicyConfig(block_size=64, replicate_hot_prefixes=False),
+                           closed_loop=ClosedLoopConfig(8, ingress_s=0.03), num_routers=routers,
+                           summary_period_s=0.25, share_decisions_s=share_s)
+        hits[routers, share_s] = replay(workload, config, "ours")["hit_rate"]
+    assert hits[2, None] < hits[1, None] - 0.015  # 0.882 against 0.909
+    assert hits[2, 0.05] > hits[2, None] + 0.01  # 0.900
+    with pytest.raises(ValueError):
+        SimConfig(num_replicas=2, budget_tokens=100, share_decisions_s=-1.0)
