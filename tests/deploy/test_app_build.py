@@ -30,6 +30,8 @@ def test_the_router_block_size_and_fetch_switch_default_to_the_apps():
     ({"stream_interval_ms": -1}, r"stream_interval_ms must be a number of milliseconds in \[0, 1000\]"),
     ({"stream_interval_ms": 5000}, "stream_interval_ms must be"),
     ({"stream_interval_ms": True}, "stream_interval_ms must be"),
+    ({"share_decisions_period_s": -0.05}, "share_decisions_period_s must be a finite number >= 0"),
+    ({"share_decisions_period_s": True}, "share_decisions_period_s must be"),
 ])
 def test_a_bad_router_config_fails_the_build_with_a_clear_error(args, message):
     with pytest.raises(ValueError, match=message):
@@ -44,3 +46,13 @@ def test_a_good_config_builds_without_a_cluster():
     assert AppConfig().stream_interval_ms == 100.0 and AppConfig(stream_interval_ms=0).stream_interval_ms == 0
     app = build_app({"router_kwargs": {"load_factor": 1.5}})
     assert type(app).__name__ == "Application"
+
+
+def test_the_kvroute_router_gets_the_apps_decision_sharing_period_and_other_routers_do_not():
+    def router_kwargs(app):
+        worker = app._bound_deployment.init_args[0]  # Ingress.bind(worker, config)
+        return worker._bound_deployment._deployment_config.request_router_config.request_router_kwargs
+
+    assert router_kwargs(build_app({}))["share_decisions_period_s"] == 0.05  # the default
+    assert router_kwargs(build_app({"share_decisions_period_s": 0}))["share_decisions_period_s"] == 0
+    assert "share_decisions_period_s" not in router_kwargs(build_app({"router": "pow2"}))
