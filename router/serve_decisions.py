@@ -40,9 +40,6 @@ class DecisionBoard:
     def exchange(self, router_id: str, events: list, since: int | None) -> tuple[list, int]:
         return self._log.exchange(router_id, events, since, time.monotonic())
 
-    def stats(self) -> dict:
-        return {"events_held": len(self._log), "next_seq": self._log.next_seq, "missed": self._log.num_missed}
-
 
 def board_name(app_name: str, deployment: str) -> str:
     return f"kvroute-decisions::{app_name}::{deployment}"
