@@ -30,7 +30,10 @@ class FetchHint:
     A hint, not an order: the receiving worker fetches only if its estimated
     transfer (bytes from the KV geometry ÷ measured bandwidth) beats
     recomputing those tokens, and recomputes after a bounded wait if every
-    replica named has evicted them, died or is slow.
+    replica named has evicted them, died or is slow. ``num_tokens`` is the
+    depth the router knows of, not a limit: the receiver asks for as much of
+    the prompt as the replica holds (a replica that generated a chat's last
+    answer holds it, though no router learned those tokens).
     """
 
     owner: str
@@ -176,11 +179,19 @@ class FetchPlan:
     def backup_hint(self, first_id: str) -> FetchHint | None:
         """For a first choice the index counts among the holders of the
         fetchable prefix, or of all but at most ``min_tokens`` of it: a hint
-        naming the least loaded other deepest holder, so that a first choice
-        which evicted the prefix since its last report fetches it instead of
-        recomputing it. A receiver that still holds it ignores the hint (the
-        worker checks its own cache first). None otherwise, or for a prefix
-        of at most ``min_tokens``.
+        naming the least loaded of the deepest other holders, for as much as
+        they hold, so that a first choice which evicted the prefix since its
+        last report fetches it instead of recomputing it. A receiver that
+        still holds it ignores the hint (the worker checks its own cache
+        first). None when no other holder holds more than ``min_tokens``.
+
+        Why a shallower holder too: a chat's turn fetched to a new home
+        leaves the turns before it on the old one, and a replica evicts a
+        fetched copy before what it computed (cache/segmented_lru.py), so
+        the new home may lose the chat while the router's index, within
+        ``learned_grace_s`` of routing there, still credits it. Simulated
+        multi-turn FIFO, workload seed 5: the next turn recomputed 1,024
+        tokens the old home held, until the backup named it.
 
         Why "all but a few": a radix cache evicts a prefix from its deepest
         block up, so a replica whose last report still showed all but the
@@ -194,11 +205,15 @@ class FetchPlan:
         first_tokens = min(depths[first_id] * self._block_size, self._num_prompt_tokens - 1)
         if num_fetchable - first_tokens > self._min_tokens:
             return None  # the ordinary hint rule applies
-        deepest = max(depths.values())
-        others = [r for r, d in depths.items() if d == deepest and r != first_id]
+        others = {r: d for r, d in depths.items() if r != first_id}
         if not others:
             return None
-        return FetchHint(min(others, key=lambda r: (self._load_of(r), r)), num_fetchable)
+        depth = max(others.values())
+        num_tokens = min(depth * self._block_size, num_fetchable)
+        if num_tokens <= self._min_tokens:
+            return None
+        owner = min((r for r, d in others.items() if d == depth), key=lambda r: (self._load_of(r), r))
+        return FetchHint(owner, num_tokens)
 
     def with_alternates(self, hint: FetchHint | None, first_id: str) -> FetchHint | None:
         """``hint`` naming, besides its owner, up to ``max_alternates`` other

@@ -127,17 +127,21 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
                cached_tokens, timing: Timing, now: float) -> FetchPlan:
     """Decide a hinted fetch for a request whose receiver holds
     ``num_own_units`` of ``units``; ``cached_tokens(units) -> tokens`` (the
-    request's rule, at most prompt - 1). The owner's cache is read now (it
-    may have evicted them), then each alternate's in turn until one holds
-    more than the receiver, as the worker asks them. If the fetch pays, the
-    replica that holds them is charged its export time at ``now``."""
+    request's rule, at most prompt - 1). A receiver that holds the hinted
+    tokens itself takes nothing. Else the owner's cache is read now (it may
+    have evicted them), then each alternate's in turn until one holds more
+    than the receiver, as the worker asks them, each for as much of the
+    prompt as it holds: past the hint too (the replica that generated a
+    chat's last answer holds it, though no router learned those tokens). If
+    the fetch pays, the replica that holds them is charged its export time
+    at ``now``."""
     hinted = units[:min(fetch.num_tokens // unit_tokens, len(units))]
     if num_own_units >= len(hinted):
         return FetchPlan(0, 0, 0.0, "held")
     own_tokens = cached_tokens(num_own_units)
     latency_s = fetch.model.latency_s
     for num_asked, owner in enumerate((fetch.owner, *fetch.alternates), 1):
-        held = owner.match_units(hinted)
+        held = owner.match_units(units)
         missing = cached_tokens(held) - own_tokens
         if held > num_own_units and missing > 0:
             break
@@ -147,7 +151,7 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     transfer_s = fetch.model.transfer_s(missing)
     if transfer_s >= timing.prefill_s(missing, own_tokens):
         return FetchPlan(0, 0, asked_s, "slower", num_asked)
-    owner.export(hinted[:held], now, fetch.model.export_s(missing))
+    owner.export(units[:held], now, fetch.model.export_s(missing))
     return FetchPlan(held, missing, asked_s + transfer_s, "fetched", num_asked)
 
 

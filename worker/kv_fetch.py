@@ -27,9 +27,14 @@ queued:
    64 tokens in 0.09-0.15 s that recompute in ~10 ms on this VM, and were
    the live multi-turn TTFT p99. Recomputing is never wrong, and the first
    prefill step measures the rate.
-3. Ask the owner for at most ``num_tokens`` of the prompt under the
-   request's own salt (a tenant's export never reads another namespace) and
-   wait at most ``timeout_s``. When the owner answers that it no longer
+3. Ask the owner for the longest prefix it holds of the prompt (all but
+   its last token, which the request computes anyway) under the request's
+   own salt (a tenant's export never reads another namespace), and wait at
+   most ``timeout_s``. That may be more than the hint's ``num_tokens``, the
+   depth the router knew of: a replica that generated a chat's last answer
+   holds it, though no router learned those tokens (in the simulated
+   multi-turn replay, asking only for the hinted depth recomputed them on
+   most fetches); step 2 and the patience weigh the hinted tokens. When the owner answers that it no longer
    holds them (``evicted``), is gone or its call fails, ask the hint's
    ``alternates`` in turn (other replicas the router believes hold them: its
    index lags evictions by up to a summary period), each within ``timeout_s``
@@ -165,7 +170,7 @@ class PrefixFetcher:
     (``num_fetches``) or in exactly one other fallback. A request that waited
     for a fetch and stopped (its patience) counts in ``num_outwaited`` too;
     the fetch's own end is counted as above when it comes.
-    ``_in_flight`` holds exactly the fetches not yet finished, by (salt, prefix).
+    ``_in_flight`` holds exactly the fetches not yet finished, by (salt, hinted prefix).
     """
 
     def __init__(self, engine: AsyncEngine, replica_id: str, config: FetchConfig, transport: PeerTransport, *,
@@ -244,7 +249,8 @@ class PrefixFetcher:
             reason = self._why_not_fetch(num_tokens, num_tokens - num_cached)
             if reason is not None:
                 return self._fall_back(reason)
-            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(self._fetch(owners, prefix, salt)))
+            asked = tuple(token_ids[:len(token_ids) - 1]) if len(token_ids) - 1 > num_tokens else prefix
+            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(self._fetch(owners, asked, salt)))
             shared.task.add_done_callback(lambda _: self._forget(key, shared))
         else:
             self.counters.num_joined += 1

@@ -173,22 +173,27 @@ CONFIGS = {
 # hash order, no longer in the set's iteration order, so a full summary and a delta of the same set leave
 # the same index; seven pins whose index trims such blocks moved (before_busy 0, before_balance 1,
 # cold_home_ring 0, unsplit 0, wide 0, fetch_always 1, split_fetch 1).
+# 2026-12-06 (session 48): a backup hint also names a holder shallower than the first choice (the deepest of
+# the others, for what it holds) when no other is as deep; every configuration with backup hints on moved
+# (default, before_balance, before_busy, busy_from_reports, queue_copies), their rankings unchanged to the
+# decision (only hints were added: 3-29 per run); the backup rule before gave default 8ba394ef447ace6d5e28 /
+# f5f5eaafea3852e14401.
 PINS: dict[tuple[str, int], str] = {
     # backup hints for a first choice short of at most fetch_min_tokens of the deepest holders' prefix
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
     # default still gives 1210e37c7b2030c9ee54 / a8b3c382eb8c4356ccce, the pins of replicate_hot_prefixes
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
     # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
-    ("default", 0): "8ba394ef447ace6d5e28",
-    ("default", 1): "f5f5eaafea3852e14401",
-    ("before_balance", 0): "f59c22b69ebe88585d98",  # observed busy time as a quarter of the measure (2026-12-06)
-    ("before_balance", 1): "79b24c46bbe3487a1433",
-    ("busy_from_reports", 0): "e7ced704a3e9a8f8dc0e",  # busy spans mixed with the reported work counters
-    ("busy_from_reports", 1): "89ba62c591612d2a16f6",
-    ("before_busy", 0): "3fb617f5b7fb150a1d2f",  # the default's pins before balance_busy_share
-    ("before_busy", 1): "b36a4b64e1f282d0706b",
-    ("queue_copies", 0): "64ba51ddddccb5b4fcc2",  # queue_copy_requests 2 (off by default; 2026-12-04)
-    ("queue_copies", 1): "c615da1659d37d1536a4",
+    ("default", 0): "c428e8982908336ec99a",
+    ("default", 1): "02dc69510ea0c110d33a",
+    ("before_balance", 0): "45e3bed940971785d735",  # observed busy time as a quarter of the measure (2026-12-06)
+    ("before_balance", 1): "6c399be0c855fa3f8013",
+    ("busy_from_reports", 0): "7392bbc9288062088f62",  # busy spans mixed with the reported work counters
+    ("busy_from_reports", 1): "8e351be0bd92282f9db0",
+    ("before_busy", 0): "ccdad0c11821f134cde0",  # the default's pins before balance_busy_share
+    ("before_busy", 1): "8285e8b9d8eaadce45d1",
+    ("queue_copies", 0): "82b9708ab79dc4aad555",  # queue_copy_requests 2 (off by default; 2026-12-04)
+    ("queue_copies", 1): "68ff68524332fb321891",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",
     ("premium_always", 0): "b114452e4df866582152",  # fetch_min_tokens 64

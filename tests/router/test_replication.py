@@ -16,7 +16,7 @@ from router.request import RoutingRequest
 from router.sim_fetch import SimFetch, plan_fetch
 from router.policy_config import PolicyConfig
 from router.simulate import SimConfig, simulate
-from router.workload import shared_prefix
+from router.workload import multi_turn, shared_prefix
 from tests.router.fake_clock import Clock
 from tests.router.test_fetch import BLOCK, REPLICAS, SHARED, hot_request, request, route_hot_group
 from tests.router.test_fetch import make_policy as make_fetch_policy
@@ -212,7 +212,7 @@ def test_a_first_choice_among_two_holders_gets_a_backup_hint_naming_the_other():
         policy.check_invariants()
 
 
-def test_a_backup_hint_needs_a_second_holder_as_deep_and_a_prefix_worth_fetching():
+def test_a_backup_hint_needs_a_second_holder_of_a_prefix_worth_fetching():
     loads = {"a": 1.0, "b": 0.0, "c": 0.0}.get
     plan = FetchPlan({"a": 4, "b": 4, "c": 2}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never")
     assert plan.backup_hint("a") == FetchHint("b", 16)
@@ -221,6 +221,26 @@ def test_a_backup_hint_needs_a_second_holder_as_deep_and_a_prefix_worth_fetching
     assert plan.hint("c", 8, backup=True) == FetchHint("b", 16)  # the least loaded of the deepest
     assert FetchPlan({"a": 4}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
     assert FetchPlan({"a": 1, "b": 1}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
+    # the deepest alone: the deepest of the others backs it up, for what it holds (more than min_tokens)
+    shallower = FetchPlan({"a": 6, "b": 3, "c": 3, "d": 1}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never")
+    assert shallower.backup_hint("a") == FetchHint("b", 12)
+    assert FetchPlan({"a": 6, "d": 1}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
+
+
+def test_a_chat_moved_from_its_old_home_is_backed_up_by_it():
+    """Multi-turn FIFO, workload seed 5: a turn fetched to a new home, which
+    then evicted the fetched copy (a copy goes first) within the router's
+    grace for what it routed. The next turn went there by the index and,
+    without a backup hint naming the old home (which held all but the last
+    turn), recomputed 1,024 tokens another replica held."""
+    figures = {}
+    for backup in (True, False):
+        config = SimConfig(num_replicas=8, budget_tokens=16000, seed=5, policy=PolicyConfig(backup_fetch_hints=backup))
+        figures[backup] = simulate(multi_turn(seed=5), config, ["ours"], progress=False,
+                                   seeds=range(5, 6))["policies"]["ours"]
+    assert figures[False]["held_elsewhere_rate"] > 0.001
+    assert figures[True]["held_elsewhere_rate"] == 0.0
+    assert figures[True]["hit_rate"] > figures[False]["hit_rate"] + 0.001
 
 
 def test_the_replica_credit_is_the_fetch_credit_where_there_is_room():

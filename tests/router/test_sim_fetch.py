@@ -151,6 +151,19 @@ def test_a_partly_held_prefix_fetches_what_the_receiver_lacks(model):
     assert outcome.ttft_s == pytest.approx(0.001 + 300 * 1000 / 1e7 + 1 / PREFILL_TOKENS_PER_S)
 
 
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_the_receiver_fetches_what_the_owner_holds_past_the_hint(model):
+    # the owner cached PREFIX and its 10 answer tokens; the router knew only the 400 prompt tokens it routed
+    owner = warm_owner(model)
+    answer = tuple(range(5000, 5010))
+    receiver = make_replica(model, "receiver")
+    receiver.submit(1, request(10.0, PREFIX + answer + (42, 43)), 10.0, SimFetch(owner, 400, FAST))
+    receiver.advance(math.inf)
+    outcome = receiver.outcomes[1]
+    assert (outcome.cached_tokens, outcome.fetched_tokens, outcome.held_elsewhere_tokens) == (410, 410, 0)
+    assert receiver.match_units(PREFIX + answer) == 410
+
+
 def test_a_fetch_waits_while_other_sequences_run_in_batching():
     owner = warm_owner("cb")
     receiver = make_replica("cb", "receiver")

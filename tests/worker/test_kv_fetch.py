@@ -195,10 +195,11 @@ def test_fetch_only_when_the_transfer_beats_recomputing(pair, tokens):
         assert not primed.should_fetch(64, 64)
         long = int(4 * prior_s / s_per_token) + 1
         assert primed.should_fetch(long, long)
-        assert await fast.prepare(prompt, None, hint) == 64
+        # the owner holds the whole prompt: the receiver asks for all of it but the last token, past the hint
+        assert await fast.prepare(prompt, None, hint) == 95
         stats = fast.stats()
-        assert stats["fetch_count"] == 1 and stats["fetch_tokens"] == 64
-        assert stats["fetch_bytes"] == 64 * receiver_engine.engine.bytes_per_token and stats["fetch_seconds"] > 0
+        assert stats["fetch_count"] == 1 and stats["fetch_tokens"] == 95
+        assert stats["fetch_bytes"] == 95 * receiver_engine.engine.bytes_per_token and stats["fetch_seconds"] > 0
         assert fast.transfer.num_samples == 1 and stats["fetch_overhead_s"] >= 0  # the fetch refined the estimate
         assert await fast.prepare(prompt, None, hint) == 0  # held now: the hint is ignored
         assert fast.stats()["fetch_count"] == 1 and fallbacks(fast) == {}
@@ -224,7 +225,7 @@ def test_a_receiver_that_has_timed_no_prefill_recomputes_unless_told_to_fetch_ev
         assert await fresh.prepare(prompt, None, FetchHint(OWNER, 64)) == 0
         assert fallbacks(fresh) == {"unmeasured": 1} and calls.requests == []
         eager = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), calls)
-        assert await eager.prepare(prompt, None, FetchHint(OWNER, 64)) == 64 and len(calls.requests) == 1
+        assert await eager.prepare(prompt, None, FetchHint(OWNER, 64)) == 95 and len(calls.requests) == 1
         result = await receiver_engine.generate(tokens(80), GREEDY)  # a prefill step: now it is measured
         assert result.cached_tokens == 0 and receiver_engine.prefill_s_per_token is not None
         assert fresh.should_fetch(10_000, 10_000)  # a long prefix over a fast link pays
@@ -243,14 +244,38 @@ def test_after_a_fetch_outputs_equal_the_reference_bit_for_bit(pair, tokens):
         assert await receiver.prepare(prompt, "tenant", FetchHint(OWNER, 64)) == 0  # owner holds it unsalted only
         assert fallbacks(receiver) == {"evicted": 1}
         await owner_engine.generate(prompt[:70], GREEDY, salt="tenant")
-        assert await receiver.prepare(prompt, "tenant", FetchHint(OWNER, 64)) == 64
+        assert await receiver.prepare(prompt, "tenant", FetchHint(OWNER, 64)) == 70  # all the owner holds
         assert owner.stats()["fetch_exports"] == 1 and owner.stats()["fetch_exported_bytes"] > 0
         result = await receiver_engine.generate(prompt, GREEDY, salt="tenant")
         return result
 
     result = asyncio.run(main())
-    assert result.cached_tokens == 64
+    assert result.cached_tokens == 70
     assert_reference(result, receiver_engine, prompt)
+    assert_clean(owner_engine, receiver_engine)
+
+
+def test_a_follow_up_turn_fetches_the_answer_the_owner_generated_past_the_hint(pair, tokens):
+    """The router learns the prompts it routes, not the answers: after a
+    chat's turn, its owner holds the prompt and the answer it generated,
+    while the router's hint for the next turn names the prompt's depth
+    only. The receiver asks for the whole follow-up (but its last token)
+    and gets both; the outputs stay the reference's, bit for bit."""
+    owner_engine, receiver_engine = pair
+    turn = tokens(64)
+
+    async def main():
+        owner, receiver = fetchers(owner_engine, receiver_engine)
+        first = await owner_engine.generate(turn, GREEDY)
+        follow_up = turn + list(first.token_ids) + tokens(5)  # the answer, then the next question
+        held = owner_engine.cached_prefix_tokens(follow_up)
+        assert held > 64  # the owner cached (most of) its answer too
+        assert await receiver.prepare(follow_up, None, FetchHint(OWNER, 64)) == held
+        return follow_up, held, await receiver_engine.generate(follow_up, GREEDY)
+
+    follow_up, held, result = asyncio.run(main())
+    assert result.cached_tokens == held  # all the owner held of it: the prompt and the answer it cached
+    assert_reference(result, receiver_engine, follow_up)
     assert_clean(owner_engine, receiver_engine)
 
 
@@ -356,7 +381,7 @@ def test_a_request_cancelled_mid_fetch_cancels_the_call_and_leaks_nothing(pair, 
         return await receiver_engine.generate(prompt, GREEDY)
 
     result = asyncio.run(main())
-    assert result.cached_tokens in (0, 64)  # whether the import had begun when the cancel landed
+    assert result.cached_tokens in (0, 69)  # whether the import had begun when the cancel landed
     assert_clean(owner_engine, receiver_engine)
 
 
@@ -401,7 +426,7 @@ def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
             await asyncio.sleep(0.01)
         waiters[0].cancel()  # the one that started it leaves: the others still get it
         transport.gate.set()
-        assert await asyncio.gather(*waiters[1:]) == [64, 64]
+        assert await asyncio.gather(*waiters[1:]) == [66, 66]  # what the first asked for: its prompt but the last
         with pytest.raises(asyncio.CancelledError):
             await waiters[0]
         assert len(transport.requests) == 1
@@ -410,7 +435,7 @@ def test_requests_hinted_to_a_prefix_in_flight_join_its_fetch(pair, tokens):
         return await receiver_engine.generate(prompt, GREEDY)
 
     result = asyncio.run(main())
-    assert result.cached_tokens == 64
+    assert result.cached_tokens == 66
     assert_clean(owner_engine, receiver_engine)
 
 
@@ -469,7 +494,7 @@ def test_patience_0_waits_for_the_fetch(pair, tokens):
         await asyncio.sleep(3 * recompute_s + 0.05)
         assert not task.done()  # still waiting, as before patience existed
         transport.gate.set()
-        assert await task == 64
+        assert await task == 95
         assert receiver.stats()["fetch_outwaited"] == 0 and receiver.stats()["fetch_count"] == 1
 
     asyncio.run(main())
@@ -649,7 +674,7 @@ def test_an_owner_that_evicted_the_prefix_hands_over_to_the_alternates_in_turn(p
         transport = ByTarget(gone=Answers(ExportReply("gone", None)), failed=Fails(), holder=Direct(holder))
         receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(min_speedup=0.0), transport)
         hint = FetchHint("gone", 64, ("failed", "holder"))
-        assert await receiver.prepare(prompt, None, hint) == 64
+        assert await receiver.prepare(prompt, None, hint) == 69
         assert transport.asked == ["gone", "failed", "holder"] and fallbacks(receiver) == {}
         stats = receiver.stats()
         assert (stats["fetch_count"], stats["fetch_alternate_asks"], stats["fetch_from_alternate"]) == (1, 2, 1)
@@ -672,6 +697,6 @@ def test_an_owner_that_evicted_the_prefix_hands_over_to_the_alternates_in_turn(p
         return fetched
 
     result = asyncio.run(main())
-    assert result.cached_tokens == 64
+    assert result.cached_tokens == 69
     assert_reference(result, receiver_engine, prompt)
     assert_clean(owner_engine, receiver_engine)
