@@ -146,9 +146,9 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        holders' queues are within the bound, instead of queueing at its
        home until the bound spills it (re-prefilled). A copy that would
        evict (no room) is not offered: it may take a prefix's only copy.
-       **Backup hints** (``backup_fetch_hints``): a first choice that is one
-       of several deepest holders (or short of them by at most
-       ``fetch_min_tokens``) is hinted to another, so a copy evicted
+       **Backup hints** (``backup_fetch_hints``): a first choice among the
+       deepest holders (or short of them by at most ``fetch_min_tokens``)
+       is hinted to the deepest other holder, so a copy evicted
        since its last report is fetched back, not recomputed (a receiver
        that still holds it ignores the hint). Every hint names up to
        ``fetch_alternates`` more holders, asked in turn when the owner has

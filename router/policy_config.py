@@ -184,7 +184,11 @@ class PolicyConfig:
     the index counts among the holders of all but at most
     ``fetch_min_tokens`` of the prefix: a radix cache evicts from the
     deepest block up, and such a replica, hinted nothing, recomputed a
-    whole system prompt two others held.
+    whole system prompt two others held. Since 2026-12-06 (session 48;
+    BENCHMARKS.md "A fetch takes all the owner holds") a first choice
+    deepest alone is backed up by the deepest of the others, for what they
+    hold: a chat's old home after a turn moved (multi-turn FIFO 0.8983 ->
+    0.8989 over 16 seeds, with the receiver asking for all the owner holds).
     ``fetch_alternates`` = 2: a hint names up to two more holders as deep
     as it hints (``FetchHint.alternates``), least loaded first; the worker
     asks them in turn when the owner evicted the prefix (the index lags
@@ -301,7 +305,7 @@ class PolicyConfig:
     replica_room_factor: float = 1.5  # a new holder's last report has room for this many times the fetched tokens
     max_replica_fetch_cost: float = 0.5  # ... and a fetch costs it at most this share of recomputing (reported)
     max_demand_entries: int = 1 << 16  # prefixes whose demand is remembered (memory bound)
-    backup_fetch_hints: bool = True  # a first choice among several deepest holders gets a hint naming another
+    backup_fetch_hints: bool = True  # a first choice among the deepest holders gets a hint naming another holder
     fetch_alternates: int = 2  # other known holders a hint names, asked in turn when the owner evicted the prefix
     queue_copy_requests: float = 0.0  # q: every holder queued beyond q typical requests -> a lighter one may copy
     queue_copy_gap_requests: float = 1.0  # ... with at least this many typical requests less queued than each
