@@ -208,12 +208,10 @@ class FetchPlan:
         others = {r: d for r, d in depths.items() if r != first_id}
         if not others:
             return None
-        depth = max(others.values())
-        num_tokens = min(depth * self._block_size, num_fetchable)
+        num_tokens = min(max(others.values()) * self._block_size, num_fetchable)
         if num_tokens <= self._min_tokens:
             return None
-        owner = min((r for r, d in others.items() if d == depth), key=lambda r: (self._load_of(r), r))
-        return FetchHint(owner, num_tokens)
+        return FetchHint(deepest_holder(others, self._load_of), num_tokens)
 
     def with_alternates(self, hint: FetchHint | None, first_id: str) -> FetchHint | None:
         """``hint`` naming, besides its owner, up to ``max_alternates`` other
