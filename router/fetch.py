@@ -184,6 +184,9 @@ class FetchPlan:
         last report fetches it instead of recomputing it. A receiver that
         still holds it ignores the hint (the worker checks its own cache
         first). None when no other holder holds more than ``min_tokens``.
+        The first choice need not be among the listed candidates: a holder
+        past ``max_affinity_candidates`` that joined as a ring node is read
+        from the index (``depth_of``), and the listed holders back it up.
 
         Why a shallower holder too: a chat's turn fetched to a new home
         leaves the turns before it on the old one, and a replica evicts a
@@ -200,9 +203,10 @@ class FetchPlan:
         (shared-prefix FIFO, fetched holders made on long queues).
         """
         depths, num_fetchable = self._depths, self._num_fetchable
-        if num_fetchable <= self._min_tokens or first_id not in depths:
+        if num_fetchable <= self._min_tokens:
             return None
-        first_tokens = min(depths[first_id] * self._block_size, self._num_prompt_tokens - 1)
+        first_depth = depths[first_id] if first_id in depths else self._depth_of(first_id)
+        first_tokens = min(first_depth * self._block_size, self._num_prompt_tokens - 1)
         if num_fetchable - first_tokens > self._min_tokens:
             return None  # the ordinary hint rule applies
         others = {r: d for r, d in depths.items() if r != first_id}

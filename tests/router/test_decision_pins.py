@@ -178,22 +178,26 @@ CONFIGS = {
 # (default, before_balance, before_busy, busy_from_reports, queue_copies), their rankings unchanged to the
 # decision (only hints were added: 3-29 per run); the backup rule before gave default 8ba394ef447ace6d5e28 /
 # f5f5eaafea3852e14401.
+# 2026-12-06 (session 49): a first choice that holds the prefix but is not among the listed candidates (a
+# holder past max_affinity_candidates that joined as a ring node) gets a backup hint too; the same five
+# configurations moved, their rankings unchanged to the decision (only hints were added: 1-3 per run); the
+# rule before gave default c428e8982908336ec99a / 02dc69510ea0c110d33a.
 PINS: dict[tuple[str, int], str] = {
     # backup hints for a first choice short of at most fetch_min_tokens of the deepest holders' prefix
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
     # default still gives 1210e37c7b2030c9ee54 / a8b3c382eb8c4356ccce, the pins of replicate_hot_prefixes
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
     # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
-    ("default", 0): "c428e8982908336ec99a",
-    ("default", 1): "02dc69510ea0c110d33a",
-    ("before_balance", 0): "45e3bed940971785d735",  # observed busy time as a quarter of the measure (2026-12-06)
-    ("before_balance", 1): "6c399be0c855fa3f8013",
-    ("busy_from_reports", 0): "7392bbc9288062088f62",  # busy spans mixed with the reported work counters
-    ("busy_from_reports", 1): "8e351be0bd92282f9db0",
-    ("before_busy", 0): "ccdad0c11821f134cde0",  # the default's pins before balance_busy_share
-    ("before_busy", 1): "8285e8b9d8eaadce45d1",
-    ("queue_copies", 0): "82b9708ab79dc4aad555",  # queue_copy_requests 2 (off by default; 2026-12-04)
-    ("queue_copies", 1): "68ff68524332fb321891",
+    ("default", 0): "d680c881e902c9c8ea0b",
+    ("default", 1): "e34d30ae82358afe4057",
+    ("before_balance", 0): "b6601999c456a46d5aa8",  # observed busy time as a quarter of the measure (2026-12-06)
+    ("before_balance", 1): "72a0eae2f4776dfe3cf1",
+    ("busy_from_reports", 0): "a706d527bae19e22ef42",  # busy spans mixed with the reported work counters
+    ("busy_from_reports", 1): "d4090cf515c7d6e43bb4",
+    ("before_busy", 0): "9718f47ccf0228e383c1",  # the default's pins before balance_busy_share
+    ("before_busy", 1): "52f945bfa44ce329b214",
+    ("queue_copies", 0): "1a1b3897b446bf90cbf3",  # queue_copy_requests 2 (off by default; 2026-12-04)
+    ("queue_copies", 1): "168c48058018583571e9",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",
     ("premium_always", 0): "b114452e4df866582152",  # fetch_min_tokens 64

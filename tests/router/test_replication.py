@@ -227,6 +227,25 @@ def test_a_backup_hint_needs_a_second_holder_of_a_prefix_worth_fetching():
     assert FetchPlan({"a": 6, "d": 1}, lambda r: 0, BLOCK, 40, loads, 4, 0.1, "never").backup_hint("a") is None
 
 
+def test_a_first_choice_outside_the_candidates_is_backed_up_too():
+    """The candidates list names at most ``max_affinity_candidates`` of the
+    deepest holders; a first choice that holds the prefix too but joined as
+    a ring node (not listed) is still backed up by a listed holder.
+    Shared-prefix FIFO at 8,000 tokens, credit "always" with
+    ``affinity_weight`` 4, workload seed 3: with four other holders listed,
+    such a first choice got no hint, had evicted its fetched copy since its
+    last report, and recomputed 1,024 tokens two other replicas held."""
+    loads = {"a": 1.0, "b": 0.0, "c": 0.0, "d": 2.0}.get
+    depth_of = {"d": 4}.get
+    plan = FetchPlan({"a": 4, "b": 4, "c": 4}, lambda r: depth_of(r, 0), BLOCK, 40, loads, 4, 0.1, "never")
+    assert plan.backup_hint("d") == FetchHint("b", 16)  # the least loaded of the listed holders
+    assert plan.hint("d", 0, backup=True) == FetchHint("b", 16)
+    assert plan.hint("d", 0, backup=False) is None
+    # an unlisted first choice the index knows nothing of gets the ordinary hint, not a backup
+    assert plan.backup_hint("e") is None
+    assert plan.hint("e", 0, backup=True) == FetchHint("b", 16)
+
+
 def test_a_chat_moved_from_its_old_home_is_backed_up_by_it():
     """Multi-turn FIFO, workload seed 5: a turn fetched to a new home, which
     then evicted the fetched copy (a copy goes first) within the router's
