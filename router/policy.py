@@ -66,19 +66,20 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        prices are what the replicas' engines measure (their summaries'
        ``decode_token_cost`` / ``queue_token_cost``, the median over the
        fleet; :class:`ReportedTokenPrices`), the configured ones only until
-       a replica reports (``learn_token_costs``). The expected
-       output is what the replicas observe, never the request's real length:
+       a replica reports (``learn_token_costs``). The expected output is what the replicas observe, never the request's real length:
        the mean output length ``r`` reports in its summaries (its prefixes'
        applications), else the fleet's, capped by the request's
        ``max_tokens`` (``num_output_tokens``); ``prior_output_tokens`` until
-       anyone reports. With ``w = 1`` the
-       cost is the request's own time to first token; a deep match weighs up
+       anyone reports. With ``w = 1`` the cost is the request's own time to first token; a deep match weighs up
        to ``affinity_weight`` times more, because keeping a conversation where
        its cache is saves that prefill for every later turn too, while a
        near-cold match (a few shared blocks) is placed by load. A part that
        ``h`` replicas hold earns ``1/h`` of that premium at each: its later
        requests spread over the ``h``, and it stays cached whichever of them
-       (or another replica) takes this one. With ``premium_needs_completion``
+       (or another replica) takes this one; a prefix that drew more than
+       ``hot_affinity_share`` of a replica's recent work per holder spreads
+       anyway, so where a fetch pays its request weighs at
+       ``hot_affinity_weight`` (5.5, not 16; :meth:`_affinity_weight`). With ``premium_needs_completion``
        (the default) blocks an in-flight request there has yet to compute
        earn no premium while a burst of this router's requests in flight
        (``premium_pending_min_users``, and more than one replica's share)
@@ -97,8 +98,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        completed (:class:`router.busy_spans.BusySpans`), scaled to work
        units: under batching overlapping requests share their steps, so the
        work a replica took says little about how long it was busy, and its
-       spans do. Ties (idle
-       replicas for a cold prompt) go in ring order from ``k`` (a pure
+       spans do. Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a pure
        function of the replica set, so every router homes a cold prefix on the
        same replica and cold prefixes spread by hash), then by a rendezvous
        hash of (k, replica); ``tie_by_recent_work`` puts this router's recent
@@ -156,8 +156,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        by default): where every holder candidate has more than that many
        typical requests' work queued, a candidate at least
        ``queue_copy_gap_requests`` lighter with room for
-       ``queue_copy_room_factor`` x the copy is credited as a hot prefix's
-       would-be holder.
+       ``queue_copy_room_factor`` x the copy is credited as a hot prefix's would-be holder.
     6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
        falls back to the next when the first is full. Given a
        ``request_id``, the first choice is *reserved* at once (its work
@@ -335,6 +334,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
                          request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, scoring.is_over,
                          config.fetch_alternates) if config.fetch_enabled else None
+        scoring.affinity_weight = self._affinity_weight(request, found, scoring.mean_recent, now, plan)
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
         may_hold = None  # who may gain a holder of the prefix: a hot prefix, or one queued at every holder
         if credit is None and plan is not None:
@@ -342,12 +342,9 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
                 may_hold = self._has_room
             elif (holders_load := self._holders_queued(found, scoring)) is not None:
                 may_hold = self._queue_copy_target(holders_load, scoring)
-        if may_hold is not None:
-            fetchable = plan.fetchable
-            cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
-            if cost <= min(self.config.max_replica_fetch_cost, 0.999):  # a fetch pays, with a margin
-                credit = plan.replica_credit(may_hold, cost)  # it may gain a holder
-                scoring.fetch_share = 1.0 / (1.0 - cost)  # saved = every fetched token, its cost charged once
+        if may_hold is not None and (cost := self._paying_fetch_cost(plan)) is not None:
+            credit = plan.replica_credit(may_hold, cost)  # it may gain a holder
+            scoring.fetch_share = 1.0 / (1.0 - cost)  # saved = every fetched token, its cost charged once
         scored, cached_at = scoring.order(found, config.block_size, credit)  # steps 3-4
         ranked = [entry[-1] for entry in scored if not entry[0]]
         if not ranked:  # every candidate is over the bound: spill along the ring

@@ -85,7 +85,7 @@ class RequestBookingMixin:
             done = self._pending.computed_depth(replica_id, hashes, depth)
             anchor = hashes[done] if done < len(hashes) else None  # the first block it waits for there
             self._pending.add(request_id, replica_id, hashes[depth:], now, anchor)
-        if self.config.replicate_hot_prefixes:
+        if self.config.replicate_hot_prefixes or self.config.hot_affinity_weight is not None:
             num_known = found.num_known if found is not None else self._index.deepest_holders(hashes, 1)[0]
             if num_known > 0:
                 self._demand.add(hashes[num_known - 1], work, now)

@@ -196,6 +196,24 @@ class PolicyConfig:
     simulated figure measured; with queued copies, shared-prefix FIFO over
     seeds 0-39 lost a group's prefix in 6 seeds without alternates, in 1
     with them (there every replica had evicted it).
+    ``hot_affinity_weight`` = 5.5 at ``hot_affinity_share`` = 0.1
+    (2026-12-06, session 49; BENCHMARKS.md "A prefix in demand weighs
+    less"): a request whose known prefix drew more than a tenth of a
+    replica's mean recent work per replica holding it weighs its cached
+    tokens at 5.5, not 16, where the replicas report that a fetch pays
+    (as for ``replicate_hot_prefixes``). The premium stands for the later requests that
+    will reuse the prefix where it is cached; a prefix in that much demand
+    spreads over more replicas whatever this request does, so a lighter
+    replica that recomputes or fetches it wins sooner than a queue at its
+    holder. Over workload seeds 0-39: shared-prefix FIFO imbalance 1.050
+    -> 1.027, TTFT p99 0.278 -> 0.199 s, hit the optimum either way;
+    multi-turn FIFO hit 0.8988 -> 0.8989, batching imbalance 1.050 ->
+    1.049; Mooncake 1.25M (nine summary periods, both models): every
+    figure identical (no prefix there draws that much per holder). A
+    global ``affinity_weight`` of 5.5 gave shared-prefix FIFO 0.177 s but
+    cost multi-turn FIFO 0.006 of hit (moved chats' histories fill the
+    caches twice); gating it on the replication rule's hotness (a quarter
+    of a replica's work) left shared-prefix's waits untouched (0.246 s).
     ``queue_copy_requests`` = 0 (off): at q > 0, a request whose every
     holder candidate has more than q typical requests' work queued credits
     a candidate with at least ``queue_copy_gap_requests`` (1) typical
@@ -253,8 +271,10 @@ class PolicyConfig:
     too), which routes nearly by load and fetches — better TTFT under FIFO
     decode queueing, but more copies, so fewer hits where the fleet's
     cache is tight. With ``fetch_enabled`` False the policy ranks exactly
-    as before fetch existed; with "never" it ranks and books the same given
-    the same reports, and only adds hints.
+    as before fetch existed; with "never" (and ``replicate_hot_prefixes``
+    and ``hot_affinity_weight`` off, which weigh a prefix differently
+    where a fetch pays) it ranks and books the same given the same
+    reports, and only adds hints.
     """
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
@@ -262,6 +282,8 @@ class PolicyConfig:
     load_factor: float = 1.1  # c: recent work of a replica <= c x mean (+ one request + chance)
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
+    hot_affinity_weight: float | None = 5.5  # alpha for a prefix drawing beyond its holders (None: off)
+    hot_affinity_share: float = 0.1  # ... more than this share of a replica's mean recent work per holder
     split_affinity_by_holders: bool = True  # a cached token's premium (w - 1) / the replicas holding its block
     premium_needs_completion: bool = True  # no premium for blocks in flight there that a burst of requests waits on
     premium_pending_min_users: int = 4  # a burst: at least this many in-flight requests there wait on them
@@ -322,7 +344,7 @@ class PolicyConfig:
                           ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0),
                           ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0), ("queue_copy_requests", 0.0),
                           ("queue_copy_gap_requests", 0.0), ("queue_copy_room_factor", 0.0),
-                          ("max_replica_fetch_cost", 0.0)):
+                          ("max_replica_fetch_cost", 0.0), ("hot_affinity_share", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < low:
@@ -331,6 +353,10 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        weight = self.hot_affinity_weight
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not math.isfinite(weight) or weight < 1.0):
+            raise ValueError(f"hot_affinity_weight must be None or a finite number >= 1.0, got {weight!r}")
         if not isinstance(self.balance_from_reports, bool):
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",

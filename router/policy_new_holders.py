@@ -1,12 +1,14 @@
 """Step 5's new holders for :class:`router.policy.PrefixAffinityPolicy`:
 whether a request's prefix may gain a holder that fetches it (a hot prefix,
-or one queued at every holder) and which replica has room for the copy."""
+or one queued at every holder) and which replica has room for the copy; and
+step 3's lighter affinity weight for a prefix in demand beyond its holders."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from router.candidates import Candidates
+from router.fetch import FetchPlan
 from router.request import RoutingRequest
 from router.scoring import Scoring
 
@@ -14,18 +16,58 @@ from router.scoring import Scoring
 class NewHoldersMixin:
     """The new-holder part of :class:`router.policy.PrefixAffinityPolicy`
     (mixed into it, never used alone): reads the components the policy
-    creates (``_index``, ``_demand``, ``_fill``) and its moving average of a
+    creates (``_index``, ``_demand``, ``_fill``, ``_fetch_cost``) and its moving average of a
     request's queued work (``_typical_queued``); changes nothing."""
 
     def _is_hot(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float) -> bool:
         """Whether the request's known prefix (its first ``m`` blocks) drew,
         per replica known to hold it, more than ``hot_prefix_share`` of a
         replica's mean recent work (``replicate_hot_prefixes``; step 5)."""
-        if not self.config.replicate_hot_prefixes or found.num_known <= 0:
+        if not self.config.replicate_hot_prefixes:
+            return False
+        return self._draws_more_than(self.config.hot_prefix_share, request, found, mean_recent, now)
+
+    def _affinity_weight(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float,
+                         plan: FetchPlan | None) -> float:
+        """The affinity weight for this request (step 3's ``w``):
+        ``hot_affinity_weight`` (at most ``affinity_weight``) when its known
+        prefix drew, per replica known to hold it, more than
+        ``hot_affinity_share`` of a replica's mean recent work, and the
+        replicas report that fetching it pays (:meth:`_paying_fetch_cost`);
+        else ``affinity_weight``. Such a prefix is in demand beyond what its
+        holders serve, so its later requests spread whatever this one does:
+        a holder's claim on them, which the premium stands for, is weak, and
+        a lighter replica that takes this one fetches the prefix with the
+        hint. Where fetching does not pay, the lighter replica would
+        recompute it and cache a second copy: shared-prefix FIFO with fetch
+        off lost 0.15 of hit to the lighter weight (BENCHMARKS.md)."""
+        config = self.config
+        if (config.hot_affinity_weight is None or plan is None
+                or not self._draws_more_than(config.hot_affinity_share, request, found, mean_recent, now)
+                or self._paying_fetch_cost(plan) is None):
+            return config.affinity_weight
+        return min(config.hot_affinity_weight, config.affinity_weight)
+
+    def _paying_fetch_cost(self, plan: FetchPlan) -> float | None:
+        """What fetching the plan's fetchable prefix costs a replica, in
+        shares of recomputing it (what the replicas report,
+        :class:`router.fetch_cost.ReportedFetchCost`), when that is at most
+        ``max_replica_fetch_cost`` (and under 1: a margin); else None, and
+        None when nothing is fetchable."""
+        fetchable = plan.fetchable
+        cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
+        return cost if cost <= min(self.config.max_replica_fetch_cost, 0.999) else None
+
+    def _draws_more_than(self, share: float, request: RoutingRequest, found: Candidates, mean_recent: float,
+                         now: float) -> bool:
+        """Whether the request's known prefix drew more than ``share`` of a
+        replica's mean recent work per replica known to hold it (False when
+        no block of it is known)."""
+        if found.num_known <= 0:
             return False
         key = request.block_hashes[found.num_known - 1]
         num_holders = max(self._index.num_holders(key), 1)
-        return self._demand.value(key, now) > self.config.hot_prefix_share * mean_recent * num_holders
+        return self._demand.value(key, now) > share * mean_recent * num_holders
 
     def _holders_queued(self, found: Candidates, scoring: Scoring) -> float | None:
         """The least queued work among the candidates holding part of the

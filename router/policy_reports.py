@@ -52,7 +52,8 @@ class ReplicaReportsMixin:
         if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
                 or self.config.queue_copy_requests):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
-        if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests) and self.config.learn_token_costs:
+        if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests
+                or self.config.hot_affinity_weight is not None) and self.config.learn_token_costs:  # its readers
             self._fetch_cost.report(replica_id, summary.fetch_token_cost, summary.fetch_overhead_tokens)
         if self.config.learn_token_costs:
             was_measured = self._prices.is_measured

@@ -22,7 +22,9 @@ class Scoring:
     ``fetch_affinity_share``, or ``1 / (1 - fetch_token_cost)`` where a hot
     prefix may gain a holder: ``saved`` is then every fetched token, and
     the last term charges ``fetch_token_cost`` for each)
-    and ``w = 1 + (affinity_weight - 1) * premium(r) / T``, ``premium =
+    and ``w = 1 + (alpha - 1) * premium(r) / T`` (``alpha``: the
+    ``affinity_weight`` field where the policy set one, a prefix in demand
+    at ``hot_affinity_weight``; else ``config.affinity_weight``), ``premium =
     saved`` or, with ``premium`` given, ``premium(cached) + fetch_share *
     credit``
     (:func:`holder_premium`), ``cached`` there only its computed part where
@@ -55,6 +57,7 @@ class Scoring:
     # share of the fetch credit weighed like cached tokens; None: fetch_affinity_share. Where a hot prefix may
     # gain a holder, 1 / (1 - fetch_token_cost): every fetched token weighs as cached, less its fetch cost once
     fetch_share: float | None = None
+    affinity_weight: float | None = None  # w in force for this request; None: config.affinity_weight
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -89,7 +92,7 @@ class Scoring:
         depths, ring_rank, within_replica, within_tokens = (found.depths, found.ring_rank, found.within_replica,
                                                             found.within_tokens)
         num_ring, last_token, prompt_or_1 = len(ring_rank), num_prompt - 1, max(num_prompt, 1)
-        per_saved = config.affinity_weight - 1.0
+        per_saved = (config.affinity_weight if self.affinity_weight is None else self.affinity_weight) - 1.0
         saved_share = config.fetch_affinity_share if self.fetch_share is None else self.fetch_share
         decode_token_cost, tie_by_recent = config.decode_token_cost, config.tie_by_recent_work
         balance, mean_balance, dead = self.balance, self.mean_balance, self.dead

@@ -136,6 +136,10 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
 # balance_busy_share 0.6 with balance_weight 0.6 (a stronger balance term) became the default after all of
 # them (2026-12-06, later): every config but "default" carries the weight 0.2 explicitly (and the share it was
 # pinned with), and "before_balance" checks that the default with 0.25 / 0.2 decides as the default pinned before.
+# hot_affinity_weight 5.5 (a prefix in demand beyond its holders weighs less; 2026-12-06, session 49) became the
+# default after all of them: every config but "default" carries it off (with_hot_off below), and "before_hot"
+# checks that the default with it off decides exactly as the default pinned before it.
+BEFORE_HOT = {"hot_affinity_weight": None}
 BEFORE_BALANCE = {"balance_busy_share": 0.25, "balance_weight": 0.2}
 BEFORE_BUSY = {"balance_busy_share": 0.0, "balance_weight": 0.2}
 BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, **BEFORE_BUSY}
@@ -144,6 +148,7 @@ UNSPLIT = {**PREMIUM_ALWAYS, "split_affinity_by_holders": False, "balance_weight
 
 CONFIGS = {
     "default": {},
+    "before_hot": BEFORE_HOT,  # the default before hot_affinity_weight
     "queue_copies": {"queue_copy_requests": 2.0, **BEFORE_BUSY},  # the default with queued copies on
     "before_busy": BEFORE_BUSY,  # the default before balance_busy_share
     "before_balance": BEFORE_BALANCE,  # the default before the stronger balance term
@@ -165,6 +170,7 @@ CONFIGS = {
     "wide": {**UNSPLIT, "max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
              "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
 }
+CONFIGS = {name: config if name == "default" else {**BEFORE_HOT, **config} for name, config in CONFIGS.items()}
 
 # sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite; re-pinned when
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
@@ -188,8 +194,11 @@ PINS: dict[tuple[str, int], str] = {
     # default still gives 1210e37c7b2030c9ee54 / a8b3c382eb8c4356ccce, the pins of replicate_hot_prefixes
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
     # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
-    ("default", 0): "d680c881e902c9c8ea0b",
-    ("default", 1): "e34d30ae82358afe4057",
+    # hot_affinity_weight 5.5 at hot_affinity_share 0.1 (2026-12-06, session 49)
+    ("default", 0): "700f5895196351dcb5de",
+    ("default", 1): "5dd8255312d2e57dabf6",
+    ("before_hot", 0): "d680c881e902c9c8ea0b",  # the default's pins before hot_affinity_weight
+    ("before_hot", 1): "e34d30ae82358afe4057",
     ("before_balance", 0): "b6601999c456a46d5aa8",  # observed busy time as a quarter of the measure (2026-12-06)
     ("before_balance", 1): "72a0eae2f4776dfe3cf1",
     ("busy_from_reports", 0): "a706d527bae19e22ef42",  # busy spans mixed with the reported work counters

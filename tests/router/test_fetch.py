@@ -14,10 +14,11 @@ REPLICAS = [f"replica-{i}" for i in range(4)]
 SHARED = [7000 + i for i in range(32)]  # 8 blocks every request of a hot group shares
 
 
-# The rule before replicate_hot_prefixes and backup_fetch_hints (both on by default since 2026-12-04):
-# the tests of the "never" scope's identity and of the owner-over-bound hint use it; the new rule's are in
+# The rule before replicate_hot_prefixes and backup_fetch_hints (both on by default since 2026-12-04) and
+# hot_affinity_weight (session 49; like replication it weighs a prefix differently where a fetch pays): the
+# tests of the "never" scope's identity and of the owner-over-bound hint use it; the newer rules' are in
 # tests/router/test_replication.py.
-BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, "hot_affinity_weight": None}
 
 
 def make_policy(clock=None, **config):

@@ -85,7 +85,12 @@ SYSTEM = tokens(9, 2 * BLOCK)  # two full blocks every chat shares
 
 
 def make_policy(clock=None, **config):
-    policy = PrefixAffinityPolicy(PolicyConfig(**({"block_size": BLOCK, "sub_block_tokens": SUB} | config)),
+    """Two replicas holding SYSTEM. One affinity weight for every prefix
+    (``hot_affinity_weight`` off): SYSTEM draws all the work here, and the
+    lighter weight would let the balance term outweigh a turn's 8-token
+    partial block, which these scenarios weigh against it."""
+    config = {"block_size": BLOCK, "sub_block_tokens": SUB, "hot_affinity_weight": None} | config
+    policy = PrefixAffinityPolicy(PolicyConfig(**config),
                                   clock=clock or Clock())
     policy.set_replicas(["x", "y"])
     for version, replica in enumerate(["x", "y"]):  # both hold the system prompt

@@ -60,7 +60,7 @@ def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_wait
     policy.check_invariants()
     # a computed prefix earns its premium: after the first chat completes, the next three follow it
     policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
-                         queue_decode_token_cost=4.0, replicate_hot_prefixes=False)
+                         queue_decode_token_cost=4.0, replicate_hot_prefixes=False, hot_affinity_weight=None)
     first = policy.rank(chats[0], request_id="first")[0]
     policy.on_completed("first")
     assert [policy.rank(chat, request_id=f"next{i}")[0] for i, chat in enumerate(chats[1:4])] == [first] * 3

@@ -20,9 +20,10 @@ def make_policy(clock=None, replicas=REPLICAS, **config):
 
 
 # Scenarios laid out in work units around the bound, the premium or copies keep the balance term as it was
-# when they were written (balance_weight 0.2, a quarter of its measure busy time); the stronger default
-# (0.6 and 0.6, 2026-12-06) is pinned by test_decision_pins.py and measured in BENCHMARKS.md.
-EARLIER_BALANCE = {"balance_weight": 0.2, "balance_busy_share": 0.25}
+# when they were written (balance_weight 0.2, a quarter of its measure busy time) and one affinity weight for
+# every prefix (no hot_affinity_weight, session 49); the defaults since (0.6 and 0.6, 2026-12-06; 5.5 for a
+# prefix drawing a tenth of a replica's work) are pinned by test_decision_pins.py and measured in BENCHMARKS.md.
+EARLIER_BALANCE = {"balance_weight": 0.2, "balance_busy_share": 0.25, "hot_affinity_weight": None}
 
 
 def request(tokens, salt=None, num_output_tokens=0):
@@ -528,7 +529,8 @@ def test_tenants_do_not_share_affinity():
     ("block_size", 0), ("load_factor", 0.5), ("affinity_weight", 0.0), ("load_window_s", 0),
     ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("balance_output_price", "free"), ("balance_busy_share", 1.5), ("balance_busy_share", -0.1), ("num_ranked", 1.5), ("load_factor", True),
     ("load_slack_sd", -1.0), ("reservation_timeout_s", 0), ("premium_pending_min_users", 0),
-    ("premium_needs_completion", 1),
+    ("premium_needs_completion", 1), ("hot_affinity_weight", 0.5), ("hot_affinity_weight", float("inf")),
+    ("hot_affinity_weight", True), ("hot_affinity_share", -0.1),
 ])
 def test_bad_config_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -24,7 +24,7 @@ from tests.router.test_policy import summary
 from tests.router.test_sim_fetch import FAST, make_replica, warm_owner
 from tests.router.test_sim_fetch import request as sim_request
 
-OFF = {"replicate_hot_prefixes": False, "backup_fetch_hints": False}
+OFF = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, "hot_affinity_weight": None}  # the rule before
 
 
 def make_policy(clock=None, **config):
@@ -177,7 +177,7 @@ def test_a_prefix_reused_now_and_then_is_not_replicated():
     replica's work, so every decision is the one the rule without
     replication makes."""
     chosen = {}
-    for name, knobs in (("on", {}), ("off", OFF)):
+    for name, knobs in (("on", {"hot_affinity_weight": None}), ("off", OFF)):
         clock = Clock()
         policy = make_policy(clock, **{**knobs, "backup_fetch_hints": False})
         rng = random.Random(5)
@@ -254,7 +254,8 @@ def test_a_chat_moved_from_its_old_home_is_backed_up_by_it():
     turn), recomputed 1,024 tokens another replica held."""
     figures = {}
     for backup in (True, False):
-        config = SimConfig(num_replicas=8, budget_tokens=16000, seed=5, policy=PolicyConfig(backup_fetch_hints=backup))
+        config = SimConfig(num_replicas=8, budget_tokens=16000, seed=5, policy=PolicyConfig(backup_fetch_hints=backup,
+                                                                                      hot_affinity_weight=None))
         figures[backup] = simulate(multi_turn(seed=5), config, ["ours"], progress=False,
                                    seeds=range(5, 6))["policies"]["ours"]
     assert figures[False]["held_elsewhere_rate"] > 0.001
@@ -425,6 +426,7 @@ def test_an_alternate_holder_keeps_a_prefix_the_hinted_owner_evicted():
     figures = {}
     for alternates in (0, 2):
         policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates, balance_busy_share=0.0,
+                              hot_affinity_weight=None,
                               balance_weight=0.2)
         config = SimConfig(num_replicas=8, budget_tokens=8000, seed=21, policy=policy)
         figures[alternates] = simulate(shared_prefix(seed=21), config, ["ours"], progress=False,
