@@ -66,7 +66,8 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        prices are what the replicas' engines measure (their summaries'
        ``decode_token_cost`` / ``queue_token_cost``, the median over the
        fleet; :class:`ReportedTokenPrices`), the configured ones only until
-       a replica reports (``learn_token_costs``). The expected output is what the replicas observe, never the request's real length:
+       a replica reports (``learn_token_costs``). The expected output is
+       what the replicas observe, never the request's real length:
        the mean output length ``r`` reports in its summaries (its prefixes'
        applications), else the fleet's, capped by the request's
        ``max_tokens`` (``num_output_tokens``); ``prior_output_tokens`` until
@@ -334,11 +335,12 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
                          request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
                          config.fetch_credit_scope, scoring.is_over,
                          config.fetch_alternates) if config.fetch_enabled else None
-        scoring.affinity_weight = self._affinity_weight(request, found, scoring.mean_recent, now, plan)
+        draw = self._prefix_draw(request, found, now) if plan is not None else None  # its demand, its holders
+        scoring.affinity_weight = self._affinity_weight(draw, scoring.mean_recent, plan)
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
         may_hold = None  # who may gain a holder of the prefix: a hot prefix, or one queued at every holder
         if credit is None and plan is not None:
-            if self._is_hot(request, found, scoring.mean_recent, now):
+            if self._is_hot(draw, scoring.mean_recent):
                 may_hold = self._has_room
             elif (holders_load := self._holders_queued(found, scoring)) is not None:
                 may_hold = self._queue_copy_target(holders_load, scoring)

@@ -19,32 +19,44 @@ class NewHoldersMixin:
     creates (``_index``, ``_demand``, ``_fill``, ``_fetch_cost``) and its moving average of a
     request's queued work (``_typical_queued``); changes nothing."""
 
-    def _is_hot(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float) -> bool:
-        """Whether the request's known prefix (its first ``m`` blocks) drew,
-        per replica known to hold it, more than ``hot_prefix_share`` of a
-        replica's mean recent work (``replicate_hot_prefixes``; step 5)."""
-        if not self.config.replicate_hot_prefixes:
-            return False
-        return self._draws_more_than(self.config.hot_prefix_share, request, found, mean_recent, now)
+    def _prefix_draw(self, request: RoutingRequest, found: Candidates, now: float) -> tuple[float, int]:
+        """``(demand, holders)`` of the request's known prefix (its first
+        ``m`` blocks): the recent work it drew, and the replicas known to
+        hold it (at least 1); ``(0.0, 1)`` when no block of it is known or
+        neither rule that reads it is on. Looked up once per decision, for
+        :meth:`_is_hot` and :meth:`_affinity_weight`."""
+        config = self.config
+        if found.num_known <= 0 or not (config.replicate_hot_prefixes or config.hot_affinity_weight is not None):
+            return 0.0, 1
+        key = request.block_hashes[found.num_known - 1]
+        return self._demand.value(key, now), max(self._index.num_holders(key), 1)
 
-    def _affinity_weight(self, request: RoutingRequest, found: Candidates, mean_recent: float, now: float,
-                         plan: FetchPlan | None) -> float:
+    def _is_hot(self, draw: tuple[float, int], mean_recent: float) -> bool:
+        """Whether the known prefix (``draw``: :meth:`_prefix_draw`) drew, per
+        replica known to hold it, more than ``hot_prefix_share`` of a
+        replica's mean recent work (``replicate_hot_prefixes``; step 5)."""
+        demand, holders = draw
+        return self.config.replicate_hot_prefixes and demand > self.config.hot_prefix_share * mean_recent * holders
+
+    def _affinity_weight(self, draw: tuple[float, int] | None, mean_recent: float, plan: FetchPlan | None) -> float:
         """The affinity weight for this request (step 3's ``w``):
         ``hot_affinity_weight`` (at most ``affinity_weight``) when its known
-        prefix drew, per replica known to hold it, more than
-        ``hot_affinity_share`` of a replica's mean recent work, and the
-        replicas report that fetching it pays (:meth:`_paying_fetch_cost`);
-        else ``affinity_weight``. Such a prefix is in demand beyond what its
-        holders serve, so its later requests spread whatever this one does:
-        a holder's claim on them, which the premium stands for, is weak, and
-        a lighter replica that takes this one fetches the prefix with the
-        hint. Where fetching does not pay, the lighter replica would
-        recompute it and cache a second copy: shared-prefix FIFO with fetch
-        off lost 0.15 of hit to the lighter weight (BENCHMARKS.md)."""
+        prefix (``draw``: :meth:`_prefix_draw`) drew, per replica known to
+        hold it, more than ``hot_affinity_share`` of a replica's mean recent
+        work, and the replicas report that fetching it pays
+        (:meth:`_paying_fetch_cost`); else ``affinity_weight``. Such a prefix
+        is in demand beyond what its holders serve, so its later requests
+        spread whatever this one does: a holder's claim on them, which the
+        premium stands for, is weak, and a lighter replica that takes this
+        one fetches the prefix with the hint. Where fetching does not pay,
+        the lighter replica would recompute it and cache a second copy:
+        shared-prefix FIFO with fetch off lost 0.15 of hit to the lighter
+        weight (BENCHMARKS.md)."""
         config = self.config
-        if (config.hot_affinity_weight is None or plan is None
-                or not self._draws_more_than(config.hot_affinity_share, request, found, mean_recent, now)
-                or self._paying_fetch_cost(plan) is None):
+        if config.hot_affinity_weight is None or draw is None or plan is None:
+            return config.affinity_weight
+        demand, holders = draw
+        if not demand > config.hot_affinity_share * mean_recent * holders or self._paying_fetch_cost(plan) is None:
             return config.affinity_weight
         return min(config.hot_affinity_weight, config.affinity_weight)
 
@@ -57,17 +69,6 @@ class NewHoldersMixin:
         fetchable = plan.fetchable
         cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
         return cost if cost <= min(self.config.max_replica_fetch_cost, 0.999) else None
-
-    def _draws_more_than(self, share: float, request: RoutingRequest, found: Candidates, mean_recent: float,
-                         now: float) -> bool:
-        """Whether the request's known prefix drew more than ``share`` of a
-        replica's mean recent work per replica known to hold it (False when
-        no block of it is known)."""
-        if found.num_known <= 0:
-            return False
-        key = request.block_hashes[found.num_known - 1]
-        num_holders = max(self._index.num_holders(key), 1)
-        return self._demand.value(key, now) > share * mean_recent * num_holders
 
     def _holders_queued(self, found: Candidates, scoring: Scoring) -> float | None:
         """The least queued work among the candidates holding part of the
