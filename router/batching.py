@@ -175,6 +175,7 @@ class BatchingReplica:
         self.reported_token_costs: tuple[float, float] | None = None  # None: the profile's
         self.reported_fetch_costs: tuple[float, float] = (0.0, 0.0)  # what a fetch costs here (FetchModel)
         self.busy_s = 0.0
+        self.busy_reported = 0.0  # the busy counter last reported (observed_summary): it never goes back
         self._last_busy = (0.0, 0.0)  # (start, end) of the latest busy run counted in busy_s
         self.outcomes: dict[int, Outcome] = {}
         self._clock_s = 0.0  # when the next step may start

@@ -148,6 +148,7 @@ class SimReplica:
         self.cost = cost
         self.free_at_s = 0.0
         self.busy_s = 0.0
+        self.busy_reported = 0.0  # the busy counter last reported (observed_summary): it never goes back
         self.outcomes: dict[int, Outcome] = {}
         self._jobs: deque[_Job] = deque()  # not yet finished, in start order
         self._completions: list[tuple[float, int, int]] = []  # heap of (finish_s, number, output tokens)
@@ -276,5 +277,14 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
         queue_token_cost=queue_token_cost,
         fetch_token_cost=replica.reported_fetch_costs[0],
         fetch_overhead_tokens=replica.reported_fetch_costs[1],
-        busy_s_total=replica.busy_until(now),
+        busy_s_total=_busy_counter(replica, now),
     )
+
+
+def _busy_counter(replica, now: float) -> float:
+    """The replica's busy-time counter as its summary reports it: busy up to
+    ``now``, never below what it reported before. A live counter only grows;
+    ``busy_until`` is a difference of floats that can read an ulp lower a
+    period later."""
+    replica.busy_reported = max(replica.busy_reported, replica.busy_until(now))
+    return replica.busy_reported

@@ -8,6 +8,13 @@ from collections.abc import Callable
 
 from router.decay_base import DecayBase
 
+#: How far a counter may read below its last report and still count as the
+#: same run (no increment): float noise, or a rounding of the counter. The
+#: live Worker rounds it to 1 ms; the simulated replicas' counter, a
+#: difference of floats, once read 1e-15 s lower a period later, and read as
+#: a restart it made that replica look idle to the router (2026-12-06).
+COUNTER_SLACK_S = 1e-3
+
 
 class ReportedBusy:
     """Recent busy seconds per replica from ``CacheSummary.busy_s_total``.
@@ -31,8 +38,10 @@ class ReportedBusy:
     1/K of a replica's busy time, and its view of who is busy is mostly
     noise at light load; the replica knows how long its engine was busy, and
     every router reads the same report. The first report of a replica (or
-    of a new epoch, or a counter that went back) seeds it with this
-    router's own figure. :attr:`num_counting` is how many replicas'
+    of a new epoch, or a counter that went back by more than
+    :data:`COUNTER_SLACK_S`) seeds it with this router's own figure; one
+    that went back by less adds nothing, and its last count stays the
+    higher one. :attr:`num_counting` is how many replicas'
     counters have moved: a worker from before the field reports 0 for
     ever, and read as a counter it would look idle, so the policy reads
     these figures only when every replica's has.
@@ -70,16 +79,17 @@ class ReportedBusy:
         """A summary of ``replica_id`` counted ``busy_s_total`` busy seconds;
         ``own_busy_s`` is this router's own decayed busy figure for it now."""
         last = self._last.get(replica_id)
+        if last is None or last[0] != epoch or busy_s_total < last[1] - COUNTER_SLACK_S:
+            reported = own_busy_s  # nothing to difference: this router's own figure
+        else:
+            at_s, before = self._reported[replica_id]
+            busy_s_total = max(busy_s_total, last[1])  # within the slack: no increment
+            reported = before * math.exp(-max(0.0, now - at_s) / self.window_s) + (busy_s_total - last[1])
         self._last[replica_id] = (epoch, busy_s_total)
         if busy_s_total > 0:
             self._counting.add(replica_id)
         else:
             self._counting.discard(replica_id)
-        if last is None or last[0] != epoch or busy_s_total < last[1]:
-            reported = own_busy_s  # nothing to difference: this router's own figure
-        else:
-            at_s, before = self._reported[replica_id]
-            reported = before * math.exp(-max(0.0, now - at_s) / self.window_s) + (busy_s_total - last[1])
         self._reported[replica_id] = (now, reported)
         self._rebase_if_due(now)
         scaled = (reported - own_busy_s) / self._decay(now)

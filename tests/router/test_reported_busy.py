@@ -58,6 +58,21 @@ def test_a_new_epoch_or_a_counter_that_went_back_seeds_again(epoch, total):
     assert value(tracker, "a", 8.0, {"a": 1.5}) == pytest.approx(1.5 * d(2) + 3.0)
 
 
+def test_a_counter_a_hair_lower_adds_nothing_and_keeps_the_replicas_figure():
+    """A counter read 1e-12 s below its last report (float noise, under
+    ``COUNTER_SLACK_S``) is the same run: no increment, no reseeding with this
+    router's own figure, which would make a busy replica look idle."""
+    tracker = ReportedBusy(W)
+    tracker.report("a", "e", 100.0, now=0.0, own_busy_s=2.0)
+    tracker.report("a", "e", 104.0, now=5.0, own_busy_s=0.5)
+    reported = 2.0 * d(5) + 4.0
+    tracker.report("a", "e", 104.0 - 1e-12, now=6.0, own_busy_s=0.4)
+    assert value(tracker, "a", 6.0, {"a": 0.4}) == pytest.approx(reported * d(1))  # not 0.4
+    tracker.report("a", "e", 105.0, now=7.0, own_busy_s=0.3)  # the increment from the higher count
+    assert value(tracker, "a", 7.0, {"a": 0.3}) == pytest.approx(reported * d(2) + 1.0)
+    tracker.check_invariants()
+
+
 def test_the_mean_matches_the_replicas_and_removal_drops_one():
     tracker = ReportedBusy(W)
     own = {"a": 1.0, "b": 0.0, "c": 3.0}
