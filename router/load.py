@@ -26,7 +26,8 @@ class LoadTracker:
     **Queued work** ``load(r) = local(r) + foreign(r)``: ``local`` sums the
     work of this router's requests on ``r`` that have not completed (exact,
     updated at once); ``foreign = max(0, reported - local at report time)``
-    is what other routers put there, as of the replica's last report. With
+    is what other routers put there, as of the replica's last report, plus
+    what their shared decisions added since (:meth:`add_foreign`). With
     one router ``foreign`` stays ~0; with several, each still sees its own
     pending work at once, which is what keeps routers from herding onto a
     replica between reports.
@@ -296,6 +297,18 @@ class LoadTracker:
         foreign = max(0.0, load_tokens - self._local[replica_id])
         self._total += foreign - self._foreign[replica_id]
         self._foreign[replica_id] = foreign
+        self._changed(replica_id)
+
+    def add_foreign(self, replica_id: str, num_tokens: float) -> None:
+        """Another router sent ``num_tokens`` of queued work to ``replica_id``
+        (its shared decision): it counts in ``foreign`` until the replica's
+        next report, which carries it if it still waits."""
+        if not num_tokens >= 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        if replica_id not in self._local:
+            return
+        self._foreign[replica_id] += num_tokens
+        self._total += num_tokens
         self._changed(replica_id)
 
     def expire(self, now: float) -> None:

@@ -32,8 +32,11 @@ class RequestBookingMixin:
         their decisions: ``router.serve_decisions``). Its blocks are learned
         there and its work counts as this router's recent work, as if this
         router had routed it and seen it done at once: no in-flight entry
-        (its completion is the other router's to see; the replica's reports
-        carry its queue), and no completion for :class:`RouterShare`.
+        (its completion is the other router's to see), and no completion for
+        :class:`RouterShare`. Its queued work counts as the replica's
+        ``foreign`` load until the replica's next report, whose queue carries
+        it if it still waits (``peer_queue_until_report``; the report may
+        already carry it for up to one period: counted twice until the next).
         ``request`` comes without token ids (a prompt's worth per decision
         would be most of what the routers exchange); ``tail_token_ids``, the
         tokens past its last full block, are learned as its partial last
@@ -42,7 +45,9 @@ class RequestBookingMixin:
             return
         now = self._clock()
         request_id = f"peer:{self._share.on_peer_decision(now)}"
-        self._count(request, replica_id, request_id, reserve=False)
+        queued = self._count(request, replica_id, request_id, reserve=False)
+        if self.config.peer_queue_until_report:
+            self._loads.add_foreign(replica_id, queued)
         self._pending.done(request_id)
         self._queue_priced.on_completed(request_id)
         self._loads.on_completed(request_id, now)
@@ -51,20 +56,20 @@ class RequestBookingMixin:
             self._partial.learn(replica_id, hashes[-1] if hashes else salt_seed(request.salt), tail_token_ids)
 
     def _count(self, request: object, replica_id: str, request_id: str, reserve: bool,
-               num_fetched_tokens: int = 0, found: Candidates | None = None) -> None:
+               num_fetched_tokens: int = 0, found: Candidates | None = None) -> float:
         """``found``: the candidates of the decision just made for ``request``
         (nothing changed since), whose within-block match is reused."""
         now = self._clock()
         if reserve and self._loads.refresh(request_id, replica_id, now):
             self._queue_priced.refresh(request_id, replica_id, now)
-            return  # asked again (Ray retries): keep the work counted the first time
+            return 0.0  # asked again (Ray retries): keep the work counted the first time
         add = self._loads.reserve if reserve else self._loads.on_routed
         try:
             routing = RoutingRequest.from_object(request)
         except ValueError:  # unknown size: count it as a typical request
             add(request_id, replica_id, self._typical_work, now)
             self._queue_priced.book(request_id, replica_id, self._typical_work, 0.0, now, reserve)
-            return
+            return self._typical_work
         hashes = routing.block_hashes
         depth = self._index.depth(replica_id, hashes)
         same_match = found is not None and depth == found.num_known  # the same query, the same answer
@@ -93,6 +98,7 @@ class RequestBookingMixin:
         if self._partial is not None and routing.token_ids:
             parent = hashes[-1] if hashes else salt_seed(routing.salt)
             self._partial.learn(replica_id, parent, routing.token_ids[len(hashes) * self.config.block_size:])
+        return queued
 
     def on_completed(self, request_id: str) -> None:
         now = self._clock()

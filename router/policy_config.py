@@ -313,6 +313,7 @@ class PolicyConfig:
     balance_fleet_scale: bool = True  # scale balance_weight by how many routers share the traffic (RouterShare)
     load_peer_estimate: bool = False  # add (routers - 1) x this router's work since a replica's report to its load
     bound_fleet_scale: bool = False  # the bound's one-request slack / the number of routers (RouterShare)
+    peer_queue_until_report: bool = True  # another router's shared decision is queued work there until the next report
     drain_foreign_load: bool = False  # other routers' reported work drains at the fastest rate seen since the report
     cold_home: str = "cost"  # where a cold request goes: cost | ring | bounded | least_of_two (router.cold_home)
     cold_home_load_factor: float = 1.25  # "bounded": a cold home's shared load <= this x the mean (+ one request)
@@ -361,7 +362,7 @@ class PolicyConfig:
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
                      "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
-                     "load_peer_estimate", "drain_foreign_load", "bound_fleet_scale", "busy_from_reports"):
+                     "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "bound_fleet_scale", "busy_from_reports"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fetch_alternates) is not int or self.fetch_alternates < 0:

@@ -30,6 +30,21 @@ def test_reports_add_only_what_other_routers_put_there():
     loads.check_invariants()
 
 
+def test_another_routers_decision_is_foreign_work_until_the_next_report():
+    loads = LoadTracker()
+    loads.on_routed("q1", "a", 100.0, now=0.0)
+    loads.on_report("a", 150.0)  # 50 from elsewhere
+    loads.add_foreign("a", 30.0)  # a shared decision since
+    loads.add_foreign("gone", 30.0)  # a replica it does not know: nothing
+    assert (loads.load("a"), loads.foreign("a"), loads.total) == (180.0, 80.0, 180.0)
+    loads.check_invariants()
+    loads.on_report("a", 120.0)  # the report carries what still waits: it replaces the guess
+    assert (loads.load("a"), loads.total) == (120.0, 120.0)
+    loads.check_invariants()
+    with pytest.raises(ValueError, match="num_tokens"):
+        loads.add_foreign("a", -1.0)
+
+
 def test_least_loaded_prefers_the_least_recent_work_among_equal_loads():
     loads = LoadTracker(window_s=10.0)
     for replica in ("a", "b", "c"):

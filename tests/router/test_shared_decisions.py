@@ -3,6 +3,8 @@ the policy books another router's decision, and the simulated effect."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cache import block_hashes
@@ -15,7 +17,7 @@ from router.shared_decisions import DecisionLog, PeerDecision
 from router.simulate import SimConfig, replay
 from router.workload import from_sessions
 from tests.router.fake_clock import Clock
-from tests.router.test_cold_home import BLOCK, REPLICAS, make_policy
+from tests.router.test_cold_home import BLOCK, REPLICAS, make_policy, report
 from tests.router.test_reported_busy import with_history
 
 
@@ -94,6 +96,51 @@ def test_a_peer_decision_is_learned_and_counted_as_recent_work_without_an_in_fli
     policy.on_peer_routed(decision.request, "a replica that left", ())
     assert policy.routing_status()["peer_decisions"] == len(REPLICAS)  # the last one ignored
     policy.check_invariants()
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_peer_decision_is_queued_work_at_its_replica_until_the_next_report(on):
+    """The other router's request waits at its replica until that replica
+    reports its queue: this router counts it there meanwhile, so it does not
+    send the next request to the same replica as if it were idle."""
+    clock = Clock()
+    policy = make_policy(clock, peer_queue_until_report=on)
+    for replica_id in REPLICAS:
+        report(policy, replica_id, 1)
+    decision = PeerDecision.of(routing(list(range(5000, 5000 + 4 * BLOCK + 3)), num_output_tokens=16),
+                               REPLICAS[2], BLOCK)
+    policy.on_peer_routed(decision.request, decision.replica_id, decision.tail_token_ids)
+    queued = policy.loads.load(REPLICAS[2])
+    if on:  # its prompt (nothing cached) and its expected output at the queue's price
+        assert queued >= decision.request.num_prompt_tokens
+    else:
+        assert queued == 0.0
+    assert all(policy.loads.load(r) == 0.0 for r in REPLICAS if r != REPLICAS[2])
+    report(policy, REPLICAS[2], 2, queued=40)  # the replica's queue replaces the guess
+    assert policy.loads.load(REPLICAS[2]) == 40.0
+    policy.check_invariants()
+
+
+def test_peers_queued_work_shortens_the_waits_four_routers_cause():
+    """Multi-turn chats, FIFO replicas, four routers sharing decisions 50 ms
+    late, seeds 0-3: counting another router's decision as queued work until
+    its replica reports cuts TTFT p99 (1.41 -> 1.24 s) at the same hit rate."""
+    figures = {}
+    for on in (False, True):
+        runs = [replay_seed("multi-turn", seed, routers=4, peer_queue_until_report=on) for seed in range(4)]
+        figures[on] = [sum(r[name] for r in runs) / len(runs) for name in ("ttft_p99_s", "hit_rate")]
+    assert figures[True][0] < 0.92 * figures[False][0]
+    assert figures[True][1] >= figures[False][1] - 0.0005
+
+
+def replay_seed(workload, seed, routers, **policy_args):
+    """One seeded replay as ``router.simulate`` runs it from its command line."""
+    from router import simulate
+    argv = ["--workload", workload, "--replicas", "8", "--budget-tokens", "16000", "--routers", str(routers),
+            "--summary-period-s", "0.25", "--share-decisions-s", "0.05", "--seed", str(seed), "--policies",
+            "ours", "--policy-args", json.dumps(policy_args), "--json", "unused.json"]
+    workload, config, _ = simulate.build_run(simulate.build_parser().parse_args(argv))
+    return simulate.simulate(workload, config, ["ours"], seeds=(seed,))["policies"]["ours"]
 
 
 def test_a_peer_decision_is_no_completion_of_this_router_and_turns_the_balance_scale_off():
