@@ -179,10 +179,8 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        spans since (``busy_from_reports``, :class:`ReportedBusy`), at
        ``reported_busy_share`` (0.8): a router's own spans cover ~1/K of a
        replica's busy time, the counter all of it, alike for every router.
-       Another router's shared decision (``on_peer_routed``) counts as
-       queued work at its replica until that replica's next report, which
-       carries it if it still waits (``peer_queue_until_report``). Off,
-       measured: ``load_peer_estimate`` (a replica's queued work adds
+       A shared decision of another router is queued work at its replica
+       until that replica reports (``peer_queue_until_report``). Off, measured: ``load_peer_estimate`` (a replica's queued work adds
        (K - 1) × what this router sent it since its last report: the others,
        seeing alike traffic, likely sent as much), ``drain_foreign_load``,
        ``bound_fleet_scale`` and ``cold_home`` (:mod:`router.cold_home`:
