@@ -179,10 +179,10 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        spans since (``busy_from_reports``, :class:`ReportedBusy`), at
        ``reported_busy_share`` (0.8): a router's own spans cover ~1/K of a
        replica's busy time, the counter all of it, alike for every router.
-       A shared decision of another router is queued work at its replica
-       until that replica reports (``peer_queue_until_report``). Off, measured: ``load_peer_estimate`` (a replica's queued work adds
-       (K - 1) × what this router sent it since its last report: the others,
-       seeing alike traffic, likely sent as much), ``drain_foreign_load``,
+       Another router's shared decision is queued work at its replica until
+       that replica reports (``peer_queue_until_report``). Off, measured:
+       ``load_peer_estimate`` (a replica's queued work adds (K - 1) × what
+       this router sent it since its last report), ``drain_foreign_load``,
        ``bound_fleet_scale`` and ``cold_home`` (:mod:`router.cold_home`:
        cold prefixes by ring order and summaries only, which every router
        computes alike): BENCHMARKS.md "Several ingress routers".
