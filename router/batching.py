@@ -12,7 +12,7 @@ from pathlib import Path
 from cache import RadixCache
 from cache.summary import CacheSummary
 from router.cluster import Completion, Outcome, OutputWindow, observed_summary
-from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch
+from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch, still_computed
 from router.workload import SimRequest
 
 
@@ -117,7 +117,9 @@ class _Seq:
     request: SimRequest
     arrival_s: float
     num_cached: int = 0
-    num_prefilled: int = 0  # prompt positions in KV (cached ones included)
+    num_prefilled: int = 0  # prompt positions in KV (cached ones included), its latest step's chunk counted
+    num_prefilled_before: int = 0  # ... before that step, which ends at step_end_s
+    step_end_s: float = 0.0
     num_generated: int = 0
     fetch: SimFetch | None = None  # the hint, until the admission that plans it
     num_fetched: int = 0  # prompt tokens fetched from the owner
@@ -180,6 +182,7 @@ class BatchingReplica:
         self.outcomes: dict[int, Outcome] = {}
         self._clock_s = 0.0  # when the next step may start
         self._running: list[_Seq] = []
+        self._just_finished: list[_Seq] = []  # finished in the latest step (computed_units reads its end)
         self._waiting: deque[_Seq] = deque()
         self._kv_used = 0
         self._finished: list[Completion] = []  # finished in committed steps, not yet released
@@ -192,6 +195,20 @@ class BatchingReplica:
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
+
+    def computed_units(self, units: tuple[int, ...], now: float) -> int:
+        """:meth:`match_units` less what a running sequence's prefill has
+        yet to compute at ``now`` (inserted at admission, computed chunk by
+        chunk; a step's chunks once it ends): what an export reads."""
+        held = self.match_units(units)
+        for seq in (*self._running, *self._just_finished):
+            if seq.step_end_s <= now and seq.is_prefilled:
+                continue
+            done = (seq.num_prefilled if seq.step_end_s <= now else seq.num_prefilled_before) \
+                // seq.request.unit_tokens
+            if held > done and still_computed(units, seq.request.units, done):
+                held = done
+        return held
 
     def busy_until(self, now: float) -> float:
         """Seconds this replica was busy up to ``now``: ``busy_s`` less the
@@ -271,6 +288,7 @@ class BatchingReplica:
             seq.num_generated += 1
             self._kv_used += 1
         for seq, chunk in chunks:
+            seq.num_prefilled_before, seq.step_end_s = seq.num_prefilled, end_s
             seq.num_prefilled += chunk
             if seq.is_prefilled:  # first token
                 seq.num_generated = 1
@@ -314,7 +332,7 @@ class BatchingReplica:
         self._finish_done(self._clock_s)
 
     def _finish_done(self, end_s: float) -> None:
-        still = []
+        still, self._just_finished = [], []
         for seq in self._running:
             if seq.num_generated >= seq.request.num_output_tokens and seq.is_prefilled:
                 self._kv_used -= seq.num_kv_tokens
@@ -322,6 +340,7 @@ class BatchingReplica:
                 self._outputs.add(seq.request.num_output_tokens)
                 self._output_total += seq.request.num_output_tokens
                 self._finished.append(Completion(seq.number, end_s))
+                self._just_finished.append(seq)
             else:
                 still.append(seq)
         self._running = still
@@ -352,8 +371,9 @@ class BatchingReplica:
                 seq.ready_s = self._clock_s + plan.transfer_s
         if is_first_admission:
             seq.held_elsewhere_tokens = held_elsewhere(self.peers, request.units, request.cached_tokens,
-                                                       seq.num_cached)
-        seq.num_prefilled, seq.num_generated = seq.num_cached, 0
+                                                       seq.num_cached, self._clock_s)
+        seq.num_prefilled = seq.num_prefilled_before = seq.num_cached
+        seq.num_generated = 0
         self._kv_used += request.num_prompt_tokens  # the whole prompt's KV is reserved at admission
         self.radix.insert(request.units)
         self._running.append(seq)

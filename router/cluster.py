@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from cache import RadixCache
 from cache.summary import CacheSummary, cached_block_hashes
-from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch
+from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch, still_computed
 from router.workload import SimRequest
 
 OUTPUT_WINDOW = 64  # finished requests a replica's mean output length covers (as the live worker)
@@ -101,6 +101,9 @@ class _Job:
     finish_s: float
     num_prompt_tokens: int
     num_output_tokens: int
+    units: tuple[int, ...] = ()  # what it caches (cache_units: its prompt's, then its answer's in a chat)
+    num_cached_units: int = 0  # of them in this replica's cache at arrival: the prompt's rest computed by prefill_end_s
+    num_prompt_units: int = 0  # the answer's units computed by finish_s
 
 
 class OutputWindow:
@@ -163,6 +166,18 @@ class SimReplica:
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
+    def computed_units(self, units: tuple[int, ...], now: float) -> int:
+        """:meth:`match_units` less what a request not finished at ``now``
+        has yet to compute (inserted at arrival: its prompt computed by its
+        ``prefill_end_s``, its answer by its ``finish_s``): what an export
+        reads."""
+        held = self.match_units(units)
+        for job in self._jobs:
+            done = job.num_cached_units if job.prefill_end_s > now else job.num_prompt_units
+            if job.finish_s > now and held > done and still_computed(units, job.units, done):
+                held = done
+        return held
+
     @property
     def token_costs(self) -> tuple[float, float]:
         """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output
@@ -193,14 +208,14 @@ class SimReplica:
             transfer_s = plan.transfer_s  # a fetch, or the round trips that found the prefix evicted
             if plan.num_units:
                 cached, fetched = request.cached_tokens(plan.num_units), plan.num_tokens
-        elsewhere = held_elsewhere(self.peers, request.units, request.cached_tokens, cached)
+        elsewhere = held_elsewhere(self.peers, request.units, request.cached_tokens, cached, now)
         start = max(now, self.free_at_s)
         prefill_s = transfer_s + (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
         service_s = prefill_s + request.num_output_tokens * self.cost.decode_s_per_token
         self.free_at_s = start + service_s
         self.busy_s += service_s
         self._jobs.append(_Job(number, start, start + prefill_s, self.free_at_s, request.num_prompt_tokens,
-                               request.num_output_tokens))
+                               request.num_output_tokens, request.cache_units, num_units, len(request.units)))
         heapq.heappush(self._completions, (self.free_at_s, number, request.num_output_tokens))
         self.radix.insert(request.cache_units)
         self._prefill_total += request.num_prompt_tokens - cached

@@ -28,8 +28,20 @@ class NewHoldersMixin:
         config = self.config
         if found.num_known <= 0 or not (config.replicate_hot_prefixes or config.hot_affinity_weight is not None):
             return 0.0, 1
+        if not self._computed_somewhere(request, found):
+            return 0.0, 1
         key = request.block_hashes[found.num_known - 1]
         return self._demand.value(key, now), max(self._index.num_holders(key), 1)
+
+    def _computed_somewhere(self, request: RoutingRequest, found: Candidates) -> bool:
+        """Whether some replica known to hold the request's known prefix has
+        computed all of it: no request this router sent there still
+        computes one of its blocks (:class:`PendingBlocks`). A replica
+        exports only what its prefill has computed, so a prefix still in
+        the works at every holder would be recomputed by a new one."""
+        pending, hashes, known = self._pending, request.block_hashes, found.num_known
+        return any(not pending.has_pending(r) or pending.computed_depth(r, hashes, known) >= known
+                   for r, depth in found.depths.items() if depth >= known)
 
     def _is_hot(self, draw: tuple[float, int], mean_recent: float) -> bool:
         """Whether the known prefix (``draw``: :meth:`_prefix_draw`) drew, per

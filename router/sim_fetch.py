@@ -78,6 +78,11 @@ class Owner(Protocol):
     def match_units(self, units: tuple[int, ...]) -> int:
         """Leading units of ``units`` cached now (no LRU touch)."""
 
+    def computed_units(self, units: tuple[int, ...], now: float) -> int:
+        """Leading units of ``units`` cached with their KV computed by
+        ``now``: what an export reads (a worker's tree takes a block once
+        the prefill chunk that computes it has run)."""
+
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
         """Copy ``units`` out (a pure read, as the worker's export: no LRU touch)
         and stay busy ``busy_s`` from ``now``."""
@@ -141,7 +146,7 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     own_tokens = cached_tokens(num_own_units)
     latency_s = fetch.model.latency_s
     for num_asked, owner in enumerate((fetch.owner, *fetch.alternates), 1):
-        held = owner.match_units(units)
+        held = owner.computed_units(units, now)
         missing = cached_tokens(held) - own_tokens
         if held > num_own_units and missing > 0:
             break
@@ -155,16 +160,25 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     return FetchPlan(held, missing, asked_s + transfer_s, "fetched", num_asked)
 
 
-def held_elsewhere(peers: Sequence[Owner], units: tuple[int, ...], cached_tokens, num_used_tokens: int) -> int:
-    """Prompt tokens some other replica (of ``peers``) held beyond the
-    ``num_used_tokens`` a request reused (cached or fetched), read from the
-    replicas' true caches when its outcome is fixed: what a fleet whose
-    caches acted as one would have saved on top. ``cached_tokens(units) ->
-    tokens`` is the request's rule (at most prompt - 1). A report-only
-    figure: no policy ever reads it. O(len(units)) per peer."""
+def still_computed(units: tuple[int, ...], computing: tuple[int, ...], num_done: int) -> bool:
+    """Whether unit ``num_done`` of ``units`` is one a request prefilling
+    ``computing`` (its first ``num_done`` units computed) has yet to
+    compute: the two share their first ``num_done + 1`` units."""
+    return len(units) > num_done < len(computing) and units[:num_done + 1] == computing[:num_done + 1]
+
+
+def held_elsewhere(peers: Sequence[Owner], units: tuple[int, ...], cached_tokens, num_used_tokens: int,
+                   now: float) -> int:
+    """Prompt tokens some other replica (of ``peers``) held, computed, at
+    ``now`` beyond the ``num_used_tokens`` a request reused (cached or
+    fetched), read from the replicas' true caches when its outcome is fixed:
+    what a fleet whose caches acted as one would have saved on top.
+    ``cached_tokens(units) -> tokens`` is the request's rule (at most prompt
+    - 1). A report-only figure: no policy ever reads it. O(len(units)) per
+    peer."""
     if not peers:
         return 0
-    deepest = max(peer.match_units(units) for peer in peers)
+    deepest = max(peer.computed_units(units, now) for peer in peers)
     return max(cached_tokens(deepest) - num_used_tokens, 0)
 
 

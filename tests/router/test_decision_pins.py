@@ -188,6 +188,11 @@ CONFIGS = {name: config if name == "default" else {**BEFORE_HOT, **config} for n
 # holder past max_affinity_candidates that joined as a ring node) gets a backup hint too; the same five
 # configurations moved, their rankings unchanged to the decision (only hints were added: 1-3 per run); the
 # rule before gave default c428e8982908336ec99a / 02dc69510ea0c110d33a.
+# 2026-12-06 (session 50): neither rule that reads a prefix's demand (replication, the lighter weight) acts
+# on a prefix every known holder still computes (blocks pending there: a replica exports only what its
+# prefill computed, so a new holder would recompute it); six pins of configurations with replication on
+# moved (default 0, before_balance 0 and 1, before_busy 0, busy_from_reports 0, queue_copies 0); the rule
+# before gave default 700f5895196351dcb5de.
 PINS: dict[tuple[str, int], str] = {
     # backup hints for a first choice short of at most fetch_min_tokens of the deepest holders' prefix
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
@@ -195,17 +200,17 @@ PINS: dict[tuple[str, int], str] = {
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
     # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
     # hot_affinity_weight 5.5 at hot_affinity_share 0.1 (2026-12-06, session 49)
-    ("default", 0): "700f5895196351dcb5de",
+    ("default", 0): "77f74c16048365e8fc62",
     ("default", 1): "5dd8255312d2e57dabf6",
     ("before_hot", 0): "d680c881e902c9c8ea0b",  # the default's pins before hot_affinity_weight
     ("before_hot", 1): "e34d30ae82358afe4057",
-    ("before_balance", 0): "b6601999c456a46d5aa8",  # observed busy time as a quarter of the measure (2026-12-06)
-    ("before_balance", 1): "72a0eae2f4776dfe3cf1",
-    ("busy_from_reports", 0): "a706d527bae19e22ef42",  # busy spans mixed with the reported work counters
+    ("before_balance", 0): "16504f3938c3ba7cf0c3",  # observed busy time as a quarter of the measure (2026-12-06)
+    ("before_balance", 1): "1a05e4367d64ea972717",
+    ("busy_from_reports", 0): "016a01cefa1be36fdacf",  # busy spans mixed with the reported work counters
     ("busy_from_reports", 1): "d4090cf515c7d6e43bb4",
-    ("before_busy", 0): "9718f47ccf0228e383c1",  # the default's pins before balance_busy_share
+    ("before_busy", 0): "5b45af011acb4c3bc9ad",  # the default's pins before balance_busy_share
     ("before_busy", 1): "52f945bfa44ce329b214",
-    ("queue_copies", 0): "1a1b3897b446bf90cbf3",  # queue_copy_requests 2 (off by default; 2026-12-04)
+    ("queue_copies", 0): "8de070667020588dbaa2",  # queue_copy_requests 2 (off by default; 2026-12-04)
     ("queue_copies", 1): "168c48058018583571e9",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",

@@ -27,17 +27,19 @@ def prompt_with(prefix, i):
                           len(prefix) + 8, None, "", 1)
 
 
-def queued_home(clock=None, **knobs):
+def queued_home(clock=None, first_in_flight=False, **knobs):
     """Four replicas with about equal recent work. ``replica-0`` holds
     PREFIX, which twelve requests used there (eleven reused it: their work,
     ~0.16 of a replica's recent work, is its demand), and has eight requests
     of others queued (in flight, ~9 prompts' work); the others' work has
-    completed. Returns the policy and a new request for PREFIX."""
+    completed (``first_in_flight``: all but the first, which brought PREFIX
+    there). Returns the policy and a new request for PREFIX."""
     clock = clock or Clock()
-    policy = make_policy(clock, **ISOLATED, **knobs)
+    policy = make_policy(clock, **{**ISOLATED, **knobs})
     for i in range(12):
         policy.on_routed(prompt_with(PREFIX, i), REPLICAS[0], f"p{i}")
-        policy.on_completed(f"p{i}")
+        if i or not first_in_flight:
+            policy.on_completed(f"p{i}")
     for r, replica_id in enumerate(REPLICAS):
         for i in range(8 if r == 0 else 11):
             request_id = f"{replica_id}-{i}"
@@ -60,6 +62,16 @@ def test_a_prefix_in_demand_leaves_a_queued_home_and_fetches_it():
     assert decision.fetch.num_tokens == len(PREFIX)
     policy, request = queued_home(**OFF)
     assert policy.decide(request).ranked[0] == REPLICAS[0]
+
+
+@pytest.mark.parametrize("first_in_flight", [False, True])
+def test_a_prefix_its_holder_still_computes_keeps_the_full_weight(first_in_flight):
+    """A replica exports only what its prefill has computed. While the
+    request that brought PREFIX to its only holder is in flight there (its
+    blocks pending: ``premium_needs_completion``), a replica that took this
+    request would recompute PREFIX: the full weight holds it at its home."""
+    policy, request = queued_home(first_in_flight=first_in_flight, premium_needs_completion=True)
+    assert (policy.decide(request).ranked[0] == REPLICAS[0]) == first_in_flight
 
 
 def test_a_prefix_drawing_less_than_the_share_keeps_the_full_weight():

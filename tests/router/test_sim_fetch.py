@@ -72,6 +72,41 @@ def test_an_owner_that_evicted_the_prefix_means_recompute(model):
     assert owner.fetch_counts.export_busy_s == 0.0
 
 
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_prefix_the_owner_still_computes_is_not_fetched(model):
+    """The owner's cache takes a prompt's blocks as its prefill computes
+    them (the worker inserts each chunk's full blocks once it ran); an
+    export reads no more. A hint that arrives while the owner's prefill of
+    the prefix is under way recomputes it; once done, it fetches."""
+    owner = make_replica(model, "owner")
+    owner.submit(0, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)  # 410 tokens: 0.41 s of prefill
+    owner.advance(0.2)
+    assert owner.match_units(PREFIX) == len(PREFIX)  # in its tree since arrival (admission)
+    assert owner.computed_units(PREFIX, 0.2) < 300  # but at most its first ~200 tokens computed
+    early = make_replica(model, "early")
+    early.submit(1, request(0.2, PREFIX + tuple(range(9000, 9010))), 0.2, SimFetch(owner, 400, FAST))
+    early.advance(math.inf)
+    assert early.outcomes[1].fetched_tokens < 300
+    owner.advance(0.5)
+    assert owner.computed_units(PREFIX, 0.5) == len(PREFIX)
+    late = make_replica(model, "late")
+    late.submit(2, request(0.5, PREFIX + tuple(range(7000, 7010))), 0.5, SimFetch(owner, 400, FAST))
+    late.advance(math.inf)
+    assert late.outcomes[2].fetched_tokens == 400
+
+
+def test_an_answer_not_yet_generated_is_not_fetched():
+    """A FIFO replica caches a chat turn's prompt and answer at arrival;
+    the answer's blocks exist once the turn finished."""
+    owner = make_replica("fifo", "owner")
+    prompt, answer = PREFIX, tuple(range(6000, 6100))
+    owner.submit(0, SimRequest(0.0, prompt, 1, len(prompt), len(answer), (), prompt + answer), 0.0)
+    # prefill 0.4 s, then 100 output tokens at 1 ms each: done at 0.5 s
+    next_turn = prompt + answer + tuple(range(9000, 9010))
+    assert owner.computed_units(next_turn, 0.45) == len(prompt)
+    assert owner.computed_units(next_turn, 0.55) == len(prompt) + len(answer)
+
+
 def evicted_owner(model, replica_id):
     owner = make_replica(model, replica_id, budget_units=420)
     owner.submit(0, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)
@@ -293,9 +328,10 @@ def test_the_replay_reports_what_was_recomputed_while_held_elsewhere(model):
     round_robin = replay(scaled, config, "round_robin")  # sends a group's prompts everywhere, cold or not
     ours = replay(scaled, config, "ours")
     # each of the 2 system prompts (1,024 tokens) is computed once on each of the 4 replicas under round
-    # robin: 2 of those 8 are the first anywhere, the other 6 recompute what another replica held
+    # robin: 2 of those 8 are the first anywhere, the other 6 recompute what another replica held or was
+    # still computing (not held: its KV did not exist yet)
     prompt_tokens = sum(r.num_prompt_tokens for r in scaled.requests)
-    assert round_robin["held_elsewhere_rate"] == pytest.approx(6 * 1024 / prompt_tokens)
+    assert 0 < round_robin["held_elsewhere_rate"] <= 6 * 1024 / prompt_tokens
     assert ours["held_elsewhere_rate"] < round_robin["held_elsewhere_rate"] / 2
     for figures in (round_robin, ours):
         assert figures["hit_rate"] + figures["held_elsewhere_rate"] <= 1.0
