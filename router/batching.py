@@ -204,8 +204,7 @@ class BatchingReplica:
         for seq in (*self._running, *self._just_finished):
             if seq.step_end_s <= now and seq.is_prefilled:
                 continue
-            done = (seq.num_prefilled if seq.step_end_s <= now else seq.num_prefilled_before) \
-                // seq.request.unit_tokens
+            done = (seq.num_prefilled if seq.step_end_s <= now else seq.num_prefilled_before) // seq.request.unit_tokens
             if held > done and still_computed(units, seq.request.units, done):
                 held = done
         return held
