@@ -3,112 +3,20 @@ capacity, and a step time fitted to an engine (:class:`StepProfile`)."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 from cache import RadixCache
 from cache.summary import CacheSummary
 from router.cluster import Completion, Outcome, OutputWindow, observed_summary
 from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch, still_computed
+from router.step_profile import H100_LLAMA_8B, StepProfile
 from router.workload import SimRequest
 
+__all__ = ["H100_LLAMA_8B", "BatchingReplica", "StepProfile"]  # the profile lives in router.step_profile
 
-@dataclass(frozen=True, slots=True)
-class StepProfile:
-    """One engine step's time, ``step_s = base_s + prefill_token_s × prefill
-    tokens + decode_seq_s × decoding sequences + context_token_s × context
-    tokens`` (the KV positions the step's sequences attend to), and the
-    engine's limits: ``max_batch_tokens`` (decodes + prefill chunks per step)
-    and ``kv_capacity_tokens`` (KV positions the running sequences may hold).
-    ``name`` and ``source`` say where the figures come from."""
-
-    base_s: float
-    prefill_token_s: float
-    decode_seq_s: float
-    context_token_s: float
-    max_batch_tokens: int
-    kv_capacity_tokens: int
-    name: str = ""
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for name in ("base_s", "prefill_token_s", "decode_seq_s", "context_token_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not self.base_s + self.prefill_token_s > 0:
-            raise ValueError("a step must take time: base_s + prefill_token_s > 0")
-        for name in ("max_batch_tokens", "kv_capacity_tokens"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-    @classmethod
-    def load(cls, path: str | Path) -> StepProfile:
-        data = json.loads(Path(path).read_text())
-        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**fields)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> float:
-        return (self.base_s + self.prefill_token_s * num_prefill_tokens + self.decode_seq_s * num_decode_seqs
-                + self.context_token_s * num_context_tokens)
-
-    def prefill_s(self, num_computed_tokens: int, num_cached_tokens: int = 0) -> float:
-        """Time to first token of one request alone on an idle replica (chunked prefill)."""
-        total, done, elapsed = num_cached_tokens + num_computed_tokens, num_cached_tokens, 0.0
-        while True:
-            chunk = min(self.max_batch_tokens, total - done)
-            done += chunk
-            elapsed += self.step_s(chunk, 0, done)
-            if done >= total:
-                return elapsed
-
-    def service_s(self, num_computed_tokens: int, num_output_tokens: int) -> float:
-        """Busy time of one request alone: its prefill, then its decode steps."""
-        elapsed = self.prefill_s(num_computed_tokens)
-        num_decode_steps = max(num_output_tokens - 1, 0)
-        context = num_computed_tokens * num_decode_steps + num_decode_steps * (num_decode_steps + 1) // 2
-        return elapsed + num_decode_steps * (self.base_s + self.decode_seq_s) + self.context_token_s * context
-
-    @property
-    def decode_token_cost(self) -> float:
-        """Prefill-token equivalents of one output token on an otherwise idle
-        replica (a step of its own: base + one decode + a 4k context), for the
-        router's work estimate. Batched decodes share the base, so under load
-        this overstates a token's cost; what it prices is how long a decode
-        keeps a replica busy, which is what load balance is measured in."""
-        return (self.base_s + self.decode_seq_s + 4096 * self.context_token_s) / max(self.prefill_token_s, 1e-12)
-
-
-    @property
-    def queue_token_cost(self) -> float:
-        """Prefill-token equivalents of the delay one decoding sequence adds to
-        a queued request's time to first token per output token: its row and
-        its 4k-token context in each step, not the step's base (the queued
-        prefill runs in the same steps)."""
-        return (self.decode_seq_s + 4096 * self.context_token_s) / max(self.prefill_token_s, 1e-12)
-
-
-# Llama-3.1-8B (bf16) on one H100 SXM, vLLM-like chunked prefill: ~4 ms fixed per step
-# (kernel launches, sampling, scheduling), ~50 µs per prefill token (~20k prefill tokens/s,
-# near the published 15-25k tok/s prefill throughput of 8B models on H100), ~20 µs per decode
-# sequence (its weights-bound GEMM rows and sampling), ~40 ns per context token read
-# (16 GiB/s-equivalent of KV reads: 128 kB of KV per token at 3.35 TB/s HBM ≈ 38 ns);
-# 8,192-token steps (vLLM's default max_num_batched_tokens for chunked prefill on H100);
-# ~500k KV tokens (80 GB − 16 GB of weights / 128 kB per token). Figures from issue 14,
-# the H100 SXM datasheet (3.35 TB/s) and the Llama-3.1-8B config (32 layers, 8 KV heads × 128).
-H100_LLAMA_8B = StepProfile(
-    base_s=0.004, prefill_token_s=50e-6, decode_seq_s=20e-6, context_token_s=40e-9,
-    max_batch_tokens=8192, kv_capacity_tokens=500_000, name="llama-3.1-8b-h100",
-    source="issue 14 step profile; H100 SXM 3.35 TB/s; Llama-3.1-8B 32 layers x 8 KV heads x 128 dims bf16",
-)
+ADMISSION_WINDOW = 64  # waiting sequences an admission looks at past deferred ones (the engine: 2 x max_num_seqs)
 
 
 @dataclass(slots=True, eq=False)
@@ -149,9 +57,11 @@ class BatchingReplica:
     chunks, first-come first-served (the running prefills first, then
     waiting requests admitted in arrival order while their prompt fits the
     KV capacity). A request's prefix is matched and its prompt inserted into
-    the radix tree when it is admitted (so requests admitted later share it
-    at once, as the engine's in-flight sharing does); prompt + output is
-    inserted when it finishes. A prefill finishing in a step yields the first
+    the radix tree when it is admitted; one that shares a prefix a running
+    sequence is still computing is admitted once it is computed, then shares
+    it (the engine defers it: ``Scheduler._should_wait``), and the ones
+    behind it are admitted meanwhile; prompt + output is inserted when it
+    finishes. A prefill finishing in a step yields the first
     token at the step's end (TTFT); a sequence with all its output tokens
     finishes. When decodes need KV the capacity lacks, the newest admitted
     sequence is preempted (back to the head of the queue, recomputed).
@@ -248,7 +158,7 @@ class BatchingReplica:
     def _step(self, until: float) -> None:
         profile = self.profile
         decoding = [s for s in self._running if s.is_prefilled]
-        if len(decoding) == len(self._running) and not self._can_admit():
+        if len(decoding) == len(self._running) and self._next_admissible() is None:
             self._decode_steps(decoding, until)
             return
         self._make_room(len(decoding))
@@ -263,8 +173,8 @@ class BatchingReplica:
                 chunk = min(budget, seq.request.num_prompt_tokens - seq.num_prefilled)
                 chunks.append((seq, chunk))
                 budget -= chunk
-        while budget > 0 and self._can_admit():
-            seq = self._admit()
+        while budget > 0 and (seq := self._next_admissible()) is not None:
+            self._admit(seq)
             chunk = min(budget, seq.request.num_prompt_tokens - seq.num_prefilled)
             if chunk > 0 and seq.ready_s <= self._clock_s:
                 chunks.append((seq, chunk))
@@ -344,14 +254,27 @@ class BatchingReplica:
                 still.append(seq)
         self._running = still
 
-    def _can_admit(self) -> bool:
-        if not self._waiting:
-            return False
-        need = self._waiting[0].request.num_prompt_tokens
-        return self._kv_used + need <= self.profile.kv_capacity_tokens or not self._running
+    def _next_admissible(self) -> _Seq | None:
+        """The first waiting sequence (of the first ``ADMISSION_WINDOW``) that
+        shares no prefix a running sequence is still computing, if its prompt
+        fits the KV capacity (or nothing runs); else None. The engine defers
+        such a sequence until the prefix is computed, then reuses it
+        (``Scheduler._should_wait``), and admits the ones behind it meanwhile."""
+        for index, seq in enumerate(self._waiting):
+            if index >= ADMISSION_WINDOW:
+                return None
+            units = seq.request.units
+            if self._running and self.computed_units(units, self._clock_s) < self.match_units(units):
+                continue
+            fits = self._kv_used + seq.request.num_prompt_tokens <= self.profile.kv_capacity_tokens
+            return seq if fits or not self._running else None
+        return None
 
-    def _admit(self) -> _Seq:
-        seq = self._waiting.popleft()
+    def _admit(self, seq: _Seq) -> None:
+        if self._waiting[0] is seq:
+            self._waiting.popleft()
+        else:
+            self._waiting.remove(seq)
         request = seq.request
         seq.num_admissions += 1
         is_first_admission = seq.num_admissions == 1
@@ -376,7 +299,6 @@ class BatchingReplica:
         self._kv_used += request.num_prompt_tokens  # the whole prompt's KV is reserved at admission
         self.radix.insert(request.units)
         self._running.append(seq)
-        return seq
 
     def _make_room(self, num_decoding: int) -> None:
         """Preempt the newest sequences until the decodes' next tokens fit."""

@@ -26,6 +26,26 @@ def test_prefill_is_chunked_and_the_first_token_comes_at_the_end_of_its_step():
     assert replica.num_steps == 3
 
 
+def test_a_prompt_sharing_a_prefix_still_computed_waits_for_it_and_the_rest_go_ahead():
+    """As the engine's scheduler (``Scheduler._should_wait``): a request
+    whose prompt shares a prefix a running sequence is still prefilling is
+    admitted once that prefix is computed, then reuses it; a request queued
+    behind it with nothing to share is admitted meanwhile."""
+    replica = BatchingReplica("r", 10_000, PROFILE)
+    shared = tuple(range(80))
+    replica.submit(0, SimRequest(0.0, shared + (9001,), 1, 81, 1, (), shared + (9001,)), 0.0)
+    replica.submit(1, SimRequest(0.0, shared + (9002, 9003), 1, 82, 1, (), shared + (9002, 9003)), 0.0)
+    replica.submit(2, request(0.0, 10, 1, base=5000), 0.0)
+    replica.advance(float("inf"))
+    # step 1: request 0's 81 tokens and request 2's 10 (request 1 deferred): 0.01 + 0.091 s;
+    # step 2: request 1's 2 tokens past the 80 it reuses: 0.01 + 0.002 s
+    assert replica.outcomes[2].ttft_s == pytest.approx(0.101)
+    assert replica.outcomes[0].ttft_s == pytest.approx(0.101)
+    assert replica.outcomes[1].ttft_s == pytest.approx(0.101 + 0.012)
+    assert replica.outcomes[1].cached_tokens == 80
+    replica.check_invariants()
+
+
 def test_decodes_share_a_step_with_the_next_prefill():
     replica = BatchingReplica("r", 10_000, PROFILE)
     replica.submit(0, request(0.0, 50, 3), 0.0)
