@@ -15,7 +15,12 @@ the request's trip through the HTTP proxy, the ingress and the Ray call and
 back: ``ingress_s``, measured live as the client's TTFT less the engine's
 own (``harness.loadstats``: ``ingress_overhead_s``), never fitted. The same
 ``ingress_s`` is what a client's TTFT adds to the engine's, so
-:func:`client_ttft` shifts the simulated figures by it.
+:func:`client_ttft` shifts the simulated figures by it. With
+``ingress_samples_s`` (a live run's per-request figures) each send's trip
+is drawn from them instead, the workers' first requests included: live,
+those reach the engine spread over the ingress's tens of milliseconds, not
+at one instant (a burst that all arrives at once makes the engine defer
+every prompt sharing the first one's prefix for a whole prefill step).
 
 The simulator advances in ticks of ``tick_s``: a request whose engine arrival
 falls inside a tick is sent at the tick's end, after every completion up to
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,6 +54,9 @@ class ClosedLoopConfig:
     think_s: float = LOADTEST_THINK_S
     ingress_s: float = 0.0
     tick_s: float = 0.0005
+    # each send's trip drawn from these (a live run's own ingress_overhead_s), seeded; empty: ingress_s for every
+    ingress_samples_s: tuple[float, ...] = ()
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if type(self.concurrency) is not int or self.concurrency <= 0:
@@ -58,10 +67,16 @@ class ClosedLoopConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not (isinstance(self.tick_s, (int, float)) and math.isfinite(self.tick_s) and self.tick_s > 0):
             raise ValueError(f"tick_s must be a positive number, got {self.tick_s!r}")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in self.ingress_samples_s):
+            raise ValueError("ingress_samples_s must be finite numbers >= 0")
 
     def loop(self, sessions: Sequence[Sequence[int]], start_s: float = 0.0) -> ClosedLoop:
+        draw = None
+        if self.ingress_samples_s:
+            rng, samples = random.Random(self.seed), self.ingress_samples_s
+            draw = lambda: rng.choice(samples)  # noqa: E731
         return ClosedLoop(sessions, self.concurrency, think_s=self.think_s, ingress_s=self.ingress_s,
-                          start_s=start_s)
+                          start_s=start_s, draw_ingress_s=draw)
 
 
 class ClosedLoop:
@@ -70,7 +85,8 @@ class ClosedLoop:
     send by a time and :meth:`on_completed` for each completion."""
 
     def __init__(self, sessions: Sequence[Sequence[int]], concurrency: int, *, think_s: float = 0.0,
-                 ingress_s: float = 0.0, start_s: float = 0.0) -> None:
+                 ingress_s: float = 0.0, start_s: float = 0.0,
+                 draw_ingress_s: Callable[[], float] | None = None) -> None:
         if type(concurrency) is not int or concurrency <= 0:
             raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
         for name, value in (("think_s", think_s), ("ingress_s", ingress_s)):
@@ -81,14 +97,15 @@ class ClosedLoop:
             raise ValueError("a request number appears in more than one turn")
         self.concurrency = concurrency
         self.gap_s = think_s + ingress_s  # engine finish -> the session's next request at the engine
+        self._think_s, self._draw = think_s, draw_ingress_s  # with a draw, each gap is think_s + a draw
         self._queue: deque[deque[int]] = deque(deque(s) for s in sessions if len(s))
         self._scheduled: list[tuple[float, int, int]] = []  # heap (send at, order, request number)
         self._session_of: dict[int, deque[int]] = {}  # in flight: request -> the rest of its session
         self._order = 0
         self.num_sent = 0
         self.num_total = len(numbers)
-        for _ in range(min(concurrency, len(self._queue))):
-            self._schedule(self._queue.popleft(), start_s)
+        for _ in range(min(concurrency, len(self._queue))):  # the workers' first requests, each its own trip
+            self._schedule(self._queue.popleft(), start_s + (self._draw() if self._draw is not None else 0.0))
 
     def _schedule(self, session: deque[int], at_s: float) -> None:
         number = session.popleft()
@@ -113,7 +130,8 @@ class ClosedLoop:
         if not session and self._queue:
             session = self._queue.popleft()
         if session:
-            self._schedule(session, finish_s + self.gap_s)
+            gap_s = self.gap_s if self._draw is None else self._think_s + self._draw()
+            self._schedule(session, finish_s + gap_s)
 
     @property
     def next_send_s(self) -> float | None:

@@ -138,7 +138,8 @@ def simulated_figures(report: dict, profile: StepProfile, ingress_s: float | dic
             policy=replace(live_policy, queue_decode_token_cost=queue_cost if queue_cost is not None
                            else live_policy.decode_token_cost),
             decode_token_cost=live_policy.decode_token_cost,
-            closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=arm_ingress_s),
+            closed_loop=ClosedLoopConfig(meta["concurrency"], ingress_s=arm_ingress_s,
+                                         ingress_samples_s=tuple(arm_samples), seed=seed),
             reported_token_costs=token_costs, num_routers=arm.num_routers, summary_period_s=arm.summary_period_s,
             share_decisions_s=arm.share_decisions_s,
             **({"fetch": fetch} if fetch is not None else {}), reported_fetch_costs=fetch_costs,

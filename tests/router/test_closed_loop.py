@@ -57,6 +57,26 @@ def test_a_session_sends_its_next_turn_only_after_the_last_completes_plus_the_ga
     assert loop.done and loop.num_sent == 4
 
 
+def test_with_live_ingress_samples_each_send_draws_its_trip_the_first_burst_included():
+    """The workers' first requests reach the engine spread by their own
+    trips, not at one instant; each later turn follows its predecessor's
+    completion by a drawn trip; the same seed draws the same."""
+    samples = (0.012, 0.030, 0.045, 0.090)
+    config = ClosedLoopConfig(4, ingress_samples_s=samples, seed=3)
+    sent = drive(config.loop([(0, 1), (2, 3), (4, 5), (6, 7)]), FixedTimeCluster(0.100))
+    first = sorted(t for n, t in sent if n % 2 == 0)
+    assert len(set(first)) > 1 and all(any(abs(t - x) < 0.0011 for x in samples) for t in first)
+    finish = {n: t + 0.100 for n, t in sent}
+    for n, t in sent:
+        if n % 2:  # a second turn: its first's completion plus one of the samples, late by under a tick
+            assert any(0 <= t - finish[n - 1] - x < 0.0011 for x in samples)
+    again = drive(ClosedLoopConfig(4, ingress_samples_s=samples, seed=3).loop([(0, 1), (2, 3), (4, 5), (6, 7)]),
+                  FixedTimeCluster(0.100))
+    assert again == sent
+    with pytest.raises(ValueError, match="ingress_samples_s"):
+        ClosedLoopConfig(4, ingress_samples_s=(0.01, -1.0))
+
+
 def test_never_more_in_flight_than_client_workers_and_every_request_sent_once():
     rng = random.Random(3)
     sessions, number = [], 0
