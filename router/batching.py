@@ -260,11 +260,14 @@ class BatchingReplica:
         fits the KV capacity (or nothing runs); else None. The engine defers
         such a sequence until the prefix is computed, then reuses it
         (``Scheduler._should_wait``), and admits the ones behind it meanwhile."""
+        now = self._clock_s
+        computing = bool(self._running) and any(
+            s.step_end_s > now or not s.is_prefilled for s in (*self._running, *self._just_finished))
         for index, seq in enumerate(self._waiting):
             if index >= ADMISSION_WINDOW:
                 return None
             units = seq.request.units
-            if self._running and self.computed_units(units, self._clock_s) < self.match_units(units):
+            if computing and self.computed_units(units, now) < self.match_units(units):
                 continue
             fits = self._kv_used + seq.request.num_prompt_tokens <= self.profile.kv_capacity_tokens
             return seq if fits or not self._running else None

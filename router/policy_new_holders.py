@@ -22,16 +22,18 @@ class NewHoldersMixin:
     def _prefix_draw(self, request: RoutingRequest, found: Candidates, now: float) -> tuple[float, int]:
         """``(demand, holders)`` of the request's known prefix (its first
         ``m`` blocks): the recent work it drew, and the replicas known to
-        hold it (at least 1); ``(0.0, 1)`` when no block of it is known or
-        neither rule that reads it is on. Looked up once per decision, for
-        :meth:`_is_hot` and :meth:`_affinity_weight`."""
+        hold it (at least 1); ``(0.0, 1)`` when no block of it is known,
+        neither rule that reads it is on, it drew nothing, or every holder
+        still computes it (:meth:`_computed_somewhere`). Looked up once per
+        decision, for :meth:`_is_hot` and :meth:`_affinity_weight`."""
         config = self.config
         if found.num_known <= 0 or not (config.replicate_hot_prefixes or config.hot_affinity_weight is not None):
             return 0.0, 1
-        if not self._computed_somewhere(request, found):
-            return 0.0, 1
         key = request.block_hashes[found.num_known - 1]
-        return self._demand.value(key, now), max(self._index.num_holders(key), 1)
+        demand = self._demand.value(key, now)
+        if not demand > 0 or not self._computed_somewhere(request, found):  # the gate only where it matters
+            return 0.0, 1
+        return demand, max(self._index.num_holders(key), 1)
 
     def _computed_somewhere(self, request: RoutingRequest, found: Candidates) -> bool:
         """Whether some replica known to hold the request's known prefix has
