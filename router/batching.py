@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cache import RadixCache
 from cache.summary import CacheSummary
 from router.cluster import Completion, Outcome, OutputWindow, observed_summary
-from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch, still_computed
+from router.sim_fetch import (FetchCounts, FetchPlan, SimFetch, awaits_owner_prefill, held_elsewhere, owner_computes,
+                              plan_fetch, still_computed)
 from router.step_profile import H100_LLAMA_8B, StepProfile
 from router.workload import SimRequest
 
 __all__ = ["H100_LLAMA_8B", "BatchingReplica", "StepProfile"]  # the profile lives in router.step_profile
 
+OWNER_POLL_S = 0.005  # an idle replica whose waiting sequences all wait for their owners looks again this often
 ADMISSION_WINDOW = 64  # waiting sequences an admission looks at past deferred ones (the engine: 2 x max_num_seqs)
 
 
@@ -32,6 +34,7 @@ class _Seq:
     fetch: SimFetch | None = None  # the hint, until the admission that plans it
     num_fetched: int = 0  # prompt tokens fetched from the owner
     ready_s: float = 0.0  # when the fetched KV has arrived; no prefill chunk before
+    awaited_owner: bool = False  # deferred while its fetch's owner computed the prefix
     held_elsewhere_tokens: int = 0  # set at the first admission (report only)
     num_admissions: int = 0  # more than one: preempted and re-admitted
 
@@ -68,7 +71,11 @@ class BatchingReplica:
     Steps with decodes only are taken in closed form up to the next finish
     or arrival.
 
-    Fetch: a hinted request is planned when first admitted, against the
+    Fetch: a hinted request whose owner still computes the prefix waits
+    (deferred, as one sharing a local prefix in the works) until the owner
+    has computed it or the receiver's patience runs out
+    (:func:`router.sim_fetch.awaits_owner_prefill`; the live owner's export
+    waits so, ``ExportRequest.wait_s``). It is planned when first admitted, against the
     owner's cache then (:func:`router.sim_fetch.plan_fetch`); a fetch counts
     its tokens as prefilled but gives the sequence no prefill chunk until the
     transfer has arrived (other sequences' steps go on; with nothing else to
@@ -101,6 +108,7 @@ class BatchingReplica:
         self.num_preemptions = 0
         self._prefill_total = self._output_total = 0  # tokens prefilled / of finished requests
         self.fetch_counts = FetchCounts()
+        self._awaiting_owner = False  # the latest admission passed over a sequence waiting for its owner's prefill
         self.peers: tuple[BatchingReplica, ...] = ()  # the other replicas, for the report's held-elsewhere figure
 
     def match_units(self, units: tuple[int, ...]) -> int:
@@ -118,6 +126,12 @@ class BatchingReplica:
             if held > done and still_computed(units, seq.request.units, done):
                 held = done
         return held
+
+    def prefill_done_s(self, units: tuple[int, ...], num_units: int, now: float) -> float:
+        """:meth:`router.sim_fetch.Owner.prefill_done_s`: ``now`` once computed,
+        else ``inf`` (a step's length is not known ahead: a receiver defers
+        instead, :func:`router.sim_fetch.awaits_owner_prefill`)."""
+        return now if self.computed_units(units, now) >= num_units else math.inf
 
     def busy_until(self, now: float) -> float:
         """Seconds this replica was busy up to ``now``: ``busy_s`` less the
@@ -159,7 +173,10 @@ class BatchingReplica:
         profile = self.profile
         decoding = [s for s in self._running if s.is_prefilled]
         if len(decoding) == len(self._running) and self._next_admissible() is None:
-            self._decode_steps(decoding, until)
+            if decoding:  # one step at a time while a sequence waits for its owner: it may come in at any
+                self._decode_steps(decoding, until, max_steps=1 if self._awaiting_owner else None)
+            else:  # only sequences waiting for their owners' prefill: look again a poll later
+                self._clock_s = min(self._clock_s + OWNER_POLL_S, until)
             return
         self._make_room(len(decoding))
         decoding = [s for s in self._running if s.is_prefilled]
@@ -206,11 +223,12 @@ class BatchingReplica:
                                                              seq.held_elsewhere_tokens))
         self._finish_done(end_s)
 
-    def _decode_steps(self, decoding: list[_Seq], until: float) -> None:
+    def _decode_steps(self, decoding: list[_Seq], until: float, max_steps: int | None = None) -> None:
         """Decode-only steps in closed form: up to the next finish, the KV
-        limit, and the last step starting before ``until``."""
+        limit, ``max_steps`` and the last step starting before ``until``."""
         profile, n = self.profile, len(decoding)
         k = min(s.request.num_output_tokens - s.num_generated for s in decoding)
+        k = k if max_steps is None else min(k, max_steps)
         room = (profile.kv_capacity_tokens - self._kv_used) // n
         if room < 1 and len(self._running) > 1:
             self._make_room(n)
@@ -261,6 +279,7 @@ class BatchingReplica:
         such a sequence until the prefix is computed, then reuses it
         (``Scheduler._should_wait``), and admits the ones behind it meanwhile."""
         now = self._clock_s
+        self._awaiting_owner = False
         computing = bool(self._running) and any(
             s.step_end_s > now or not s.is_prefilled for s in (*self._running, *self._just_finished))
         for index, seq in enumerate(self._waiting):
@@ -269,9 +288,29 @@ class BatchingReplica:
             units = seq.request.units
             if computing and self.computed_units(units, now) < self.match_units(units):
                 continue
+            if seq.fetch is not None and self._awaits_owner(seq, now):
+                self._awaiting_owner = seq.awaited_owner = True
+                continue
             fits = self._kv_used + seq.request.num_prompt_tokens <= self.profile.kv_capacity_tokens
             return seq if fits or not self._running else None
         return None
+
+    def _plan_fetch(self, seq: _Seq, num_units: int) -> FetchPlan:
+        """:func:`plan_fetch` at admission; a sequence admitted while its
+        owner still computes the prefix waited its patience out
+        (``"outwaited"``: it recomputes); one that waited for it and fetches
+        has that wait in ``wait_s`` (for the counts: the deferral took it)."""
+        request, now = seq.request, self._clock_s
+        if seq.awaited_owner and owner_computes(seq.fetch, request.units, request.unit_tokens, num_units, now):
+            return FetchPlan(0, 0, 0.0, "outwaited", 1)
+        plan = plan_fetch(seq.fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,
+                          self.profile, now)
+        return replace(plan, wait_s=now - seq.arrival_s) if seq.awaited_owner and plan.num_units else plan
+
+    def _awaits_owner(self, seq: _Seq, now: float) -> bool:
+        request = seq.request
+        return awaits_owner_prefill(seq.fetch, request.units, request.unit_tokens, self.match_units(request.units),
+                                    request.cached_tokens, self.profile, seq.arrival_s, now)
 
     def _admit(self, seq: _Seq) -> None:
         if self._waiting[0] is seq:
@@ -285,8 +324,7 @@ class BatchingReplica:
         num_units = self.radix.match(request.units, touch=is_first_admission).num_tokens
         seq.num_cached = request.cached_tokens(num_units)
         if seq.fetch is not None:
-            plan = plan_fetch(seq.fetch, request.units, request.unit_tokens, num_units, request.cached_tokens,
-                              self.profile, self._clock_s)
+            plan = self._plan_fetch(seq, num_units)
             seq.fetch = None  # planned once: a preempted sequence finds the fetched prefix in its own tree
             self.fetch_counts.count(plan)
             if plan.num_units:

@@ -137,9 +137,12 @@ class SimReplica:
     would see at ``now`` (who waits, who runs, how far it decoded).
 
     Fetch: a hinted request is planned at arrival against the owner's cache
-    then (:func:`router.sim_fetch.plan_fetch`); a fetch replaces the
+    then (:func:`router.sim_fetch.plan_fetch`; a prefix the owner's prefill
+    in flight computes comes once computed, :meth:`prefill_done_s`); a fetch replaces the
     prefill of the tokens it brings by the transfer, which the replica
-    waits for when the request starts (a stall, counted busy). An export
+    waits for when the request starts (a stall, counted busy; a wait for
+    the owner's prefill runs from arrival, so only what is left of it at
+    the start stalls). An export
     occupies this replica from ``now`` for its copy time: it delays the
     requests that arrive after it (those already queued keep the times
     the FIFO model gave them at arrival).
@@ -178,6 +181,20 @@ class SimReplica:
                 held = done
         return held
 
+    def prefill_done_s(self, units: tuple[int, ...], num_units: int, now: float) -> float:
+        """:meth:`router.sim_fetch.Owner.prefill_done_s`: the latest
+        ``prefill_end_s`` of the unfinished requests still computing one of
+        the first ``num_units`` (``inf`` where one is an answer still to
+        decode)."""
+        done_s = now
+        for job in self._jobs:
+            computed = job.num_cached_units if job.prefill_end_s > now else job.num_prompt_units
+            if job.finish_s > now and computed < num_units and still_computed(units, job.units, computed):
+                if job.prefill_end_s <= now or job.num_prompt_units < num_units:
+                    return math.inf
+                done_s = max(done_s, job.prefill_end_s)
+        return done_s
+
     @property
     def token_costs(self) -> tuple[float, float]:
         """What a live worker measures of its own steps: (busy, queue) prefill-token price of an output
@@ -210,6 +227,8 @@ class SimReplica:
                 cached, fetched = request.cached_tokens(plan.num_units), plan.num_tokens
         elsewhere = held_elsewhere(self.peers, request.units, request.cached_tokens, cached, now)
         start = max(now, self.free_at_s)
+        if fetch is not None and plan.wait_s:  # the wait for the owner's prefill runs from arrival, queued or not
+            transfer_s += max(now + plan.wait_s - start, 0.0) - plan.wait_s
         prefill_s = transfer_s + (request.num_prompt_tokens - cached) / self.cost.prefill_tokens_per_s
         service_s = prefill_s + request.num_output_tokens * self.cost.decode_s_per_token
         self.free_at_s = start + service_s

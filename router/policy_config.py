@@ -329,6 +329,7 @@ class PolicyConfig:
     max_replica_fetch_cost: float = 0.5  # ... and a fetch costs it at most this share of recomputing (reported)
     max_demand_entries: int = 1 << 16  # prefixes whose demand is remembered (memory bound)
     backup_fetch_hints: bool = True  # a first choice among the deepest holders gets a hint naming another holder
+    fetch_awaits_prefill: bool = True  # the Workers' fetch waits for an owner's prefill in flight: a pending prefix counts
     fetch_alternates: int = 2  # other known holders a hint names, asked in turn when the owner evicted the prefix
     queue_copy_requests: float = 0.0  # q: every holder queued beyond q typical requests -> a lighter one may copy
     queue_copy_gap_requests: float = 1.0  # ... with at least this many typical requests less queued than each
@@ -362,7 +363,8 @@ class PolicyConfig:
             raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
         for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
                      "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
-                     "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "bound_fleet_scale", "busy_from_reports"):
+                     "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "bound_fleet_scale", "busy_from_reports",
+                     "fetch_awaits_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fetch_alternates) is not int or self.fetch_alternates < 0:

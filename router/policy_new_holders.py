@@ -24,14 +24,17 @@ class NewHoldersMixin:
         ``m`` blocks): the recent work it drew, and the replicas known to
         hold it (at least 1); ``(0.0, 1)`` when no block of it is known,
         neither rule that reads it is on, it drew nothing, or every holder
-        still computes it (:meth:`_computed_somewhere`). Looked up once per
+        still computes it (:meth:`_computed_somewhere`; only with
+        ``fetch_awaits_prefill`` off). Looked up once per
         decision, for :meth:`_is_hot` and :meth:`_affinity_weight`."""
         config = self.config
         if found.num_known <= 0 or not (config.replicate_hot_prefixes or config.hot_affinity_weight is not None):
             return 0.0, 1
         key = request.block_hashes[found.num_known - 1]
         demand = self._demand.value(key, now)
-        if not demand > 0 or not self._computed_somewhere(request, found):  # the gate only where it matters
+        if not demand > 0:
+            return 0.0, 1
+        if not config.fetch_awaits_prefill and not self._computed_somewhere(request, found):  # only where it matters
             return 0.0, 1
         return demand, max(self._index.num_holders(key), 1)
 
@@ -40,7 +43,9 @@ class NewHoldersMixin:
         computed all of it: no request this router sent there still
         computes one of its blocks (:class:`PendingBlocks`). A replica
         exports only what its prefill has computed, so a prefix still in
-        the works at every holder would be recomputed by a new one."""
+        the works at every holder would be recomputed by a new one, unless
+        the Workers' fetch waits for it (``fetch_awaits_prefill``, the
+        default: ``ExportRequest.wait_s``), when this gate is off."""
         pending, hashes, known = self._pending, request.block_hashes, found.num_known
         return any(not pending.has_pending(r) or pending.computed_depth(r, hashes, known) >= known
                    for r, depth in found.depths.items() if depth >= known)

@@ -12,6 +12,17 @@ evicted the prefix gives what it still holds, possibly nothing), and fetches
 only if the estimated transfer of the tokens it lacks beats recomputing
 them with its own timing (``prefill_s``), else recomputes. Fetched tokens
 count as saved prefill (a hit) and are reported separately.
+
+An owner still prefilling the prefix (a group's second request arriving
+while the first computes it there) exports it once computed, as the live
+owner waits for an in-flight prefill up to the receiver's patience
+(``ExportRequest.wait_s``): the receiver waits that long, and where the
+wait and the transfer outlast its patience (its own recompute time) it
+has lost the patience and recomputes (``"outwaited"``). The FIFO model
+knows when each prefill ends (:meth:`Owner.prefill_done_s`); the batching
+model defers a hinted sequence while its owner computes the prefix
+(:meth:`router.batching.BatchingReplica`), so its owner answers computed
+tokens only.
 """
 
 from __future__ import annotations
@@ -83,6 +94,13 @@ class Owner(Protocol):
         ``now``: what an export reads (a worker's tree takes a block once
         the prefill chunk that computes it has run)."""
 
+    def prefill_done_s(self, units: tuple[int, ...], num_units: int, now: float) -> float:
+        """When the first ``num_units`` of ``units`` (all in the tree) are
+        computed here: ``now`` if they are, the end of the prefill that
+        computes them if one is in flight (queued or running) and its end is
+        known, else ``inf`` (an answer still decoding; the batching model,
+        whose step times are not known ahead)."""
+
     def export(self, units: tuple[int, ...], now: float, busy_s: float) -> None:
         """Copy ``units`` out (a pure read, as the worker's export: no LRU touch)
         and stay busy ``busy_s`` from ``now``."""
@@ -107,16 +125,21 @@ class FetchPlan:
     recomputes), in ``transfer_s``; ``reason`` for the figures:
     ``"fetched"``, ``"held"`` (the receiver holds every hinted unit itself:
     a backup hint it did not need), ``"evicted"`` (no replica named holds
-    more than the receiver), ``"slower"`` (recomputing was cheaper).
+    more than the receiver), ``"slower"`` (recomputing was cheaper),
+    ``"outwaited"`` (the owner's prefill would end too late: the receiver
+    waited its patience, in ``transfer_s``, then recomputes).
     ``num_asked``: replicas asked (the owner, then alternates until one held
     more); each that held no more cost the receiver a round trip
-    (``latency_s``), in ``transfer_s`` whatever the outcome."""
+    (``latency_s``), in ``transfer_s`` whatever the outcome. ``wait_s``:
+    of ``transfer_s``, the wait for the owner's prefill in flight (the
+    transfer follows it)."""
 
     num_units: int
     num_tokens: int
     transfer_s: float
     reason: str
     num_asked: int = 0
+    wait_s: float = 0.0
 
     @property
     def from_alternate(self) -> bool:
@@ -146,7 +169,7 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     own_tokens = cached_tokens(num_own_units)
     latency_s = fetch.model.latency_s
     for num_asked, owner in enumerate((fetch.owner, *fetch.alternates), 1):
-        held = owner.computed_units(units, now)
+        held, ready_s = _held_by(owner, units, now)
         missing = cached_tokens(held) - own_tokens
         if held > num_own_units and missing > 0:
             break
@@ -154,10 +177,55 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
         return FetchPlan(0, 0, num_asked * latency_s, "evicted", num_asked)
     asked_s = (num_asked - 1) * latency_s  # the replicas before it answered "evicted"
     transfer_s = fetch.model.transfer_s(missing)
-    if transfer_s >= timing.prefill_s(missing, own_tokens):
+    recompute_s = timing.prefill_s(missing, own_tokens)
+    if transfer_s >= recompute_s:
         return FetchPlan(0, 0, asked_s, "slower", num_asked)
-    owner.export(units[:held], now, fetch.model.export_s(missing))
-    return FetchPlan(held, missing, asked_s + transfer_s, "fetched", num_asked)
+    wait_s = ready_s - now
+    if wait_s + transfer_s > recompute_s:  # the patience (its recompute time) ran out first
+        return FetchPlan(0, 0, asked_s + recompute_s, "outwaited", num_asked)
+    owner.export(units[:held], ready_s, fetch.model.export_s(missing))
+    return FetchPlan(held, missing, asked_s + wait_s + transfer_s, "fetched", num_asked, wait_s)
+
+
+def awaits_owner_prefill(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_own_units: int,
+                         cached_tokens, timing: Timing, since_s: float, now: float) -> bool:
+    """Whether a receiver that got ``fetch`` at ``since_s`` still waits at
+    ``now`` for its owner to compute the hinted prefix (the batching model's
+    deferral; the FIFO model knows the prefill's end instead): the owner's
+    tree holds more of it than it has computed and the receiver holds, and
+    the receiver's patience (its recompute time of those tokens) less the
+    transfer has not run out."""
+    pending = owner_computes(fetch, units, unit_tokens, num_own_units, now)
+    if not pending:
+        return False
+    own_tokens = cached_tokens(num_own_units)
+    missing = cached_tokens(pending) - own_tokens
+    patience_s = timing.prefill_s(missing, own_tokens) - fetch.model.transfer_s(missing)
+    return now < since_s + patience_s
+
+
+def owner_computes(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_own_units: int,
+                   now: float) -> int:
+    """The hinted units (of ``units``) the owner's tree holds past both
+    what it has computed by ``now`` and the receiver's ``num_own_units``,
+    where its prefill in flight still computes some (else 0)."""
+    owner = fetch.owner
+    pending = min(owner.match_units(units), fetch.num_tokens // unit_tokens, len(units))
+    if pending <= num_own_units or owner.computed_units(units, now) >= pending:
+        return 0
+    return pending
+
+
+def _held_by(owner: Owner, units: tuple[int, ...], now: float) -> tuple[int, float]:
+    """``(units, when)``: the leading units of ``units`` the owner's export
+    gives and when it can: all it holds once its prefill in flight has
+    computed them, where that end is known (:meth:`Owner.prefill_done_s`),
+    else what it has computed by ``now``, at once."""
+    held = owner.match_units(units)
+    done_s = owner.prefill_done_s(units, held, now) if held else now
+    if done_s < math.inf:
+        return held, done_s
+    return owner.computed_units(units, now), now
 
 
 def still_computed(units: tuple[int, ...], computing: tuple[int, ...], num_done: int) -> bool:
@@ -190,6 +258,8 @@ class FetchCounts:
     num_held: int = 0
     num_evicted: int = 0
     num_slower: int = 0
+    num_outwaited: int = 0
+    num_waited: int = 0  # of the fetched: waited for the owner's prefill in flight
     num_fetched_tokens: int = 0
     export_busy_s: float = 0.0
     num_from_alternate: int = 0  # of the fetched: from an alternate (the owner had evicted the prefix)
@@ -199,9 +269,12 @@ class FetchCounts:
             self.num_fetched += 1
             self.num_fetched_tokens += plan.num_tokens
             self.num_from_alternate += plan.from_alternate
+            self.num_waited += plan.wait_s > 0
         elif plan.reason == "held":
             self.num_held += 1
         elif plan.reason == "evicted":
             self.num_evicted += 1
+        elif plan.reason == "outwaited":
+            self.num_outwaited += 1
         else:
             self.num_slower += 1

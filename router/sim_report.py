@@ -66,6 +66,8 @@ def replay_figures(workload: Workload, config, replicas: list, decision_us: list
         "num_fetch_evicted": sum(c.num_evicted for c in counts),  # no replica named held more: recomputed
         "num_fetch_from_alternate": sum(c.num_from_alternate for c in counts),  # the owner had evicted it
         "num_fetch_slower": sum(c.num_slower for c in counts),  # recomputing was cheaper: recomputed
+        "num_fetch_outwaited": sum(c.num_outwaited for c in counts),  # the owner's prefill ended too late
+        "num_fetch_waited": sum(c.num_waited for c in counts),  # fetched once the owner's prefill computed it
         "export_busy_s": sum(c.export_busy_s for c in counts),
     })
     if getattr(config, "closed_loop", None) is not None:  # a live comparison: small, and it needs the samples

@@ -148,6 +148,7 @@ UNSPLIT = {**PREMIUM_ALWAYS, "split_affinity_by_holders": False, "balance_weight
 
 CONFIGS = {
     "default": {},
+    "pending_gate": {"fetch_awaits_prefill": False},  # the default before the fetch waited for a prefill in flight
     "before_hot": BEFORE_HOT,  # the default before hot_affinity_weight
     "queue_copies": {"queue_copy_requests": 2.0, **BEFORE_BUSY},  # the default with queued copies on
     "before_busy": BEFORE_BUSY,  # the default before balance_busy_share
@@ -170,7 +171,8 @@ CONFIGS = {
     "wide": {**UNSPLIT, "max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
              "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
 }
-CONFIGS = {name: config if name == "default" else {**BEFORE_HOT, **config} for name, config in CONFIGS.items()}
+CONFIGS = {name: config if name in ("default", "pending_gate") else {**BEFORE_HOT, **config}
+           for name, config in CONFIGS.items()}
 
 # sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite; re-pinned when
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
@@ -193,6 +195,10 @@ CONFIGS = {name: config if name == "default" else {**BEFORE_HOT, **config} for n
 # prefill computed, so a new holder would recompute it); six pins of configurations with replication on
 # moved (default 0, before_balance 0 and 1, before_busy 0, busy_from_reports 0, queue_copies 0); the rule
 # before gave default 700f5895196351dcb5de.
+# 2026-12-06 (session 51): the Workers' fetch waits for an owner's prefill in flight (ExportRequest.wait_s),
+# so by default (fetch_awaits_prefill) the demand rules act on a pending prefix again: the six pins that
+# session 50's gate moved are back at what they were before it (default 0 700f5895196351dcb5de), and the
+# gate keeps its pins as "pending_gate" (fetch_awaits_prefill off).
 PINS: dict[tuple[str, int], str] = {
     # backup hints for a first choice short of at most fetch_min_tokens of the deepest holders' prefix
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
@@ -200,17 +206,19 @@ PINS: dict[tuple[str, int], str] = {
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
     # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
     # hot_affinity_weight 5.5 at hot_affinity_share 0.1 (2026-12-06, session 49)
-    ("default", 0): "77f74c16048365e8fc62",
+    ("default", 0): "700f5895196351dcb5de",
     ("default", 1): "5dd8255312d2e57dabf6",
+    ("pending_gate", 0): "77f74c16048365e8fc62",  # the session-50 default: the gate on a pending prefix
+    ("pending_gate", 1): "5dd8255312d2e57dabf6",
     ("before_hot", 0): "d680c881e902c9c8ea0b",  # the default's pins before hot_affinity_weight
     ("before_hot", 1): "e34d30ae82358afe4057",
-    ("before_balance", 0): "16504f3938c3ba7cf0c3",  # observed busy time as a quarter of the measure (2026-12-06)
-    ("before_balance", 1): "1a05e4367d64ea972717",
-    ("busy_from_reports", 0): "016a01cefa1be36fdacf",  # busy spans mixed with the reported work counters
+    ("before_balance", 0): "b6601999c456a46d5aa8",  # observed busy time as a quarter of the measure (2026-12-06)
+    ("before_balance", 1): "72a0eae2f4776dfe3cf1",
+    ("busy_from_reports", 0): "a706d527bae19e22ef42",  # busy spans mixed with the reported work counters
     ("busy_from_reports", 1): "d4090cf515c7d6e43bb4",
-    ("before_busy", 0): "5b45af011acb4c3bc9ad",  # the default's pins before balance_busy_share
+    ("before_busy", 0): "9718f47ccf0228e383c1",  # the default's pins before balance_busy_share
     ("before_busy", 1): "52f945bfa44ce329b214",
-    ("queue_copies", 0): "8de070667020588dbaa2",  # queue_copy_requests 2 (off by default; 2026-12-04)
+    ("queue_copies", 0): "1a1b3897b446bf90cbf3",  # queue_copy_requests 2 (off by default; 2026-12-04)
     ("queue_copies", 1): "168c48058018583571e9",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",

@@ -65,13 +65,26 @@ def test_a_prefix_in_demand_leaves_a_queued_home_and_fetches_it():
 
 
 @pytest.mark.parametrize("first_in_flight", [False, True])
-def test_a_prefix_its_holder_still_computes_keeps_the_full_weight(first_in_flight):
-    """A replica exports only what its prefill has computed. While the
-    request that brought PREFIX to its only holder is in flight there (its
-    blocks pending: ``premium_needs_completion``), a replica that took this
-    request would recompute PREFIX: the full weight holds it at its home."""
-    policy, request = queued_home(first_in_flight=first_in_flight, premium_needs_completion=True)
+def test_a_prefix_its_holder_still_computes_keeps_the_full_weight_where_a_fetch_cannot_wait(first_in_flight):
+    """A replica exports only what its prefill has computed. Where the
+    Workers' fetch does not wait for an owner's prefill in flight
+    (``fetch_awaits_prefill`` off), while the request that brought PREFIX to
+    its only holder is in flight there (its blocks pending:
+    ``premium_needs_completion``), a replica that took this request would
+    recompute PREFIX: the full weight holds it at its home."""
+    policy, request = queued_home(first_in_flight=first_in_flight, premium_needs_completion=True,
+                                  fetch_awaits_prefill=False)
     assert (policy.decide(request).ranked[0] == REPLICAS[0]) == first_in_flight
+
+
+def test_a_prefix_its_holder_still_computes_weighs_less_where_a_fetch_waits_for_it():
+    """By default the receiver's fetch waits for the owner's prefill in
+    flight (``ExportRequest.wait_s``): the pending prefix is as fetchable
+    as a computed one, and the request leaves its queued home with a hint."""
+    policy, request = queued_home(first_in_flight=True, premium_needs_completion=True)
+    decision = policy.decide(request)
+    assert decision.ranked[0] != REPLICAS[0]
+    assert decision.fetch is not None and decision.fetch.owner == REPLICAS[0]
 
 
 def test_a_prefix_drawing_less_than_the_share_keeps_the_full_weight():

@@ -417,23 +417,23 @@ def test_a_hint_names_the_other_holders_as_deep_least_loaded_first():
 
 
 def test_an_alternate_holder_keeps_a_prefix_the_hinted_owner_evicted():
-    """Shared-prefix FIFO, workload seed 21, queued copies on: one request's
-    hinted owner had evicted its group's prefix since its last report.
-    Named alone (``fetch_alternates`` 0) it costs a recompute of the whole
-    system prompt; named with the other holders, the receiver fetches it
-    from one of them: one whole system prompt fewer is recomputed. (The case was
-    found under the balance term on recent work alone at weight 0.2, kept here.
-    Since the simulated owners export only what their prefill computed, one
-    more hint, to an owner still computing the prefix, recomputes in both.)"""
+    """Shared-prefix FIFO, workload seed 33, queued copies on: two
+    requests' hinted owners had evicted their group's prefix since their
+    last report. Named alone (``fetch_alternates`` 0) each costs a recompute
+    of the whole system prompt; named with the other holders, the receiver
+    fetches it from one of them: two whole system prompts fewer are
+    recomputed. (The case was found under the balance term on recent work
+    alone at weight 0.2, kept here; seed 21 held it until the fetch waited
+    for an owner's prefill in flight, seed 33 since.)"""
     figures = {}
     for alternates in (0, 2):
         policy = PolicyConfig(queue_copy_requests=2, fetch_alternates=alternates, balance_busy_share=0.0,
                               hot_affinity_weight=None,
                               balance_weight=0.2)
-        config = SimConfig(num_replicas=8, budget_tokens=8000, seed=21, policy=policy)
-        figures[alternates] = simulate(shared_prefix(seed=21), config, ["ours"], progress=False,
-                                       seeds=range(21, 22))["policies"]["ours"]
+        config = SimConfig(num_replicas=8, budget_tokens=8000, seed=33, policy=policy)
+        figures[alternates] = simulate(shared_prefix(seed=33), config, ["ours"], progress=False,
+                                       seeds=range(33, 34))["policies"]["ours"]
     one_prompt = 1024 / (256 * 1088)  # of the prompt tokens: 16 groups x 16 prompts of 1,088 tokens
-    assert figures[0]["num_fetch_evicted"] == 2 and figures[0]["hit_rate"] < 15 / 16 * 1024 / 1088 - 0.003
-    assert figures[2]["num_fetch_from_alternate"] >= 1 and figures[2]["num_fetch_evicted"] == 1
-    assert figures[2]["hit_rate"] == pytest.approx(figures[0]["hit_rate"] + one_prompt)
+    assert figures[0]["num_fetch_evicted"] == 2 and figures[0]["num_fetch_from_alternate"] == 0
+    assert figures[2]["num_fetch_from_alternate"] == 2 and figures[2]["num_fetch_evicted"] == 0
+    assert figures[2]["hit_rate"] == pytest.approx(figures[0]["hit_rate"] + 2 * one_prompt)

@@ -72,27 +72,78 @@ def test_an_owner_that_evicted_the_prefix_means_recompute(model):
     assert owner.fetch_counts.export_busy_s == 0.0
 
 
+def run_together(replicas, until_s, tick_s=0.01):
+    """Advance the replicas side by side, as the replay does between events."""
+    for step in range(1, round(until_s / tick_s) + 1):
+        for replica in replicas:
+            replica.advance(step * tick_s)
+    for replica in replicas:
+        replica.advance(math.inf)
+
+
 @pytest.mark.parametrize("model", ["fifo", "cb"])
-def test_a_prefix_the_owner_still_computes_is_not_fetched(model):
+def test_a_prefix_the_owner_still_computes_comes_once_computed(model):
     """The owner's cache takes a prompt's blocks as its prefill computes
     them (the worker inserts each chunk's full blocks once it ran); an
-    export reads no more. A hint that arrives while the owner's prefill of
-    the prefix is under way recomputes it; once done, it fetches."""
+    export reads no more, but the live owner waits for its prefill in
+    flight up to the receiver's patience (``ExportRequest.wait_s``). A hint
+    that arrives while the owner's prefill of the prefix is under way waits
+    for it (0.21 s), then fetches: sooner than recomputing (0.41 s)."""
     owner = make_replica(model, "owner")
     owner.submit(0, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)  # 410 tokens: 0.41 s of prefill
     owner.advance(0.2)
     assert owner.match_units(PREFIX) == len(PREFIX)  # in its tree since arrival (admission)
     assert owner.computed_units(PREFIX, 0.2) < 300  # but at most its first ~200 tokens computed
-    early = make_replica(model, "early")
-    early.submit(1, request(0.2, PREFIX + tuple(range(9000, 9010))), 0.2, SimFetch(owner, 400, FAST))
-    early.advance(math.inf)
-    assert early.outcomes[1].fetched_tokens < 300
-    owner.advance(0.5)
-    assert owner.computed_units(PREFIX, 0.5) == len(PREFIX)
-    late = make_replica(model, "late")
-    late.submit(2, request(0.5, PREFIX + tuple(range(7000, 7010))), 0.5, SimFetch(owner, 400, FAST))
-    late.advance(math.inf)
-    assert late.outcomes[2].fetched_tokens == 400
+    receiver = make_replica(model, "receiver")
+    receiver.submit(1, request(0.2, PREFIX + tuple(range(9000, 9010))), 0.2, SimFetch(owner, 400, FAST))
+    run_together([owner, receiver], 1.0)
+    outcome, counts = receiver.outcomes[1], receiver.fetch_counts
+    assert outcome.fetched_tokens == 400
+    waited_s = 0.41 - 0.2
+    expected_s = waited_s + FAST_TRANSFER_S + 10 / PREFILL_TOKENS_PER_S
+    if model == "fifo":  # the FIFO model knows when the prefill ends
+        assert outcome.ttft_s == pytest.approx(expected_s)
+    else:  # the batching receiver looks again every OWNER_POLL_S
+        assert expected_s - 1e-9 <= outcome.ttft_s <= expected_s + 0.011
+    assert (counts.num_fetched, counts.num_waited, counts.num_outwaited) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_an_owner_prefill_that_ends_too_late_is_outwaited(model):
+    """The owner computes the prefix behind 2,000 other tokens (done at
+    2.41 s). The receiver waits its patience (its recompute time, 0.4 s,
+    less the transfer for the batching model, which cannot know the end
+    ahead), then recomputes."""
+    owner = make_replica(model, "owner")
+    owner.submit(0, request(0.0, range(30_000, 32_000)), 0.0)
+    owner.submit(1, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)
+    receiver = make_replica(model, "receiver")
+    receiver.submit(2, request(0.2, PREFIX + tuple(range(9000, 9010))), 0.2, SimFetch(owner, 400, FAST))
+    run_together([owner, receiver], 3.0)
+    outcome, counts = receiver.outcomes[2], receiver.fetch_counts
+    assert outcome.fetched_tokens == 0
+    assert (counts.num_fetched, counts.num_outwaited) == (0, 1)
+    recompute_s = 410 / PREFILL_TOKENS_PER_S
+    if model == "fifo":
+        assert outcome.ttft_s == pytest.approx(400 / PREFILL_TOKENS_PER_S + recompute_s)
+    else:
+        patience_s = 400 / PREFILL_TOKENS_PER_S - FAST_TRANSFER_S
+        assert patience_s + recompute_s - 1e-9 <= outcome.ttft_s <= patience_s + recompute_s + 0.011
+    if model == "cb":
+        receiver.check_invariants()
+
+
+def test_a_queued_request_has_waited_for_the_owner_while_it_queued():
+    """FIFO: the fetch starts at arrival; a request queued past the owner's
+    prefill end stalls for the transfer only."""
+    owner = make_replica("fifo", "owner")
+    owner.submit(0, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)  # computed by 0.41 s
+    receiver = make_replica("fifo", "receiver")
+    receiver.submit(1, request(0.2, range(40_000, 41_000)), 0.2)  # busy until 1.201 s
+    receiver.submit(2, request(0.2, PREFIX + tuple(range(9000, 9010))), 0.2, SimFetch(owner, 400, FAST))
+    outcome = receiver.outcomes[2]
+    assert outcome.fetched_tokens == 400
+    assert outcome.ttft_s == pytest.approx(1.001 + FAST_TRANSFER_S + 10 / PREFILL_TOKENS_PER_S)
 
 
 def test_an_answer_not_yet_generated_is_not_fetched():
