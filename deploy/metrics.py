@@ -63,6 +63,11 @@ _REPLICA_METRICS = {
     "fetch_outwaited": ("kvroute_fetch_outwaited",
                         "Fetch-hinted requests that stopped waiting after their recompute time and recomputed", True),
     "fetch_exports": ("kvroute_fetch_exports", "Prefix bundles this replica served to other replicas", True),
+    "fetch_export_waits": ("kvroute_fetch_export_waits",
+                           "Exports that waited for this replica's prefill of the asked prefix before exporting", True),
+    "fetch_export_wait_prefill_seconds": (
+        "kvroute_fetch_export_wait_prefill_seconds", "Seconds exports waited for this replica's prefill of the asked prefix",
+        True),
     "fetch_alternate_asks": ("kvroute_fetch_alternate_asks",
                              "Alternate holders asked after the hint's owner had evicted the prefix or failed", True),
     "fetch_from_alternate": ("kvroute_fetch_from_alternate",

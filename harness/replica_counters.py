@@ -17,11 +17,12 @@ COUNTERS = ("prefill_tokens", "tokens_saved", "hits", "misses", "fetch_count", "
             "fetch_seconds", "fetch_joined", "fetch_exports", "fetch_exported_bytes", "fetch_hints", "fetch_hints_ignored",
             "summary_messages", "summary_bytes", "summary_snapshots", "summary_bases_put")
 # Where the fetches' seconds went (since 269ab21; absent before, and then left out, not "missing"):
-# the receivers' call to the owner and import, the owners' wait for their cache lock and copy.
+# the receivers' call to the owner and import, the owners' wait for their cache lock and copy,
+# and (later still) the owners' wait for their own prefill of the asked prefix.
 PHASE_COUNTERS = ("fetch_call_seconds", "fetch_import_seconds", "fetch_export_wait_seconds",
-                  "fetch_export_copy_seconds")
+                  "fetch_export_copy_seconds", "fetch_export_wait_prefill_seconds")
 # Counts newer than the run figures above: absent from older builds, then None, not "missing".
-LATER_COUNTERS = ("fetch_outwaited",)
+LATER_COUNTERS = ("fetch_outwaited", "fetch_export_waits")
 FALLBACK_PREFIX = "fetch_fallback_"
 # Point-in-time estimates (not counters): taken from the snapshot after the run.
 GAUGES = ("fetch_bandwidth_bytes_per_s", "fetch_overhead_s", "prefill_s_per_token", "fetch_enabled",
@@ -63,7 +64,8 @@ def run_counters(before: dict, after: dict) -> dict:
     tokens, ``CacheSummary.fetch_token_cost`` / ``fetch_overhead_tokens``). ``num_joined``: hinted
     requests that waited on a fetch already under way for the same prefix;
     ``num_outwaited``: hinted requests that stopped waiting for their fetch
-    after their estimated recompute time and recomputed;
+    after their estimated recompute time and recomputed; ``num_export_waits``:
+    exports that waited for the owner's own prefill of the asked prefix;
     ``num_hints`` / ``num_hints_ignored``: fetch hints the replicas received
     and ignored (fetch off, the hint named themselves, prefix held already).
     ``None`` where the replicas report no such figure.
@@ -90,6 +92,7 @@ def run_counters(before: dict, after: dict) -> dict:
         "num_hints": totals["fetch_hints"],
         "num_hints_ignored": totals["fetch_hints_ignored"],
         "num_exports": totals["fetch_exports"],
+        "num_export_waits": total("fetch_export_waits"),  # exports that waited for the owner's prefill; None before
         "fetched_bytes": fetch_bytes,
         "fetch_seconds": fetch_s,
         "fetch_bandwidth_bytes_per_s": fetch_bytes / fetch_s if fetch_s and fetch_bytes is not None else None,
@@ -133,7 +136,7 @@ def pool_counters(runs: list[dict]) -> dict:
         return sum(values) if values else None
 
     keys = ("computed_prompt_tokens", "fetched_tokens", "reused_local_tokens", "num_hints", "num_hints_ignored",
-            "num_fetches", "num_joined", "num_outwaited", "num_exports",
+            "num_fetches", "num_joined", "num_outwaited", "num_exports", "num_export_waits",
             "fetched_bytes", "fetch_seconds", "num_fallbacks", *SUMMARY_TOTALS)
     pooled = {key: total(key) for key in keys}
     pooled.update(_summary_figures(pooled))

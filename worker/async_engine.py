@@ -55,8 +55,8 @@ class AsyncEngine(EngineThread):
     holds ``_lock`` only (``Engine.forward_window``): the forward reads the
     tree and allocator nowhere and writes only rows of blocks its sequences
     hold alone, so exports, imports and cache lookups
-    (:meth:`export_prefix`, :meth:`import_prefix`,
-    :meth:`cached_prefix_tokens`) take ``_cache_lock`` alone and run while
+    (:meth:`export_prefix`, :meth:`import_prefix`, :meth:`cached_prefix_tokens`,
+    :meth:`in_flight_prefix_tokens`) take ``_cache_lock`` alone and run while
     the forward does, instead of waiting for the step to end; the engine
     thread waits for them at most one bounded copy after its forward.
     Order: ``_lock``, then ``_cache_lock``, then ``_sinks_lock``; never the reverse.
@@ -278,6 +278,20 @@ class AsyncEngine(EngineThread):
         """Leading positions of ``token_ids`` cached under ``salt`` (a pure read, under the cache lock)."""
         with self._cache_lock:
             return self.engine.cache.match(token_ids, salt, touch=False).num_tokens
+
+    def in_flight_prefix_tokens(self, token_ids: Sequence[int], salt: str | None = None, *,
+                                max_tokens: int | None = None) -> int:
+        """:meth:`Engine.in_flight_prefix_tokens` (how much more of the prefix a
+        sequence here is still computing), under the cache lock alone. That
+        suffices: the engine thread changes the scheduler's lists and a
+        sequence's progress (submissions, aborts, ``schedule``, ``complete``)
+        only while it holds both locks, and during a forward, when it holds
+        ``_lock`` alone, it changes neither. So, like :meth:`cached_prefix_tokens`,
+        this sees a consistent state between two steps or during a forward
+        and never waits for a step in flight (``_lock`` would: seconds on a
+        busy replica). A submission still in the inbox is not a sequence yet."""
+        with self._cache_lock:
+            return self.engine.in_flight_prefix_tokens(token_ids, salt, max_tokens=max_tokens)
 
     def import_prefix(self, bundle, *, timing: dict | None = None) -> int:
         """:meth:`Engine.import_prefix`: checked (checksum included) outside any

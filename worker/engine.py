@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from cache.kv_cache import KVCache
@@ -272,11 +273,7 @@ class Engine:
         head_dim])``, or ``None``. A pure read of the tree (no LRU touch, no
         stats); the path is locked while its rows are copied, one copy of that
         many positions, so the engine is held for a bounded copy only."""
-        self._check_tokens(token_ids, "token_ids")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
-        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
-            raise ValueError(f"max_tokens must be a non-negative int or None, got {max_tokens!r}")
+        self._check_prefix_query(token_ids, salt, max_tokens)
         with self.kv_cache.pinned_prefix(token_ids, salt) as match:
             num_tokens = match.num_tokens if max_tokens is None else min(match.num_tokens, max_tokens)
             if num_tokens == 0:
@@ -284,6 +281,29 @@ class Engine:
             rows = gather_rows(self.pool, match.block_ids, num_tokens)
         self.num_exported_tokens += num_tokens
         return tuple(token_ids[:num_tokens]), rows
+
+    def in_flight_prefix_tokens(
+        self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None
+    ) -> int:
+        """How long a prefix of ``token_ids`` (at most ``max_tokens``) under
+        ``salt`` a sequence of this engine is still computing beyond what the
+        cache holds now: running and prefilling it, or waiting to be admitted
+        (:meth:`Scheduler.in_flight_prefix_tokens`: at least one block); 0 if
+        none. An export that may wait polls it (worker/kv_fetch.py). A pure
+        read of the tree and the scheduler's lists."""
+        self._check_prefix_query(token_ids, salt, max_tokens)
+        prefix = token_ids if max_tokens is None else token_ids[:max_tokens]
+        num_cached = self.kv_cache.radix.match(prefix, salt, touch=False).num_tokens
+        key = np.asarray(prefix, dtype=np.int64)
+        return self.scheduler.in_flight_prefix_tokens(key, salt, num_cached)
+
+    def _check_prefix_query(self, token_ids: Sequence[int], salt: str | None, max_tokens: int | None) -> None:
+        """ValueError unless ``(token_ids, salt, max_tokens)`` is a well-formed export request's."""
+        self._check_tokens(token_ids, "token_ids")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+            raise ValueError(f"max_tokens must be a non-negative int or None, got {max_tokens!r}")
 
     def bundle_rows(self, token_ids: Sequence[int], rows: torch.Tensor, salt: str | None) -> KVBundle:
         """``rows`` of ``token_ids`` as a checksummed bundle of this engine's

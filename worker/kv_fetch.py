@@ -35,7 +35,15 @@ queued:
    holds it, though no router learned those tokens (simulated multi-turn,
    seeds 0-7: 16 of 711 fetches had recomputed such tokens when asked for
    the hinted depth only). Step 2 and the patience weigh the hinted
-   tokens. When the owner answers that it no longer holds them
+   tokens. The ask carries ``wait_s``, what is left of the request's
+   patience (of ``timeout_s`` without one) less the transfer's estimate:
+   while a sequence at the owner is still computing more of the prefix
+   than it caches (a group's first request in its prefill there), the owner
+   polls every ``EXPORT_POLL_S`` until that is cached, nobody computes it
+   any more or ``wait_s`` has passed, then exports what it holds
+   (``fetch_export_waits``, ``fetch_export_wait_prefill_seconds``); so the
+   group's second request gets the whole prefix instead of recomputing
+   what was not cached yet. When the owner answers that it no longer holds them
    (``evicted``), is gone or its call fails, ask the hint's
    ``alternates`` in turn (other replicas the router believes hold them: its
    index lags evictions by up to a summary period), each within ``timeout_s``
@@ -72,13 +80,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cache.summary import rounded_rate
 from worker.config import FetchConfig
+from worker.fetch_counters import FALLBACK_REASONS, FetchCounters  # noqa: F401 - re-exported
 from worker.fetch_estimates import EWMA_WEIGHT, Ewma, PrefillRate, TransferModel, fit_line  # noqa: F401 - re-exported
 from worker.kv_bundle import KVBundle
 from worker.messages import ExportReply, ExportRequest
@@ -88,14 +98,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvroute.worker")
 
-# Why a hinted request recomputed instead: the estimate said recompute is faster (slower),
-# the owner no longer held the prefix (evicted), the owner was gone (owner_gone), it did not
-# answer within timeout_s (timeout), the call failed (owner_failed), the bundle was refused
-# (rejected: wrong tenant or tokens, checksum, weights), there was no room to import it (no_room), or
-# the prefix was cached here while the fetch ran (cached_meanwhile: a request computed it locally
-# first; the import had nothing to add, and the request reuses that copy).
-FALLBACK_REASONS = ("slower", "unmeasured", "evicted", "owner_gone", "timeout", "owner_failed", "rejected", "no_room",
-                    "cached_meanwhile")
+EXPORT_POLL_S = 0.005  # how often an owner's export that may wait looks whether its prefill got there
 
 
 class PeerTransport(Protocol):
@@ -105,50 +108,6 @@ class PeerTransport(Protocol):
         """The reply of ``request.target_replica`` (or of whichever replica took it
         when the target is gone); cancelling the call cancels it on the owner."""
         ...
-
-
-@dataclass(slots=True)
-class FetchCounters:
-    """A replica's fetch figures since start (the keys :meth:`to_stats` adds to its stats)."""
-
-    num_fetches: int = 0  # bundles imported
-    num_fetched_tokens: int = 0  # positions newly cached from fetched bundles
-    num_fetched_bytes: int = 0  # KV bytes of the fetched bundles
-    fetch_s: float = 0.0  # wall time of the completed fetches (request to imported)
-    fetch_call_s: float = 0.0  # of that: the call to the owner (its export, serialization, object store)
-    fetch_import_s: float = 0.0  # of that: the import (check, waiting for the cache lock, the copy)
-    num_hints: int = 0  # requests that arrived with a fetch hint
-    num_hints_ignored: int = 0  # of those: fetch off, the hint named this replica, or the prefix was held already
-    num_joined: int = 0  # hinted requests that waited for a fetch of the same prefix already in flight
-    num_outwaited: int = 0  # hinted requests that stopped waiting for their fetch after their recompute time
-    num_alternate_asks: int = 0  # alternates asked after the replica before them had evicted the prefix or failed
-    num_from_alternate: int = 0  # of the imported bundles: those an alternate served
-    num_exports: int = 0  # bundles this replica served to others
-    num_exported_bytes: int = 0
-    export_wait_s: float = 0.0  # exports waiting for this replica's cache lock
-    export_copy_s: float = 0.0  # exports copying rows out of the pool and checksumming them
-    fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACK_REASONS, 0))
-
-    def to_stats(self) -> dict:
-        return {
-            "fetch_count": self.num_fetches,
-            "fetch_tokens": self.num_fetched_tokens,
-            "fetch_bytes": self.num_fetched_bytes,
-            "fetch_seconds": round(self.fetch_s, 6),
-            "fetch_call_seconds": round(self.fetch_call_s, 6),
-            "fetch_import_seconds": round(self.fetch_import_s, 6),
-            "fetch_hints": self.num_hints,
-            "fetch_hints_ignored": self.num_hints_ignored,
-            "fetch_joined": self.num_joined,
-            "fetch_outwaited": self.num_outwaited,
-            "fetch_alternate_asks": self.num_alternate_asks,
-            "fetch_from_alternate": self.num_from_alternate,
-            "fetch_exports": self.num_exports,
-            "fetch_exported_bytes": self.num_exported_bytes,
-            "fetch_export_wait_seconds": round(self.export_wait_s, 6),
-            "fetch_export_copy_seconds": round(self.export_copy_s, 6),
-            **{f"fetch_fallback_{reason}": count for reason, count in self.fallbacks.items()},
-        }
 
 
 @dataclass(slots=True, eq=False)
@@ -246,17 +205,19 @@ class PrefixFetcher:
             return 0
         key = (salt, prefix)
         shared = self._in_flight.get(key)
+        patience_s = self._patience_s(num_tokens - num_cached)
         if shared is None:
             reason = self._why_not_fetch(num_tokens, num_tokens - num_cached)
             if reason is not None:
                 return self._fall_back(reason)
             asked = tuple(token_ids[:len(token_ids) - 1]) if len(token_ids) - 1 > num_tokens else prefix
-            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(self._fetch(owners, asked, salt)))
+            deadline_s = None if patience_s is None else self._clock() + patience_s
+            shared = self._in_flight[key] = _SharedFetch(asyncio.ensure_future(
+                self._fetch(owners, asked, salt, deadline_s)))
             shared.task.add_done_callback(lambda _: self._forget(key, shared))
         else:
             self.counters.num_joined += 1
         shared.num_waiters += 1
-        patience_s = self._patience_s(num_tokens - num_cached)
         try:
             if patience_s is None:
                 return await asyncio.shield(shared.task)
@@ -284,18 +245,32 @@ class PrefixFetcher:
             return None
         return config.patience * num_missing * s_per_token
 
+    def _owner_wait_s(self, num_tokens: int, deadline_s: float | None) -> float:
+        """``ExportRequest.wait_s`` for an ask of ``num_tokens`` positions: what is
+        left of the call's ``timeout_s`` and of the request's patience (until
+        ``deadline_s``; None: no patience), less the transfer's estimate (the
+        prior overhead before one), so a bundle the owner waited for still
+        arrives before the request stops waiting for it. Never negative."""
+        budget_s = self._config.timeout_s
+        if deadline_s is not None:
+            budget_s = min(budget_s, deadline_s - self._clock())
+        transfer_s = self.transfer.estimate_s(num_tokens * self._engine.engine.bytes_per_token)
+        return max(0.0, budget_s - (self._config.prior_overhead_s if transfer_s is None else transfer_s))
+
     def _forget(self, key: tuple, shared: _SharedFetch) -> None:
         if self._in_flight.get(key) is shared:
             del self._in_flight[key]
 
-    async def _fetch(self, owners: tuple[str, ...], prefix: tuple[int, ...], salt: str | None) -> int:
-        """Ask ``owners`` in turn (step 3) until one sends a bundle, then import it."""
+    async def _fetch(self, owners: tuple[str, ...], prefix: tuple[int, ...], salt: str | None,
+                     deadline_s: float | None) -> int:
+        """Ask ``owners`` in turn (step 3) until one sends a bundle, then import it;
+        ``deadline_s``: when the request that started it stops waiting (None: never)."""
         failure: tuple = ()
         for number, owner in enumerate(owners):
             if number:
                 self.counters.num_alternate_asks += 1
             start = self._clock()
-            reply, failure = await self._ask(owner, prefix, salt)
+            reply, failure = await self._ask(owner, prefix, salt, deadline_s)
             if reply is not None:
                 imported = await self._import(reply.bundle, prefix, salt, start, self._clock())
                 self.counters.num_from_alternate += bool(number and imported)
@@ -304,9 +279,10 @@ class PrefixFetcher:
                 break  # a slow owner took the time a second ask would need
         return self._fall_back(*failure)
 
-    async def _ask(self, owner: str, prefix: tuple[int, ...], salt: str | None) -> tuple[ExportReply | None, tuple]:
+    async def _ask(self, owner: str, prefix: tuple[int, ...], salt: str | None,
+                   deadline_s: float | None) -> tuple[ExportReply | None, tuple]:
         """``(reply with a bundle, ())`` or ``(None, (reason, owner[, error]))``."""
-        request = ExportRequest(owner, prefix, salt, len(prefix))
+        request = ExportRequest(owner, prefix, salt, len(prefix), self._owner_wait_s(len(prefix), deadline_s))
         try:
             reply = await asyncio.wait_for(self._transport.fetch(request), self._config.timeout_s)
         except asyncio.TimeoutError:  # TimeoutError from 3.11; pyproject allows 3.10
@@ -353,13 +329,17 @@ class PrefixFetcher:
     # -------------------------------------------------------------------- owner
     async def export(self, request: ExportRequest) -> ExportReply:
         """The KV of the longest cached prefix of ``request.token_ids`` (at most
-        ``max_tokens``) under the request's salt; no bundle when this replica is
-        not the target, fetch is off or nothing of it is cached. ValueError for
-        a malformed request."""
+        ``max_tokens``) under the request's salt, once what this engine still
+        computes of it is cached or ``wait_s`` has passed (:meth:`_wait_for_prefill`);
+        no bundle when this replica is not the target, fetch is off or nothing
+        of it is cached. ValueError for a malformed request."""
         if not isinstance(request, ExportRequest):
             raise ValueError(f"expected an ExportRequest, got {type(request).__name__}")
+        _check_wait_s(request.wait_s)
         if request.target_replica != self._replica_id or not self._config.enabled:
             return ExportReply(self._replica_id, None)
+        if request.wait_s > 0:
+            await self._wait_for_prefill(request)
         timing: dict = {}
         bundle = await asyncio.to_thread(self._engine.export_prefix, request.token_ids, request.salt,
                                          max_tokens=request.max_tokens, timing=timing)
@@ -369,3 +349,35 @@ class PrefixFetcher:
         self.counters.export_wait_s += timing.get("wait_s", 0.0)
         self.counters.export_copy_s += timing.get("copy_s", 0.0) + timing.get("bundle_s", 0.0)
         return ExportReply(self._replica_id, bundle)
+
+    async def _wait_for_prefill(self, request: ExportRequest) -> None:
+        """Step 3's wait, at the owner: while a sequence here is still computing
+        more of the asked prefix than the cache holds
+        (``AsyncEngine.in_flight_prefix_tokens``), look again every
+        ``EXPORT_POLL_S`` until it is cached, nobody computes it any more
+        (finished or aborted; a preempted sequence waits to compute it again)
+        or ``request.wait_s`` has passed. Each look is a pure read on a worker thread, so the event loop
+        never blocks and a cancelled wait leaves nothing pinned. Counted when
+        it waited at all: ``num_export_waits``, ``export_wait_prefill_s``."""
+        def num_in_flight() -> Awaitable[int]:
+            return asyncio.to_thread(self._engine.in_flight_prefix_tokens, request.token_ids, request.salt,
+                                     max_tokens=request.max_tokens)
+
+        if not await num_in_flight():
+            return
+        start = self._clock()
+        deadline_s = start + request.wait_s
+        self.counters.num_export_waits += 1
+        try:
+            while (left_s := deadline_s - self._clock()) > 0:
+                await asyncio.sleep(min(EXPORT_POLL_S, left_s))
+                if not await num_in_flight():
+                    return
+        finally:
+            self.counters.export_wait_prefill_s += self._clock() - start
+
+
+def _check_wait_s(wait_s: object) -> None:
+    """ValueError unless ``wait_s`` (``ExportRequest.wait_s``) is a finite number of seconds >= 0."""
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s < math.inf:  # NaN fails
+        raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {wait_s!r}")

@@ -95,12 +95,18 @@ class ExportRequest:
     """Worker → Worker: "send me the KV of the longest prefix of ``token_ids``
     (at most ``max_tokens``) you hold under ``salt``". The request router
     routes it to ``target_replica`` only (any replica when that one is gone,
-    which then answers None at once: only the target exports)."""
+    which then answers None at once: only the target exports).
+
+    ``wait_s``: how long the owner may wait for more of that prefix that a
+    sequence in its engine is still computing before it exports (a finite
+    number >= 0, checked by the owner: ``PrefixFetcher.export``); 0, the
+    default: export what is cached now."""
 
     target_replica: str
     token_ids: tuple[int, ...]
     salt: str | None
     max_tokens: int
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

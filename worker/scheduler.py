@@ -20,7 +20,8 @@ caching) and answers ``None`` when the pool cannot make room. Each step
    least one block with a sequence still prefilling (same salt), longer than
    what the cache holds, waits until that prefill is cached, so a common
    prefix is computed once (a chance match shorter than a block never holds
-   anyone).
+   anyone). :meth:`Scheduler.in_flight_prefix_tokens` applies the same rule
+   for an owner's export that may wait for such a prefix (worker/kv_fetch.py).
 
 After the forward, :meth:`complete` advances each sequence: a prefilling
 one caches its newly completed full blocks (the whole prompt when its
@@ -227,16 +228,30 @@ class Scheduler:
         limit = len(seq.token_ids) - 1
         if limit <= num_cached:
             return False
-        first = seq.token_ids[0]
         for other in (*self.running, *admitted):
-            if not other.is_prefilling or other.salt != seq.salt or other.token_ids[0] != first:
+            if not other.is_prefilling or other.salt != seq.salt:
                 continue
-            span = min(limit, other.prefill_target, len(other.key))
-            differs = np.flatnonzero(seq.key[:span] != other.key[:span])
-            common = int(differs[0]) if len(differs) else span
-            if common >= self.block_size and common > num_cached:
+            common = _num_common_tokens(seq.key, other.key, min(limit, other.prefill_target))
+            if self._is_shared_prefix(common, num_cached):
                 return True
         return False
+
+    def _is_shared_prefix(self, num_common: int, num_cached: int) -> bool:
+        """In-flight sharing's rule: a real prefix (at least one block, so a chance match never
+        counts) that is longer than what the cache holds."""
+        return num_common >= self.block_size and num_common > num_cached
+
+    def in_flight_prefix_tokens(self, key: np.ndarray, salt: str | None, num_cached: int) -> int:
+        """The longest prefix of ``key`` (token ids) that a sequence under ``salt``
+        will compute and cache (running and still prefilling, or waiting to be
+        admitted, preempted ones included), when it is a shared prefix by
+        :meth:`_should_wait`'s rule (at least one block, more than the
+        ``num_cached`` the cache holds); else 0. A pure read; O(sequences x len(key))."""
+        computing = [(seq, seq.prefill_target) for seq in self.running if seq.is_prefilling]
+        computing += [(seq, len(seq.key)) for seq in self.waiting]  # admission computes the whole sequence
+        longest = max((_num_common_tokens(key, seq.key, num_target) for seq, num_target in computing
+                       if seq.salt == salt), default=0)
+        return longest if self._is_shared_prefix(longest, num_cached) else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.release(seq.request_id)
@@ -322,3 +337,12 @@ class Scheduler:
         for seq in self.waiting:
             assert seq.status is Status.WAITING and seq.request_id not in self.kv
         self.kv.check_invariants()
+
+
+def _num_common_tokens(key: np.ndarray, other_key: np.ndarray, span: int) -> int:
+    """Leading positions, at most ``span``, where ``key`` and ``other_key`` hold the same token."""
+    span = min(span, len(key), len(other_key))
+    if span <= 0 or key[0] != other_key[0]:  # the common case, without the vector compare
+        return 0
+    differs = np.flatnonzero(key[:span] != other_key[:span])
+    return int(differs[0]) if len(differs) else span

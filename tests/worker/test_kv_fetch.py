@@ -395,6 +395,7 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
     fetcher.counters.fallbacks["timeout"] = 3
     fetcher.counters.num_outwaited = 2
     fetcher.counters.num_alternate_asks, fetcher.counters.num_from_alternate = 3, 1
+    fetcher.counters.num_export_waits, fetcher.counters.export_wait_prefill_s = 2, 0.25
     stats = ReplicaReporter(engine, RECEIVER, 64, clock=lambda: 0.0, pid=1, extra_stats=fetcher.stats).stats()
     assert set(engine.stats) < set(stats.engine)  # the engine's keys, unchanged, and the fetch ones
     assert stats.engine["fetch_count"] == 2 and stats.engine["fetch_fallback_timeout"] == 3
@@ -404,6 +405,9 @@ def test_the_counters_reach_stats_and_metrics_by_reason(make_async_engine):
     assert f'kvroute_fetch_outwaited_total{{replica="{RECEIVER}"}} 2.0' in text
     assert f'kvroute_fetch_alternate_asks_total{{replica="{RECEIVER}"}} 3.0' in text
     assert f'kvroute_fetch_from_alternate_total{{replica="{RECEIVER}"}} 1.0' in text
+    assert stats.engine["fetch_export_waits"] == 2 and stats.engine["fetch_export_wait_prefill_seconds"] == 0.25
+    assert f'kvroute_fetch_export_waits_total{{replica="{RECEIVER}"}} 2.0' in text
+    assert f'kvroute_fetch_export_wait_prefill_seconds_total{{replica="{RECEIVER}"}} 0.25' in text
     assert f'kvroute_fetch_token_cost{{replica="{RECEIVER}"}} 0.0' in text  # no prefill timed yet
     assert stats.engine["fetch_overhead_tokens"] == 0.0
     reasons = {line.split('reason="')[1].split('"')[0] for line in text.splitlines()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from cache.kv_cache import KVCache
@@ -123,6 +124,30 @@ def test_inflight_sharing_holds_back_until_the_prefix_is_cached():
     drain(s)
     assert b.cached_tokens == 16
     assert s.counters.prefill_tokens == 19 + 3
+
+
+def test_in_flight_prefix_tokens_is_what_a_prefilling_or_waiting_sequence_will_cache_beyond_the_cache():
+    s = make(max_batch_tokens=8, max_num_seqs=4)
+    system = list(range(100, 116))  # 16 tokens = 4 blocks
+    a = seq("a", [*system, 1, 2, 3])  # 19 tokens: a 3-step prefill
+    s.add(a)
+    asked = np.asarray([*system, 1, 2, 3, 9], dtype=np.int64)
+
+    def in_flight(key=asked, salt=None):
+        return s.in_flight_prefix_tokens(key, salt, s.kv.radix.match(key.tolist(), salt, touch=False).num_tokens)
+
+    assert in_flight() == 19  # waiting for admission: it will compute its whole prompt
+    assert in_flight(salt="t") == 0  # another tenant's
+    assert in_flight(asked[:3]) == 0  # shorter than a block: a chance match never counts
+    assert in_flight(asked[:17]) == 17  # capped by the asked length, block-aligned or not
+    run_step(s)
+    assert in_flight() == 19 and s.kv.radix.match(asked.tolist(), touch=False).num_tokens == 8
+    run_step(s)
+    run_step(s)  # prefill done: the cache holds all 19, a decodes
+    assert not a.is_prefilling and in_flight() == 0
+    assert s.in_flight_prefix_tokens(asked, None, 0) == 0  # a decoding sequence computes no prefix
+    drain(s)
+    assert in_flight() == 0
 
 
 def test_no_hold_for_a_short_chance_match():
