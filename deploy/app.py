@@ -47,7 +47,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     engine_config = EngineConfig(model=config.model, **config.engine)
     fetch_config = FetchConfig(enabled=config.fetch_enabled, timeout_s=config.fetch_timeout_s,
                                min_speedup=config.fetch_min_speedup, prior_overhead_s=config.fetch_prior_overhead_s,
-                               patience=config.fetch_patience)
+                               patience=config.fetch_patience, prefill_patience=config.fetch_prefill_patience)
     router_kwargs = checked_router_kwargs(config)
     if config.router_class_path == ROUTERS["kvroute"]:  # the adapter's own kwarg (router/serve.py)
         router_kwargs["share_decisions_period_s"] = config.share_decisions_period_s

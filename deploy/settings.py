@@ -63,7 +63,9 @@ class AppConfig:
     every hinted fetch); ``fetch_prior_overhead_s``: a fetch's fixed cost
     assumed until a Worker's first fetch measures it; ``fetch_patience``: a
     request waits for its fetch at most this × its estimated recompute time,
-    then recomputes (0: up to ``fetch_timeout_s``) (``FetchConfig``).
+    then recomputes (0: up to ``fetch_timeout_s``); ``fetch_prefill_patience``:
+    the same where the router's hint says the owner still computes the
+    prefix (its export waits for that prefill) (``FetchConfig``).
     ``summary_mode``: how each Worker sends its cache summary through Serve's
     routing stats: ``"stream"`` (a snapshot, then deltas naming their base in
     Ray's object store; issue 14, item 5) or ``"full"`` (every cached block
@@ -102,6 +104,7 @@ class AppConfig:
     fetch_min_speedup: float = 1.0
     fetch_prior_overhead_s: float = 0.05
     fetch_patience: float = 1.0
+    fetch_prefill_patience: float = 3.0
     summary_mode: str = "stream"
     stream_interval_ms: float = 100.0  # BENCHMARKS.md, "Streaming: tokens per message"
 

@@ -34,11 +34,18 @@ class FetchHint:
     depth the router knows of, not a limit: the receiver asks for as much of
     the prompt as the replica holds (a replica that generated a chat's last
     answer holds it, though no router learned those tokens).
+
+    ``owner_computing``: by this router's own bookings, a request it sent to
+    the owner is still computing those tokens there (``PendingBlocks``).
+    The owner's export waits for its prefill in flight, so the receiver
+    gives the fetch longer before it recomputes (the Worker's
+    ``prefill_patience``): waiting keeps the prefix computed once.
     """
 
     owner: str
     num_tokens: int
     alternates: tuple[str, ...] = ()
+    owner_computing: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.owner, str) or not self.owner:
@@ -52,6 +59,8 @@ class FetchHint:
             raise ValueError(f"alternates must be a tuple of non-empty replica ids, got {alternates!r}")
         if self.owner in alternates or len(set(alternates)) != len(alternates):
             raise ValueError(f"alternates must be distinct and other than the owner, got {self!r}")
+        if not isinstance(self.owner_computing, bool):
+            raise ValueError(f"owner_computing must be a bool, got {self.owner_computing!r}")
 
     @property
     def owners(self) -> tuple[str, ...]:

@@ -361,8 +361,8 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         if config.cold_home != "cost" and ranked:
             ranked = self._home_first(request, found, live, cached_at, ranked, now)
         ranked = ranked[: config.num_ranked]
-        hint = (plan.hint(ranked[0], cached_at.get(ranked[0], 0), config.backup_fetch_hints)
-                if plan is not None and ranked else None)
+        hint = self._marked_computing(request, plan.hint(ranked[0], cached_at.get(ranked[0], 0), config.backup_fetch_hints)
+                                      if plan is not None and ranked else None)
         return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],

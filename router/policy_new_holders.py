@@ -1,14 +1,16 @@
 """Step 5's new holders for :class:`router.policy.PrefixAffinityPolicy`:
 whether a request's prefix may gain a holder that fetches it (a hot prefix,
-or one queued at every holder) and which replica has room for the copy; and
-step 3's lighter affinity weight for a prefix in demand beyond its holders."""
+or one queued at every holder) and which replica has room for the copy;
+step 3's lighter affinity weight for a prefix in demand beyond its holders;
+and whether a hint's owner still computes the prefix it names."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from router.candidates import Candidates
-from router.fetch import FetchPlan
+from router.fetch import FetchHint, FetchPlan
 from router.request import RoutingRequest
 from router.scoring import Scoring
 
@@ -49,6 +51,17 @@ class NewHoldersMixin:
         pending, hashes, known = self._pending, request.block_hashes, found.num_known
         return any(not pending.has_pending(r) or pending.computed_depth(r, hashes, known) >= known
                    for r, depth in found.depths.items() if depth >= known)
+
+    def _marked_computing(self, request: RoutingRequest, hint: FetchHint | None) -> FetchHint | None:
+        """``hint`` with ``owner_computing`` set when a request this router sent
+        to the owner still computes one of the hinted blocks there
+        (:class:`PendingBlocks`; tracked with ``premium_needs_completion``)."""
+        if hint is None or not self._pending.has_pending(hint.owner):
+            return hint
+        num_blocks = hint.num_tokens // self.config.block_size
+        if self._pending.computed_depth(hint.owner, request.block_hashes, num_blocks) >= num_blocks:
+            return hint
+        return replace(hint, owner_computing=True)
 
     def _is_hot(self, draw: tuple[float, int], mean_recent: float) -> bool:
         """Whether the known prefix (``draw``: :meth:`_prefix_draw`) drew, per

@@ -17,8 +17,8 @@ An owner still prefilling the prefix (a group's second request arriving
 while the first computes it there) exports it once computed, as the live
 owner waits for an in-flight prefill up to the receiver's patience
 (``ExportRequest.wait_s``): the receiver waits that long, and where the
-wait and the transfer outlast its patience (its own recompute time) it
-has lost the patience and recomputes (``"outwaited"``). The FIFO model
+wait and the transfer outlast its patience (:meth:`FetchModel.patience_s`)
+it has lost the patience and recomputes (``"outwaited"``). The FIFO model
 knows when each prefill ends (:meth:`Owner.prefill_done_s`); the batching
 model defers a hinted sequence while its owner computes the prefix
 (:meth:`router.batching.BatchingReplica`), so its owner answers computed
@@ -49,17 +49,23 @@ class FetchModel:
     busy for ``export_fraction × transfer_s(n)`` copying the blocks out of
     its KV pool (0.1: a device-to-host copy at PCIe-class ~250 GB/s is a
     tenth of the 25 GB/s network's time), which delays its own work.
+    ``patience`` and ``prefill_patience``: the live Worker's (``FetchConfig``),
+    how many times its recompute time a receiver waits for a fetch, and for
+    one whose hint says the owner still computes the prefix.
     """
 
     kv_bytes_per_token: int = LLAMA_8B_KV_BYTES_PER_TOKEN
     bandwidth_bytes_per_s: float = 25e9
     latency_s: float = 0.001
     export_fraction: float = 0.1
+    patience: float = 1.0
+    prefill_patience: float = 3.0
 
     def __post_init__(self) -> None:
         if type(self.kv_bytes_per_token) is not int or self.kv_bytes_per_token <= 0:
             raise ValueError(f"kv_bytes_per_token must be a positive int, got {self.kv_bytes_per_token!r}")
-        for name, low in (("bandwidth_bytes_per_s", 0.0), ("latency_s", None), ("export_fraction", None)):
+        for name, low in (("bandwidth_bytes_per_s", 0.0), ("latency_s", None), ("export_fraction", None),
+                          ("patience", None), ("prefill_patience", None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (low is not None and value <= low):
@@ -71,6 +77,11 @@ class FetchModel:
 
     def export_s(self, num_tokens: int) -> float:
         return self.export_fraction * self.transfer_s(num_tokens)
+
+    def patience_s(self, recompute_s: float, owner_computing: bool) -> float:
+        """How long a receiver waits for a fetch whose tokens it would
+        recompute in ``recompute_s`` (the Worker's ``PrefixFetcher._patience_s``)."""
+        return (max(self.patience, self.prefill_patience) if owner_computing else self.patience) * recompute_s
 
     def reported_costs(self, prefill_s_per_token: float) -> tuple[float, float]:
         """``(fetch_token_cost, fetch_overhead_tokens)`` a receiver that
@@ -117,6 +128,7 @@ class SimFetch:
     num_tokens: int
     model: FetchModel
     alternates: tuple[Owner, ...] = ()
+    owner_computing: bool = False  # FetchHint.owner_computing: the receiver waits prefill_patience
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +192,9 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     recompute_s = timing.prefill_s(missing, own_tokens)
     if transfer_s >= recompute_s:
         return FetchPlan(0, 0, asked_s, "slower", num_asked)
-    wait_s = ready_s - now
-    if wait_s + transfer_s > recompute_s:  # the patience (its recompute time) ran out first
-        return FetchPlan(0, 0, asked_s + recompute_s, "outwaited", num_asked)
+    wait_s, patience_s = ready_s - now, fetch.model.patience_s(recompute_s, fetch.owner_computing)
+    if wait_s + transfer_s > patience_s:  # the patience ran out first
+        return FetchPlan(0, 0, asked_s + patience_s, "outwaited", num_asked)
     owner.export(units[:held], ready_s, fetch.model.export_s(missing))
     return FetchPlan(held, missing, asked_s + wait_s + transfer_s, "fetched", num_asked, wait_s)
 
@@ -193,14 +205,15 @@ def awaits_owner_prefill(fetch: SimFetch, units: tuple[int, ...], unit_tokens: i
     ``now`` for its owner to compute the hinted prefix (the batching model's
     deferral; the FIFO model knows the prefill's end instead): the owner's
     tree holds more of it than it has computed and the receiver holds, and
-    the receiver's patience (its recompute time of those tokens) less the
-    transfer has not run out."""
+    the receiver's patience (:meth:`FetchModel.patience_s` of its recompute
+    time of those tokens) less the transfer has not run out."""
     pending = owner_computes(fetch, units, unit_tokens, num_own_units, now)
     if not pending:
         return False
     own_tokens = cached_tokens(num_own_units)
     missing = cached_tokens(pending) - own_tokens
-    patience_s = timing.prefill_s(missing, own_tokens) - fetch.model.transfer_s(missing)
+    model = fetch.model
+    patience_s = model.patience_s(timing.prefill_s(missing, own_tokens), fetch.owner_computing) - model.transfer_s(missing)
     return now < since_s + patience_s
 
 

@@ -158,7 +158,7 @@ class Ours:
         hint = decision.fetch
         replica_of = lambda replica_id: self._replicas[self._index_of[replica_id]]  # noqa: E731
         self._fetch = None if hint is None else SimFetch(replica_of(hint.owner), hint.num_tokens, self._fetch_model,
-                                                         tuple(map(replica_of, hint.alternates)))
+                                                         tuple(map(replica_of, hint.alternates)), hint.owner_computing)
         self.num_fetch_hints += hint is not None
         return self._index_of[replica_id]
 

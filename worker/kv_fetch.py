@@ -205,7 +205,7 @@ class PrefixFetcher:
             return 0
         key = (salt, prefix)
         shared = self._in_flight.get(key)
-        patience_s = self._patience_s(num_tokens - num_cached)
+        patience_s = self._patience_s(num_tokens - num_cached, getattr(hint, "owner_computing", False) is True)
         if shared is None:
             reason = self._why_not_fetch(num_tokens, num_tokens - num_cached)
             if reason is not None:
@@ -232,8 +232,9 @@ class PrefixFetcher:
                 self._forget(key, shared)  # nobody joins a cancelled fetch
                 shared.task.cancel()
 
-    def _patience_s(self, num_missing: int) -> float | None:
-        """How long a request waits for its fetch: ``patience`` × the
+    def _patience_s(self, num_missing: int, owner_computing: bool = False) -> float | None:
+        """How long a request waits for its fetch: ``patience`` (``prefill_patience``
+        where the hint says the owner still computes the prefix, if larger) × the
         estimated time to recompute what it misses (None, only ``timeout_s``,
         with ``min_speedup`` or ``patience`` 0 or no measured prefill rate). By then the fetch has
         cost as much as recomputing would have in all, so a request pays at
@@ -243,7 +244,8 @@ class PrefixFetcher:
         s_per_token, config = self._engine.prefill_s_per_token, self._config
         if config.min_speedup == 0 or config.patience == 0 or s_per_token is None:
             return None
-        return config.patience * num_missing * s_per_token
+        factor = max(config.patience, config.prefill_patience) if owner_computing else config.patience
+        return factor * num_missing * s_per_token
 
     def _owner_wait_s(self, num_tokens: int, deadline_s: float | None) -> float:
         """``ExportRequest.wait_s`` for an ask of ``num_tokens`` positions: what is

@@ -27,6 +27,7 @@ def test_the_router_block_size_and_fetch_switch_default_to_the_apps():
     ({"fetch_prior_overhead_s": -0.1}, r"fetch prior_overhead_s must be a number in \[0, 60\]"),
     ({"fetch_prior_overhead_s": "1"}, "fetch prior_overhead_s must be"),
     ({"fetch_patience": -1}, r"fetch patience must be a number in \[0, 1000\]"),
+    ({"fetch_prefill_patience": "3"}, r"fetch prefill_patience must be a number in \[0, 1000\]"),
     ({"stream_interval_ms": -1}, r"stream_interval_ms must be a number of milliseconds in \[0, 1000\]"),
     ({"stream_interval_ms": 5000}, "stream_interval_ms must be"),
     ({"stream_interval_ms": True}, "stream_interval_ms must be"),

@@ -59,7 +59,8 @@ def test_a_hint_names_the_owner_when_the_owner_is_over_its_bound():
     spilled = [d for _, d in decisions if d.ranked[0] != owner]
     assert spilled, "the hot group never left its home"
     first_spill = spilled[0]
-    assert first_spill.fetch == FetchHint(owner, len(SHARED))
+    # none of the hot group's requests has completed: the first is still computing the prefix at its home
+    assert first_spill.fetch == FetchHint(owner, len(SHARED), owner_computing=True)
     for _, decision in decisions:
         if decision.ranked[0] == owner:
             assert decision.fetch is None
@@ -238,6 +239,10 @@ def test_records_reject_bad_values():
             FetchHint("a", 4, alternates)
     with pytest.raises(ValueError):
         RoutingDecision(("c", "a"), FetchHint("a", 4, ("c",)))  # the first choice among those a hint names
+    for flag in (1, "yes", None):
+        with pytest.raises(ValueError):
+            FetchHint("a", 4, owner_computing=flag)
+    assert not FetchHint("a", 4).owner_computing and FetchHint("a", 4, owner_computing=True).owner_computing
     hint = FetchHint("a", 4, ["b", "c"])
     assert hint.alternates == ("b", "c") and hint.owners == ("a", "b", "c") and FetchHint("a", 4).owners == ("a",)
     assert RoutingDecision(("d",), hint).fetch is hint

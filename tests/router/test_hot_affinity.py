@@ -87,6 +87,18 @@ def test_a_prefix_its_holder_still_computes_weighs_less_where_a_fetch_waits_for_
     assert decision.fetch is not None and decision.fetch.owner == REPLICAS[0]
 
 
+@pytest.mark.parametrize("first_in_flight", [True, False])
+def test_a_hint_says_whether_its_owner_still_computes_the_prefix(first_in_flight):
+    """The receiver waits longer (the Worker's ``prefill_patience``) for an
+    owner whose prefill of the prefix is in flight: the hint says so while a
+    request this router sent there still computes it, and no longer once it
+    completed."""
+    policy, request = queued_home(first_in_flight=first_in_flight, premium_needs_completion=True)
+    hint = policy.decide(request).fetch
+    assert hint is not None and hint.owner == REPLICAS[0]
+    assert hint.owner_computing is first_in_flight
+
+
 def test_a_prefix_drawing_less_than_the_share_keeps_the_full_weight():
     policy, request = queued_home(hot_affinity_share=1000.0)
     assert policy.decide(request).ranked[0] == REPLICAS[0]

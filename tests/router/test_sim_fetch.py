@@ -133,6 +133,24 @@ def test_an_owner_prefill_that_ends_too_late_is_outwaited(model):
         receiver.check_invariants()
 
 
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+@pytest.mark.parametrize("owner_computing", [False, True])
+def test_a_hint_that_says_the_owner_computes_waits_its_prefill_patience(model, owner_computing):
+    """The owner computes the prefix behind 400 other tokens (done at 0.81
+    s). A receiver at 0.2 s would recompute it in 0.4 s: with patience 1 it
+    stops waiting first; told by the hint that the owner computes it, it
+    waits up to 3 x (``FetchModel.prefill_patience``) and fetches."""
+    owner = make_replica(model, "owner")
+    owner.submit(0, request(0.0, range(30_000, 30_400)), 0.0)
+    owner.submit(1, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)
+    receiver = make_replica(model, "receiver")
+    fetch = SimFetch(owner, 400, FAST, owner_computing=owner_computing)
+    receiver.submit(2, request(0.2, PREFIX + tuple(range(9000, 9010))), 0.2, fetch)
+    run_together([owner, receiver], 2.0)
+    assert receiver.outcomes[2].fetched_tokens == (400 if owner_computing else 0)
+    assert receiver.fetch_counts.num_outwaited == (0 if owner_computing else 1)
+
+
 def test_a_queued_request_has_waited_for_the_owner_while_it_queued():
     """FIFO: the fetch starts at arrival; a request queued past the owner's
     prefill end stalls for the transfer only."""
@@ -329,7 +347,8 @@ def test_cli_fetch_flags_reach_the_replicas(tmp_path):
                             "131072", "--fetch-export-fraction", "0.2"]) == 0
         result = json.loads(out.read_text())
         assert result["setup"]["fetch"] == {"kv_bytes_per_token": 131072, "bandwidth_bytes_per_s": gbps * 1e9,
-                                            "latency_s": 0.001, "export_fraction": 0.2}
+                                            "latency_s": 0.001, "export_fraction": 0.2,
+                                            "patience": 1.0, "prefill_patience": 3.0}
         ours, nofetch = result["policies"]["ours"], result["policies"]["ours_nofetch"]
         assert ours["num_fetch_hints"] > 0 and nofetch["num_fetch_hints"] == 0
         if tag == "fast":

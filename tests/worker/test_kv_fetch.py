@@ -483,6 +483,26 @@ def test_a_request_stops_waiting_for_a_slow_fetch_after_its_recompute_time(pair,
     assert_clean(owner_engine, receiver_engine)
 
 
+def test_a_hint_whose_owner_computes_the_prefix_waits_prefill_patience(pair, tokens):
+    """``FetchHint.owner_computing``: the owner's export waits for its prefill
+    in flight, so the request gives the fetch ``prefill_patience`` (3) x its
+    recompute time, not ``patience`` (1)."""
+    owner_engine, receiver_engine = pair
+
+    async def main():
+        await receiver_engine.generate(tokens(80), GREEDY)  # measures the receiver's prefill rate
+        receiver = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(), Answers(None))
+        recompute_s = 64 * receiver_engine.prefill_s_per_token
+        assert receiver._patience_s(64) == pytest.approx(recompute_s)
+        assert receiver._patience_s(64, owner_computing=True) == pytest.approx(3 * recompute_s)
+        slow = PrefixFetcher(receiver_engine, RECEIVER, FetchConfig(patience=4.0), Answers(None))
+        assert slow._patience_s(64, owner_computing=True) == pytest.approx(4 * recompute_s)  # never shorter
+
+    asyncio.run(main())
+    with pytest.raises(ValueError):
+        FetchConfig(prefill_patience=-1.0)
+
+
 def test_patience_0_waits_for_the_fetch(pair, tokens):
     owner_engine, receiver_engine = pair
     prompt = tokens(96)
