@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -159,3 +160,37 @@ def test_an_owner_killed_before_the_fetch_costs_a_recompute_never_the_request(ap
     after = stats_when(app, lambda s: fallbacks(s.get(receiver, before)) > fallbacks(before))[receiver]
     assert fallbacks(after) == fallbacks(before) + 1, {k: v for k, v in after.items() if k.startswith("fetch")}
     assert after["fetch_count"] == before["fetch_count"]
+
+
+def test_a_prefix_its_owner_is_still_prefilling_is_fetched_once_computed(app, reference_engine, served):
+    """A long prompt's prefill (4,000 tokens: eight 512-token steps) is under
+    way at its home when a second prompt sharing its first 3,968 tokens
+    arrives. The home has all the recent work, so the router sends the
+    second to the other replica, hinted, and says the owner still computes
+    the prefix (``FetchHint.owner_computing``); the owner's export waits
+    for its prefill (``ExportRequest.wait_s``) and sends the whole prefix:
+    computed once, and the output is the reference's."""
+    # the previous test killed its owner: wait for the replica Serve started in its place
+    live = stats_when(app, lambda s: len(set(s) - {served["owner"]}) == 2, timeout_s=90.0)
+    assert len(set(live) - {served["owner"]}) == 2, sorted(live)
+    shared = tokens(8, 3968)
+    long_prompt = shared + tokens(9, 32)
+    before = replica_stats(app.url, AUTH_A)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(generate, app, long_prompt, AUTH_A)
+        time.sleep(0.15)  # the first is admitted and prefilling at its home by now
+        prompt = shared + tokens(10, 16)
+        second = generate(app, prompt, AUTH_A)
+        first = first.result()
+    owner, receiver = first["replica_id"], second["replica_id"]
+    assert receiver != owner, "the router did not send the second request to the other replica (FORCE_HINTS)"
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == len(shared)  # fetched, not recomputed
+    assert_reference(second, prompt, reference_engine)
+    def counted(key: str, replica_id: str, stats: dict) -> int:
+        return stats.get(replica_id, {}).get(key, 0) - before.get(replica_id, {}).get(key, 0)
+
+    after = stats_when(app, lambda s: counted("fetch_export_waits", owner, s) and counted("fetch_tokens", receiver, s))
+    assert counted("fetch_export_waits", owner, after) == 1 and after[owner]["fetch_export_wait_prefill_seconds"] > 0
+    assert counted("fetch_tokens", receiver, after) == len(shared) and counted("fetch_count", receiver, after) == 1
+    for audit in wait_for_clean_audits(app.url, 2, after_s=time.time(), headers=AUTH_A):
+        assert audit.is_clean, audit
