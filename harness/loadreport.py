@@ -86,7 +86,7 @@ def print_table(report: dict) -> None:
         ("hints/ignored", lambda r: f"{_counter(r, 'num_hints')}/{_counter(r, 'num_hints_ignored')}"),
         ("fetches/fallbacks", lambda r: f"{_counter(r, 'num_fetches')}/{_counter(r, 'num_fallbacks')}"),
         ("outwaited fetches", lambda r: _counter(r, "num_outwaited")),
-        ("exports that waited for a prefill", lambda r: _counter(r, "num_export_waits")),
+        ("export prefill waits", lambda r: _counter(r, "num_export_waits")),
         ("fetch MB/s (runs)", lambda r: _mb_per_s(r.get("replica_counters", {}).get("fetch_bandwidth_bytes_per_s"))),
         ("est. MB/s/replica", lambda r: _estimates(r.get("replica_counters", {}))),
         ("est. overhead ms", lambda r: _estimates(r.get("replica_counters", {}), "estimated_overhead_s", 1e-3)),
