@@ -289,9 +289,13 @@ class AsyncEngine(EngineThread):
         ``_lock`` alone, it changes neither. So, like :meth:`cached_prefix_tokens`,
         this sees a consistent state between two steps or during a forward
         and never waits for a step in flight (``_lock`` would: seconds on a
-        busy replica). A submission still in the inbox is not a sequence yet."""
+        busy replica). A submission still in the inbox (a request handed in
+        during a forward becomes a sequence when the next step begins) counts
+        too: the copy of the inbox is one C-level pass under the GIL, and the
+        engine thread drains it only under both locks."""
         with self._cache_lock:
-            return self.engine.in_flight_prefix_tokens(token_ids, salt, max_tokens=max_tokens)
+            submitted = [command[2] for command in tuple(self._inbox) if command[0] == "add" and command[4] == salt]
+            return self.engine.in_flight_prefix_tokens(token_ids, salt, max_tokens=max_tokens, submitted=submitted)
 
     def import_prefix(self, bundle, *, timing: dict | None = None) -> int:
         """:meth:`Engine.import_prefix`: checked (checksum included) outside any

@@ -283,11 +283,14 @@ class Engine:
         return tuple(token_ids[:num_tokens]), rows
 
     def in_flight_prefix_tokens(
-        self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None
+        self, token_ids: Sequence[int], salt: str | None = None, *, max_tokens: int | None = None,
+        submitted: Sequence[Sequence[int]] = (),
     ) -> int:
         """How long a prefix of ``token_ids`` (at most ``max_tokens``) under
         ``salt`` a sequence of this engine is still computing beyond what the
-        cache holds now: running and prefilling it, or waiting to be admitted
+        cache holds now: running and prefilling it, or waiting to be admitted,
+        or one of ``submitted`` (prompts under ``salt`` handed to the engine
+        but not added yet: ``AsyncEngine``'s inbox)
         (:meth:`Scheduler.in_flight_prefix_tokens`: at least one block); 0 if
         none. An export that may wait polls it (worker/kv_fetch.py). A pure
         read of the tree and the scheduler's lists."""
@@ -295,7 +298,8 @@ class Engine:
         prefix = token_ids if max_tokens is None else token_ids[:max_tokens]
         num_cached = self.kv_cache.radix.match(prefix, salt, touch=False).num_tokens
         key = np.asarray(prefix, dtype=np.int64)
-        return self.scheduler.in_flight_prefix_tokens(key, salt, num_cached)
+        prompts = [np.asarray(prompt, dtype=np.int64) for prompt in submitted]
+        return self.scheduler.in_flight_prefix_tokens(key, salt, num_cached, prompts)
 
     def _check_prefix_query(self, token_ids: Sequence[int], salt: str | None, max_tokens: int | None) -> None:
         """ValueError unless ``(token_ids, salt, max_tokens)`` is a well-formed export request's."""

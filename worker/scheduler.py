@@ -40,6 +40,7 @@ hold nothing; plus the KV cache's own invariants.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -241,16 +242,18 @@ class Scheduler:
         counts) that is longer than what the cache holds."""
         return num_common >= self.block_size and num_common > num_cached
 
-    def in_flight_prefix_tokens(self, key: np.ndarray, salt: str | None, num_cached: int) -> int:
+    def in_flight_prefix_tokens(self, key: np.ndarray, salt: str | None, num_cached: int,
+                                submitted: Iterable[np.ndarray] = ()) -> int:
         """The longest prefix of ``key`` (token ids) that a sequence under ``salt``
         will compute and cache (running and still prefilling, or waiting to be
-        admitted, preempted ones included), when it is a shared prefix by
+        admitted, preempted ones included; or one of ``submitted``, prompts
+        under ``salt`` not queued here yet), when it is a shared prefix by
         :meth:`_should_wait`'s rule (at least one block, more than the
         ``num_cached`` the cache holds); else 0. A pure read; O(sequences x len(key))."""
-        computing = [(seq, seq.prefill_target) for seq in self.running if seq.is_prefilling]
-        computing += [(seq, len(seq.key)) for seq in self.waiting]  # admission computes the whole sequence
-        longest = max((_num_common_tokens(key, seq.key, num_target) for seq, num_target in computing
-                       if seq.salt == salt), default=0)
+        computing = [(seq.key, seq.prefill_target) for seq in self.running if seq.is_prefilling and seq.salt == salt]
+        computing += [(seq.key, len(seq.key)) for seq in self.waiting if seq.salt == salt]  # admission computes it all
+        computing += [(prompt, len(prompt)) for prompt in submitted]
+        longest = max((_num_common_tokens(key, other, num_target) for other, num_target in computing), default=0)
         return longest if self._is_shared_prefix(longest, num_cached) else 0
 
     def _preempt(self, seq: Sequence) -> None:

@@ -109,6 +109,36 @@ def test_an_export_waits_for_the_prefill_in_flight_and_sends_the_whole_prefix(pa
     assert_clean(owner_engine)
 
 
+def test_a_prompt_handed_in_during_a_forward_counts_before_it_is_a_sequence(pair, tokens):
+    """A request submitted while the owner's engine is inside a forward waits
+    in ``AsyncEngine``'s inbox until the next step begins (on a busy ~125M
+    replica, seconds). An export asked then still sees the prefix coming
+    and waits for it, rather than answering with what is cached."""
+    owner_engine, _ = pair
+    other, prompt = tokens(120), tokens(120)
+
+    async def main():
+        owner = owner_fetcher(owner_engine)
+        task, gate = await stalled_prefill(owner_engine, other)  # the engine thread is inside a forward
+        queued = asyncio.create_task(owner_engine.generate(prompt, GREEDY, salt="a"))
+        await wait_until(lambda: any(c[0] == "add" for c in tuple(owner_engine._inbox)))
+        scheduler = owner_engine.engine.scheduler
+        assert all(seq.salt != "a" for seq in (*scheduler.running, *scheduler.waiting))  # not a sequence yet
+        assert await asyncio.to_thread(owner_engine.in_flight_prefix_tokens, prompt[:-1], "a") == 119
+        assert await asyncio.to_thread(owner_engine.in_flight_prefix_tokens, prompt[:-1], "b") == 0  # its tenant only
+        waiting = asyncio.create_task(owner.export(ask(prompt, 30.0, salt="a")))
+        await wait_until(lambda: owner.counters.num_export_waits == 1)
+        gate.release.set()
+        reply = await asyncio.wait_for(waiting, 20)
+        assert num_exported(reply) == 119
+        await task
+        return await queued
+
+    result = asyncio.run(main())
+    assert_clean(owner_engine)
+    assert result.cached_tokens == 0
+
+
 def test_an_export_nobody_computes_more_of_returns_at_once_whatever_its_wait(pair, tokens):
     """No wait when the cache holds all of it, nothing of it is cached or
     computed, the sequence in flight is another tenant's, or it shares less
