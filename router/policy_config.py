@@ -214,6 +214,14 @@ class PolicyConfig:
     cost multi-turn FIFO 0.006 of hit (moved chats' histories fill the
     caches twice); gating it on the replication rule's hotness (a quarter
     of a replica's work) left shared-prefix's waits untouched (0.246 s).
+    ``fetch_awaits_prefill`` = True (2026-12-06, session 51; BENCHMARKS.md
+    "A fetch waits for the owner's prefill in flight"): both demand rules
+    also act on a prefix every holder still computes, since the Workers'
+    fetch waits for that prefill (``ExportRequest.wait_s``; the hint says
+    so, ``FetchHint.owner_computing``). Off, they do not (session 50's
+    gate: a new holder would recompute it). Over workload seeds 0-39:
+    shared-prefix FIFO hit 0.8823 -> 0.8824 (every seed), TTFT p99 0.211
+    -> 0.198 s; multi-turn batching 0.8988 -> 0.8990; Mooncake identical.
     ``queue_copy_requests`` = 0 (off): at q > 0, a request whose every
     holder candidate has more than q typical requests' work queued credits
     a candidate with at least ``queue_copy_gap_requests`` (1) typical
