@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from cache import RadixCache
+from cache.radix_node import common_prefix_len
 from cache.summary import CacheSummary
 from router.cluster import Completion, Outcome, OutputWindow, observed_summary
 from router.sim_fetch import (FetchCounts, FetchPlan, SimFetch, awaits_owner_prefill, held_elsewhere, owner_computes,
@@ -113,6 +114,12 @@ class BatchingReplica:
 
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
+
+    def queued_units(self, units: tuple[int, ...]) -> int:
+        """:meth:`router.sim_fetch.Owner.queued_units`: the longest prefix of
+        ``units`` a waiting sequence's prompt shares (a sequence enters the
+        tree when admitted). O(waiting × shared units), in C mostly."""
+        return max((common_prefix_len(seq.request.units, units, 0) for seq in self._waiting), default=0)
 
     def computed_units(self, units: tuple[int, ...], now: float) -> int:
         """:meth:`match_units` less what a running sequence's prefill has

@@ -169,6 +169,10 @@ class SimReplica:
     def match_units(self, units: tuple[int, ...]) -> int:
         return self.radix.match(units, touch=False).num_tokens
 
+    def queued_units(self, units: tuple[int, ...]) -> int:
+        """:meth:`router.sim_fetch.Owner.queued_units`: 0 (a request enters the tree on arrival)."""
+        return 0
+
     def computed_units(self, units: tuple[int, ...], now: float) -> int:
         """:meth:`match_units` less what a request not finished at ``now``
         has yet to compute (inserted at arrival: its prompt computed by its

@@ -20,7 +20,10 @@ only the baselines' tie-breaks and the simulator's own randomness.
 
 Writes ``{"setup", "global_lru_hit_rate", "ttft_p99_floor_s", "policies":
 {NAME: {FIGURE: {"mean", "se", "min", "max"}}}, "paired": {NAME: {FIGURE:
-{"mean", "se"}}}, "per_seed": {NAME: {FIGURE: [...]}}}``.
+{"mean", "se"}}}, "per_seed": {NAME: {FIGURE: [...]}}}``. Closed-loop sweeps
+(``--arrivals closed``) also keep, per policy and seed, the one-cache LRU
+bound over the order that policy's requests were sent
+(``global_lru_hit_rate_as_sent``), and print each policy's hit less it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Sequence
 from router.simulate import build_parser, build_run, simulate, workload_kind
 
 FIGURES = ("hit_rate", "load_imbalance", "ttft_p50_s", "ttft_p99_s")
+# closed-loop runs only: the one-cache bound over the order each policy's requests were sent (router.simulate)
+AS_SENT = "global_lru_hit_rate_as_sent"
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,9 @@ def sweep(args: argparse.Namespace, num_seeds: int, jobs: int = 1) -> dict:
 def merge(results: list[dict], seeds: list[int]) -> dict:
     """One sweep's summary of per-seed :func:`router.simulate.simulate` results."""
     names = list(results[0]["policies"])
-    per_seed = {name: {figure: [r["policies"][name][figure] for r in results] for figure in FIGURES}
+    figures_of = {name: FIGURES + ((AS_SENT,) if all(AS_SENT in r["policies"][name] for r in results) else ())
+                  for name in names}
+    per_seed = {name: {figure: [r["policies"][name][figure] for r in results] for figure in figures_of[name]}
                 for name in names}
     first = names[0]
     return {
@@ -128,6 +135,12 @@ def print_sweep(summary: dict) -> None:
         hit, imb, p99 = f["hit_rate"], f["load_imbalance"], f["ttft_p99_s"]
         print(f"{name:>20} {hit['mean']:7.4f} ± {hit['se']:.4f} {hit['min']:7.4f} {imb['mean']:6.3f} ± {imb['se']:.3f}"
               f" {imb['max']:6.3f} {p99['mean']:6.3f} ± {p99['se']:.3f}")
+    for name, figures in summary["per_seed"].items():
+        if AS_SENT in figures:
+            gaps = [hit - bound for hit, bound in zip(figures["hit_rate"], figures[AS_SENT])]
+            gap = Spread.of(gaps)
+            print(f"{name:>20} less the one-cache LRU bound in the order it was sent "
+                  f"({Spread.of(figures[AS_SENT]).mean:.4f}): hit {gap.mean:+.4f} ± {gap.se:.4f}, min {gap.min:+.4f}")
     for title, pairs in (("less " + str(summary.get("paired_with")), summary["paired"]),
                          ("less the earlier sweep", summary.get("paired_against", {}))):
         for name, f in pairs.items():

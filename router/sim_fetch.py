@@ -100,6 +100,13 @@ class Owner(Protocol):
     def match_units(self, units: tuple[int, ...]) -> int:
         """Leading units of ``units`` cached now (no LRU touch)."""
 
+    def queued_units(self, units: tuple[int, ...]) -> int:
+        """Leading units of ``units`` a request waiting here, not yet in the
+        tree, will compute once admitted (its prompt shares them); 0 where a
+        request enters the tree on arrival. The live owner counts such a
+        request too (``Scheduler.in_flight_prefix_tokens``: waiting
+        sequences and the inbox)."""
+
     def computed_units(self, units: tuple[int, ...], now: float) -> int:
         """Leading units of ``units`` cached with their KV computed by
         ``now``: what an export reads (a worker's tree takes a block once
@@ -219,11 +226,13 @@ def awaits_owner_prefill(fetch: SimFetch, units: tuple[int, ...], unit_tokens: i
 
 def owner_computes(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_own_units: int,
                    now: float) -> int:
-    """The hinted units (of ``units``) the owner's tree holds past both
-    what it has computed by ``now`` and the receiver's ``num_own_units``,
-    where its prefill in flight still computes some (else 0)."""
+    """The hinted units (of ``units``) the owner's tree holds, or a request
+    waiting there will compute (:meth:`Owner.queued_units`), past both what
+    it has computed by ``now`` and the receiver's ``num_own_units``, where a
+    prefill in flight or queued still computes some (else 0)."""
     owner = fetch.owner
-    pending = min(owner.match_units(units), fetch.num_tokens // unit_tokens, len(units))
+    promised = max(owner.match_units(units), owner.queued_units(units))
+    pending = min(promised, fetch.num_tokens // unit_tokens, len(units))
     if pending <= num_own_units or owner.computed_units(units, now) >= pending:
         return 0
     return pending

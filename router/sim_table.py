@@ -25,6 +25,10 @@ def print_table(result: dict) -> None:
         print(f"{name:>20} {f['hit_rate']:7.4f} {f['load_imbalance']:6.3f} {f['ttft_p50_s']:7.3f}"
               f" {f['ttft_p99_s']:7.3f} {f['wait_p99_s']:8.3f} {f['decision_us_p99']:10.1f}"
               f" {f.get('mean_decode_batch', 1.0):6.2f}")
+        if "global_lru_hit_rate_as_sent" in f:
+            print(f"{'':>20} one cache of the fleet's budget, in the order its closed loop sent: LRU hit rate "
+                  f"{f['global_lru_hit_rate_as_sent']:.4f}, under the replicas' eviction "
+                  f"{f['global_cache_hit_rate_as_sent']:.4f}")
         if "held_elsewhere_rate" in f:
             print(f"{'':>20} recomputed while another replica held them: {f['held_elsewhere_rate']:.4f} of prompt "
                   f"tokens")

@@ -254,8 +254,10 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
     if progress:
         from tqdm import tqdm
         sends = tqdm(sends, desc=f"{name:>20}", unit="req", leave=False, file=sys.stderr, total=len(workload.requests))
+    sent = []  # request numbers in the order they reached the router
     for number, now in sends:
         request = workload.requests[number]
+        sent.append(number)
         catch_up(now)
         started = time.thread_time()  # CPU time: other processes on a shared machine do not count
         index = policy.choose(number, request, now)
@@ -263,6 +265,8 @@ def replay(workload: Workload, config: SimConfig, name: str, progress: bool = Fa
         replicas[index].submit(number, request, now, policy.take_fetch() if hears else None)
     run_to(math.inf)
     figures = replay_figures(workload, config, replicas, decision_us)
+    if config.closed_loop is not None:  # this policy's own arrival order: the one-cache bounds over it
+        figures.update(bounds_as_sent(workload, config, sent))
     if hears:
         figures["num_fetch_hints"] = policy.num_fetch_hints
     if hears and version:
@@ -293,6 +297,21 @@ def cache_bound(workload: Workload, budget_units: int | None, cost,
         radix.insert(request.cache_units)
     prefill_s.sort()
     return cached / max(total, 1), percentile(prefill_s, 99)
+
+
+def bounds_as_sent(workload: Workload, config: SimConfig, sent: list[int]) -> dict:
+    """The one-cache bounds (LRU, and under the replicas' eviction) over the
+    requests in the order ``sent`` (request numbers as they reached the
+    router). Closed-loop arrivals depend on when each policy's replicas
+    finished the earlier turns, so each policy has its own order, and the
+    bound over the workload's nominal order is not one its requests could
+    meet: there a chat's turns interleave with other chats as generated, not
+    as its client sent them."""
+    as_sent = replace(workload, requests=tuple(workload.requests[number] for number in sent))
+    budget_units = config.budget_tokens // workload.unit_tokens * config.num_replicas
+    return {"global_lru_hit_rate_as_sent": cache_bound_hit_rate(as_sent, budget_units),
+            "global_cache_hit_rate_as_sent": cache_bound_hit_rate(as_sent, budget_units,
+                                                                  config.cache_protected_share)}
 
 
 def cache_bound_hit_rate(workload: Workload, budget_units: int | None, protected_share: float = 0.0) -> float:

@@ -122,18 +122,26 @@ def multi_turn(
     output_tokens: int = 128, block_tokens: int = 64, rate_per_s: float = 4.0, think_s: float = 5.0, seed: int = 0,
 ) -> Workload:
     """``harness.workloads.multi_turn_chats`` (every request shares the system
-    prompt's blocks); each turn's prompt is the history plus its question."""
+    prompt's blocks); each turn's prompt is the history plus its question.
+    Requests in arrival order; ``Workload.sessions`` lists each chat's
+    request numbers in turn order (chats by their first turn's arrival), so
+    closed-loop arrivals send a turn only once the chat's previous turn has
+    its answer, as a client would."""
     chats = multi_turn_chats(random.Random(seed), num_conversations, num_turns, system_tokens, question_tokens,
                              answer_tokens=output_tokens, rate_per_s=rate_per_s, think_s=think_s, tokens=_SIM_TOKENS)
-    requests = []
-    for chat in chats:
+    turns = []  # (request, chat number)
+    for chat_number, chat in enumerate(chats):
         history = list(chat.system)
         for turn in chat.turns:
             prompt = history + list(turn.question)
-            requests.append(_token_request(turn.arrival_s, prompt, list(turn.answer), block_tokens))
+            turns.append((_token_request(turn.arrival_s, prompt, list(turn.answer), block_tokens), chat_number))
             history = prompt + list(turn.answer)
-    requests.sort(key=lambda r: r.arrival_s)
-    return Workload(tuple(requests), 1, block_tokens, "multi-turn")
+    turns.sort(key=lambda item: item[0].arrival_s)  # stable: a chat's turns keep their order on equal times
+    numbers: dict[int, list[int]] = {}
+    for number, (_, chat_number) in enumerate(turns):
+        numbers.setdefault(chat_number, []).append(number)
+    sessions = tuple(sorted((tuple(chat_numbers) for chat_numbers in numbers.values()), key=lambda s: s[0]))
+    return Workload(tuple(request for request, _ in turns), 1, block_tokens, "multi-turn", sessions)
 
 
 def scale_arrivals(workload: Workload, factor: float) -> Workload:

@@ -1,7 +1,7 @@
 """router.closed_loop: the simulator's closed-loop arrivals, as the live load test sends requests."""
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -9,7 +9,7 @@ from harness.workloads import build_workload
 from router.batching import StepProfile
 from router.closed_loop import ClosedLoop, ClosedLoopConfig, arrivals
 from router.simulate import SimConfig, replay
-from router.workload import from_sessions, multi_turn
+from router.workload import from_sessions, multi_turn, shared_prefix
 
 PROFILE = StepProfile(0.002, 10e-6, 50e-6, 0.0, 512, 65536, name="test")
 
@@ -164,10 +164,49 @@ def test_simulate_cli_offers_closed_arrivals(tmp_path):
 
 
 def test_a_generated_workload_without_sessions_sends_each_request_as_its_own_session():
-    workload = multi_turn(num_conversations=3, num_turns=2, system_tokens=64, question_tokens=16, output_tokens=4)
+    workload = shared_prefix(num_groups=2, prompts_per_group=3, system_tokens=64, question_tokens=16, output_tokens=4)
     assert workload.sessions == ()
     figures = replay(workload, closed_config(concurrency=2, replicas=2), "pow2")
     assert figures["ttft_p50_s"] > 0
+
+
+def test_the_generated_multi_turn_workload_sends_a_chats_turn_once_the_last_one_is_answered():
+    """Its sessions are its chats (turns in order), so the closed loop is
+    causal: no turn leaves before the chat's previous answer exists."""
+    workload = multi_turn(num_conversations=5, num_turns=3, system_tokens=64, question_tokens=16, output_tokens=4)
+    assert sorted(n for session in workload.sessions for n in session) == list(range(15))
+    for session in workload.sessions:
+        assert len(session) == 3
+        for earlier, later in zip(session, session[1:]):
+            history = workload.requests[earlier].cache_units
+            assert workload.requests[later].units[: len(history)] == history  # the next turn of the same chat
+    assert [s[0] for s in workload.sessions] == sorted(s[0] for s in workload.sessions)
+    figures = replay(workload, closed_config(concurrency=5, replicas=2), "ours")
+    prompt = sum(r.num_prompt_tokens for r in workload.requests)
+    history = sum(len(workload.requests[earlier].cache_units)
+                  for session in workload.sessions for earlier in session[:-1])
+    assert figures["hit_rate"] >= history / prompt  # every later turn found its chat's answered history
+
+
+def test_a_closed_loop_replay_reports_the_one_cache_bound_over_its_own_order():
+    """Closed-loop sends depend on each policy's completions, so the bound
+    over the workload's generated order is not one its requests met: each
+    policy's figures carry the one-cache bounds over the order it was sent."""
+    from router.simulate import bounds_as_sent, cache_bound_hit_rate
+
+    workload = multi_turn(num_conversations=6, num_turns=3, system_tokens=64, question_tokens=16, output_tokens=4)
+    config = closed_config(concurrency=2, replicas=2)
+    figures = replay(workload, config, "round_robin")
+    assert 0 < figures["global_lru_hit_rate_as_sent"] <= 1
+    # with two clients, the first two chats run to their end before the third starts: not the generated order
+    order = [n for s in workload.sessions for n in s]
+    tight = replace(config, budget_tokens=150)  # a cache too small for two chats' histories: order matters
+    as_sessions = bounds_as_sent(workload, tight, order)["global_lru_hit_rate_as_sent"]
+    as_generated = cache_bound_hit_rate(workload, tight.budget_tokens * tight.num_replicas)
+    assert as_sessions != as_generated
+    assert figures["global_cache_hit_rate_as_sent"] == figures["global_lru_hit_rate_as_sent"]  # room to spare
+    open_loop = replay(workload, replace(config, closed_loop=None), "round_robin")
+    assert "global_lru_hit_rate_as_sent" not in open_loop  # open loop: the workload's order is the order sent
 
 
 def test_prompt_imbalance_counts_prompt_tokens_per_replica_as_the_load_test_does():

@@ -151,6 +151,29 @@ def test_a_hint_that_says_the_owner_computes_waits_its_prefill_patience(model, o
     assert receiver.fetch_counts.num_outwaited == (0 if owner_computing else 1)
 
 
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_prefix_the_owner_has_not_admitted_yet_is_waited_for_then_fetched(model):
+    """Both prompts arrive at the same instant, the owner's not yet in its
+    tree (the batching model admits at its next step; the live engine's
+    inbox and waiting queue). The receiver, hinted, must count the owner's
+    waiting prompt as a prefill in flight, as the live owner does
+    (``Scheduler.in_flight_prefix_tokens``), wait for it and fetch, rather
+    than find nothing and compute the prefix a second time."""
+    owner = make_replica(model, "owner")
+    owner.submit(0, request(0.0, PREFIX + tuple(range(5000, 5010))), 0.0)
+    assert owner.queued_units(PREFIX) == (len(PREFIX) if model == "cb" else 0)  # FIFO: in its tree on arrival
+    receiver = make_replica(model, "receiver")
+    fetch = SimFetch(owner, 400, FAST, owner_computing=True)
+    receiver.submit(1, request(0.0, PREFIX + tuple(range(9000, 9010))), 0.0, fetch)
+    receiver.advance(0.0)  # the receiver's step comes first: the owner has admitted nothing
+    run_together([receiver, owner], 2.0)
+    assert receiver.outcomes[1].fetched_tokens == 400
+    assert (receiver.fetch_counts.num_fetched, receiver.fetch_counts.num_outwaited) == (1, 0)
+    if model == "cb":
+        assert owner.queued_units(PREFIX) == 0  # admitted since
+        receiver.check_invariants()
+
+
 def test_a_queued_request_has_waited_for_the_owner_while_it_queued():
     """FIFO: the fetch starts at arrival; a request queued past the owner's
     prefill end stalls for the transfer only."""
