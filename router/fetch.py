@@ -121,12 +121,23 @@ class FetchPlan:
 
     ``max_alternates`` (``PolicyConfig.fetch_alternates``): how many other
     candidates holding the hinted tokens a hint names besides its owner
-    (:attr:`FetchHint.alternates`)."""
+    (:attr:`FetchHint.alternates`).
+
+    ``computing`` (None: no holder does): whether a holder is still
+    computing its copy of the prefix (a request this router sent there is
+    prefilling it). Owners and alternates are named among the holders that
+    have computed it first, then by load: a receiver asking a holder whose
+    copy is still in the works waits for that prefill, and recomputes if
+    it outlasts its patience, while another holder could export at once
+    (simulated shared-prefix FIFO, workload seed 17, queued copies on: a
+    request hinted to a fresh copy still queued at its new holder
+    recomputed a whole system prompt)."""
 
     def __init__(self, depths: Mapping[str, int], depth_of: Callable[[str], int], block_size: int,
                  num_prompt_tokens: int, load_of: Callable[[str], float], min_tokens: int,
                  fetch_token_cost: float, credit_scope: str = "always",
-                 is_over: Callable[[str, int], bool] | None = None, max_alternates: int = 0) -> None:
+                 is_over: Callable[[str, int], bool] | None = None, max_alternates: int = 0,
+                 computing: Callable[[str], bool] | None = None) -> None:
         if credit_scope not in CREDIT_SCOPES or (credit_scope == "over_bound" and is_over is None):
             raise ValueError(f"credit_scope must be one of {CREDIT_SCOPES} (over_bound needs is_over), "
                              f"got {credit_scope!r}")
@@ -137,6 +148,7 @@ class FetchPlan:
         self._min_tokens, self._fetch_token_cost = min_tokens, fetch_token_cost
         self._credit_scope, self._is_over = credit_scope, is_over
         self._max_alternates = max_alternates
+        self._computing = computing
         self._credit_open: bool | None = None  # decided once per plan, on the first credit asked
 
     @property
@@ -145,7 +157,7 @@ class FetchPlan:
         if not self._num_fetchable:
             return None
         if self._owner is None:
-            self._owner = deepest_holder(self._depths, self._load_of)
+            self._owner = deepest_holder(self._depths, self._load_of, self._computing)
         return self._owner, self._num_fetchable
 
     @property
@@ -224,17 +236,17 @@ class FetchPlan:
         num_tokens = min(max(others.values()) * self._block_size, num_fetchable)
         if num_tokens <= self._min_tokens:
             return None
-        return FetchHint(deepest_holder(others, self._load_of), num_tokens)
+        return FetchHint(deepest_holder(others, self._load_of, self._computing), num_tokens)
 
     def with_alternates(self, hint: FetchHint | None, first_id: str) -> FetchHint | None:
         """``hint`` naming, besides its owner, up to ``max_alternates`` other
-        candidates known to hold its tokens (never ``first_id``), least
-        loaded first."""
+        candidates known to hold its tokens (never ``first_id``), those that
+        have computed them first, then least loaded first."""
         if hint is None or not self._max_alternates or len(self._depths) < 2:
             return hint  # no holder besides the owner to name
         num_blocks = hint.num_tokens // self._block_size
         others = sorted((r for r, d in self._depths.items() if d >= num_blocks and r != first_id and r != hint.owner),
-                        key=lambda r: (self._load_of(r), r))
+                        key=lambda r: holder_order(r, self._load_of, self._computing))
         if not others:
             return hint
         return FetchHint(hint.owner, hint.num_tokens, tuple(others[:self._max_alternates]))
@@ -282,10 +294,19 @@ def fetchable_num_tokens(depths: Mapping[str, int], block_size: int, num_prompt_
     return num_blocks * block_size if num_blocks > 0 else 0
 
 
-def deepest_holder(depths: Mapping[str, int], load_of: Callable[[str], float]) -> str:
-    """The owner of :func:`fetchable_tokens`: the least loaded of the deepest holders."""
+def deepest_holder(depths: Mapping[str, int], load_of: Callable[[str], float],
+                   computing: Callable[[str], bool] | None = None) -> str:
+    """The owner of :func:`fetchable_tokens`: among the deepest holders, one
+    that has computed the prefix if any (``computing``: :class:`FetchPlan`),
+    the least loaded."""
     deepest = max(depths.values())
-    return min((r for r, d in depths.items() if d == deepest), key=lambda r: (load_of(r), r))
+    return min((r for r, d in depths.items() if d == deepest), key=lambda r: holder_order(r, load_of, computing))
+
+
+def holder_order(replica_id: str, load_of: Callable[[str], float],
+                 computing: Callable[[str], bool] | None) -> tuple[bool, float, str]:
+    """Sort key of holders a hint may name: computed first, then least loaded, then by id."""
+    return computing is not None and computing(replica_id), load_of(replica_id), replica_id
 
 
 def fetch_credit(fetchable: tuple[str, int] | None, replica_id: str, cached: int, min_tokens: int,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterable
 from router.cache_fill import FleetCacheFill
 from router.candidates import Candidates, gather, within_block
 from router.cold_home import home_first
-from router.fetch import FetchHint, FetchPlan, RoutingDecision
+from router.fetch import FetchHint, RoutingDecision
 from router.fetch_cost import ReportedFetchCost
 from router.load import LoadTracker
 from router.output_estimate import OutputEstimate
@@ -22,6 +22,7 @@ from router.policy_scoring_terms import ScoringTermsMixin
 from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex
 from router.queue_priced import QueuePricedWork
+from router.replica_queueing import ReplicaQueueing
 from router.request import RoutingRequest
 from router.reported_busy import ReportedBusy
 from router.reported_work import ReportedWork
@@ -225,6 +226,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._share = RouterShare(self.config.load_window_s)
         self._pending = PendingBlocks(self.config.in_flight_timeout_s)  # premium_needs_completion
         self._fill = FleetCacheFill()  # premium on pending blocks withheld; a new holder's room (kept for those)
+        self._queueing = ReplicaQueueing()  # whether a holder queues what it has in flight (queued copies)
         self._demand = PrefixDemand(self.config.load_window_s, self.config.max_demand_entries)  # hot prefixes
         self._fetch_cost = ReportedFetchCost(self.config.fetch_token_cost, history=self.config.price_history)
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
@@ -269,6 +271,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._queue_priced.remove_replica(replica_id)
         self._pending.remove_replica(replica_id)
         self._fill.remove(replica_id)
+        self._queueing.remove(replica_id)
         self._fetch_cost.remove(replica_id)
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
@@ -332,10 +335,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
             scoring.premium = holder_premium(found.holder_levels, config.block_size)
         if len(self._pending) and self._fill.pressure < 1.0:
             scoring.computed = self._computed_view(request, found)
-        plan = FetchPlan(found.depths, lambda r: self._index.depth(r, request.block_hashes), config.block_size,
-                         request.num_prompt_tokens, scoring.load, config.fetch_min_tokens, config.fetch_token_cost,
-                         config.fetch_credit_scope, scoring.is_over,
-                         config.fetch_alternates) if config.fetch_enabled else None
+        plan = self._fetch_plan(request, found, scoring)
         draw = self._prefix_draw(request, found, now) if plan is not None else None  # its demand, its holders
         scoring.affinity_weight = self._affinity_weight(draw, scoring.mean_recent, plan)
         credit = plan.credit if plan is not None and plan.credit_open else None  # saved by a fetch
@@ -343,7 +343,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         if credit is None and plan is not None:
             if self._is_hot(draw, scoring.mean_recent):
                 may_hold = self._has_room
-            elif (holders_load := self._holders_queued(found, scoring)) is not None:
+            elif (holders_load := self._holders_queued(request, found, scoring)) is not None:
                 may_hold = self._queue_copy_target(holders_load, scoring)
         if may_hold is not None and (cost := self._paying_fetch_cost(plan)) is not None:
             credit = plan.replica_credit(may_hold, cost)  # it may gain a holder
@@ -361,8 +361,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         if config.cold_home != "cost" and ranked:
             ranked = self._home_first(request, found, live, cached_at, ranked, now)
         ranked = ranked[: config.num_ranked]
-        hint = self._marked_computing(request, plan.hint(ranked[0], cached_at.get(ranked[0], 0), config.backup_fetch_hints)
-                                      if plan is not None and ranked else None)
+        hint = self._first_hint(request, plan, ranked, cached_at)
         return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
@@ -407,6 +406,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._queue_priced.check_invariants(nodes)
         self._pending.check_invariants()
         self._fill.check_invariants()
+        self._queueing.check_invariants()
         self._demand.check_invariants()
         self._busy_reports.check_invariants()
         self._fetch_cost.check_invariants(nodes)

@@ -222,18 +222,21 @@ class PolicyConfig:
     gate: a new holder would recompute it). Over workload seeds 0-39:
     shared-prefix FIFO hit 0.8823 -> 0.8824 (every seed), TTFT p99 0.211
     -> 0.198 s; multi-turn batching 0.8988 -> 0.8990; Mooncake identical.
-    ``queue_copy_requests`` = 0 (off): at q > 0, a request whose every
-    holder candidate has more than q typical requests' work queued credits
-    a candidate with at least ``queue_copy_gap_requests`` (1) typical
-    requests less queued and room at its last report for
+    ``queue_copy_requests`` = 1 (session 52; 0, off, before): at q > 0, a
+    request whose every holder candidate has more than q typical requests'
+    work queued credits a candidate with at least ``queue_copy_gap_requests``
+    (1) typical requests less queued and room at its last report for
     ``queue_copy_room_factor`` (2) x the copy as a hot prefix's would-be
-    holder. At q = 2, over workload seeds 0-15: shared-prefix FIFO 0.8824 /
-    1.066 / 0.257 s -> 0.8824 / 1.050 / 0.160 s (the TTFT goal, 0.179 s,
-    met), multi-turn batching imbalance 1.104 -> 1.091; but Mooncake 1.25M
-    batching hit 0.5751 -> 0.5681 (mean over summary periods), FIFO 0.5726
-    -> 0.5717, 6.25M 0.6512 -> 0.6509-0.6510: copies where the fleet's cache
-    is the constraint. Gates tried (evicted blocks missed again, demand,
-    copy size) did not separate the two; hence off.
+    holder. Ungated (2026-12-04, q = 2) it met shared-prefix FIFO's TTFT
+    goal but cost Mooncake 1.25M hit (batching 0.5751 -> 0.5681): copies
+    where the fleet's cache is the constraint. Since session 52 a copy is
+    only of a prefix prompts branch at (a system prompt, not a chat's
+    history), held by one candidate that has computed it and queues what
+    it has in flight (it does not batch, or reported requests waiting),
+    and a hint names holders that have computed the prefix first: over
+    seeds 0-39 shared-prefix FIFO 0.8824 / 1.026 / 0.198 s -> 0.8824 (every
+    seed) / 1.022 / 0.178 s (goal 0.182 s); BENCHMARKS.md "Queued copies of
+    a branching prefix".
 
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the
@@ -339,7 +342,7 @@ class PolicyConfig:
     backup_fetch_hints: bool = True  # a first choice among the deepest holders gets a hint naming another holder
     fetch_awaits_prefill: bool = True  # the Workers' fetch waits for an owner's prefill in flight: a pending prefix counts
     fetch_alternates: int = 2  # other known holders a hint names, asked in turn when the owner evicted the prefix
-    queue_copy_requests: float = 0.0  # q: every holder queued beyond q typical requests -> a lighter one may copy
+    queue_copy_requests: float = 1.0  # q: every holder queued beyond q typical requests -> a lighter one may copy
     queue_copy_gap_requests: float = 1.0  # ... with at least this many typical requests less queued than each
     queue_copy_room_factor: float = 2.0  # ... and room at its last report for this many times the copy
 

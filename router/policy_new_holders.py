@@ -18,8 +18,9 @@ from router.scoring import Scoring
 class NewHoldersMixin:
     """The new-holder part of :class:`router.policy.PrefixAffinityPolicy`
     (mixed into it, never used alone): reads the components the policy
-    creates (``_index``, ``_demand``, ``_fill``, ``_fetch_cost``) and its moving average of a
-    request's queued work (``_typical_queued``); changes nothing."""
+    creates (``_index``, ``_demand``, ``_fill``, ``_fetch_cost``,
+    ``_pending``, ``_queueing``, ``_share``) and its moving average of a request's
+    queued work (``_typical_queued``); changes nothing."""
 
     def _prefix_draw(self, request: RoutingRequest, found: Candidates, now: float) -> tuple[float, int]:
         """``(demand, holders)`` of the request's known prefix (its first
@@ -51,6 +52,15 @@ class NewHoldersMixin:
         pending, hashes, known = self._pending, request.block_hashes, found.num_known
         return any(not pending.has_pending(r) or pending.computed_depth(r, hashes, known) >= known
                    for r, depth in found.depths.items() if depth >= known)
+
+    def _first_hint(self, request: RoutingRequest, plan: FetchPlan | None, ranked: list[str],
+                    cached_at: dict[str, int]) -> FetchHint | None:
+        """The first choice's hint (step 5; None with fetch off or no choice), marked
+        when its owner still computes the prefix (:meth:`_marked_computing`)."""
+        if plan is None or not ranked:
+            return None
+        first, backup = ranked[0], self.config.backup_fetch_hints
+        return self._marked_computing(request, plan.hint(first, cached_at.get(first, 0), backup))
 
     def _marked_computing(self, request: RoutingRequest, hint: FetchHint | None) -> FetchHint | None:
         """``hint`` with ``owner_computing`` set when a request this router sent
@@ -102,19 +112,58 @@ class NewHoldersMixin:
         cost = self._fetch_cost.cost(fetchable[1]) if fetchable is not None else 1.0
         return cost if cost <= min(self.config.max_replica_fetch_cost, 0.999) else None
 
-    def _holders_queued(self, found: Candidates, scoring: Scoring) -> float | None:
+    def _holders_queued(self, request: RoutingRequest, found: Candidates, scoring: Scoring) -> float | None:
         """The least queued work among the candidates holding part of the
         request's prefix, when every one of them has more than
         ``queue_copy_requests`` typical requests' work queued (this router's
-        in flight there, in the load's units); else None (and always with
-        the rule off, at 0). The request would wait there whatever it saves,
-        and a lighter replica that fetches the prefix need not (step 5,
-        queued copies)."""
-        requests = self.config.queue_copy_requests
+        in flight there, in the load's units) and the known prefix is one
+        a copy serves: prompts branch at its last block
+        (:meth:`PrefixIndex.is_branch_point`: a shared system prompt, not a
+        chat's own history), one candidate holds all of it, that holder has
+        computed it (:meth:`_computed_somewhere`: a copy's fetch would wait
+        for its prefill) and a request sent there waits behind the ones in
+        flight (:meth:`ReplicaQueueing.queues`: a batching holder runs them
+        together); and no other router shares the traffic (with several,
+        their requests at the holder are unseen here, so whether it is the
+        only holder and has computed the prefix is a guess). Else None (and
+        always with the rule off, at 0). The
+        request would wait there whatever it saves, and a lighter replica
+        that fetches the prefix need not (step 5, queued copies). Why each
+        gate: BENCHMARKS.md "Queued copies of a branching prefix"."""
+        requests, known = self.config.queue_copy_requests, found.num_known
         if not requests or not found.depths:
             return None
         least = min(map(scoring.load, found.depths))
-        return least if least > requests * self._typical_queued else None
+        if not least > requests * self._typical_queued:
+            return None
+        holders = [replica_id for replica_id, depth in found.depths.items() if depth >= known]
+        if (len(holders) != 1 or self._shares_traffic() or not self._queueing.queues(holders[0])
+                or not self._index.is_branch_point(request.block_hashes[known - 1])
+                or not self._computed_somewhere(request, found)):
+            return None
+        return least
+
+    def _shares_traffic(self) -> bool:
+        """Whether other routers share the traffic: their decisions are booked
+        here (``router.serve_decisions``), or the replicas' output counters
+        grow past this router's own completions (:class:`RouterShare`)."""
+        now = self._clock()
+        return self._share.sees_peers(now) or self._routers_seen(now) > 1.0
+
+    def _fetch_plan(self, request: RoutingRequest, found: Candidates, scoring: Scoring) -> FetchPlan | None:
+        """Step 5's :class:`FetchPlan` for the decision (None with fetch off):
+        a holder still computing its copy of the prefix (:class:`PendingBlocks`)
+        is named in a hint after those that have computed it."""
+        config, hashes, pending, depths = self.config, request.block_hashes, self._pending, found.depths
+        if not config.fetch_enabled:
+            return None
+
+        def computing(replica_id: str) -> bool:
+            depth = depths.get(replica_id, 0)
+            return pending.has_pending(replica_id) and pending.computed_depth(replica_id, hashes, depth) < depth
+        return FetchPlan(depths, lambda r: self._index.depth(r, hashes), config.block_size, request.num_prompt_tokens,
+                         scoring.load, config.fetch_min_tokens, config.fetch_token_cost, config.fetch_credit_scope,
+                         scoring.is_over, config.fetch_alternates, computing)
 
     def _queue_copy_target(self, holders_load: float, scoring: Scoring) -> Callable[[str, int], bool]:
         """Who may take a queued copy: a replica with at least

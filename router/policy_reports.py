@@ -17,7 +17,7 @@ logger = logging.getLogger("router.policy")
 class ReplicaReportsMixin:
     """The report half of :class:`router.policy.PrefixAffinityPolicy` (mixed
     into it, never used alone): reads and updates the components the policy
-    creates (``_intake``, ``_index``, ``_outputs``, ``_fill``, ``_fetch_cost``,
+    creates (``_intake``, ``_index``, ``_outputs``, ``_fill``, ``_queueing``, ``_fetch_cost``,
     ``_prices``, ``_loads``, ``_queue_priced``, ``_demand``, ``_reported``,
     ``_share``), and puts measured token prices in force in ``config``."""
 
@@ -52,6 +52,8 @@ class ReplicaReportsMixin:
         if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
                 or self.config.queue_copy_requests):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
+        if self.config.queue_copy_requests:  # its reader
+            self._queueing.report(replica_id, summary.num_running, summary.num_waiting)
         if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests
                 or self.config.hot_affinity_weight is not None) and self.config.learn_token_costs:  # its readers
             self._fetch_cost.report(replica_id, summary.fetch_token_cost, summary.fetch_overhead_tokens)

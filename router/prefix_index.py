@@ -7,6 +7,8 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import islice
 
+from router.fifo_runs import fifo_items, fifo_runs
+
 # a replica's trimmed entries kept for its next summary, in caches' worth: past that (an index churning its
 # whole cache many times between two summaries), a delta puts back fewer than a full summary would
 TRIMMED_KEPT = 8
@@ -69,6 +71,7 @@ class PrefixIndex:
     4. ``_trimmed[r]`` (the entries trimmed since the last summary, for
        :meth:`apply_delta` to put back) holds at most ``TRIMMED_KEPT ×
        capacity_blocks(r)`` hashes.
+    5. ``_prompt_ends`` (learned prompts' last blocks) holds only held hashes.
 
     Cost: :meth:`deepest_holders` and :meth:`depth` are O(log n) lookups per
     depth returned (binary search: whoever holds block ``j`` of a chain holds
@@ -102,6 +105,7 @@ class PrefixIndex:
         # those it reported go back as least recent at the next one (apply_summary re-adds them anyway;
         # apply_delta from here)
         self._trimmed: dict[str, set[int]] = {}
+        self._prompt_ends: set[int] = set()  # the last block of a prompt learned (is_branch_point)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -164,6 +168,20 @@ class PrefixIndex:
             depth = last_true(depth - 1, lambda d: holders.get(block_hashes[d - 1], 0).bit_count() > count)
         return num_known, found
 
+    def is_branch_point(self, block_hash: int) -> bool:
+        """Whether prompts branch at ``block_hash``: :meth:`learn` took it inside
+        a prompt's chain (a holder's entry has a learn's tick), never as a
+        prompt's last block. A system prompt continued by several prompts is
+        one; a chat's history is not: its next turn continues from the last
+        turn's prompt's end, or from answer blocks only summaries reported."""
+        mask = 0 if block_hash in self._prompt_ends else self._holders.get(block_hash, 0)
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            if self._entries[self._replica_at[low.bit_length() - 1]][block_hash] > 0:
+                return True
+        return False
+
     def depth(self, replica_id: str, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of ``block_hashes`` ``replica_id`` holds. O(log n)."""
         slot = self._slot.get(replica_id)
@@ -189,6 +207,7 @@ class PrefixIndex:
             holders = self._holders
             for block_hash in islice(reversed(entries), len(entries) - num_known):
                 holders[block_hash] = holders.get(block_hash, 0) | bit
+        self._prompt_ends.add(deepest_first[0])
         self._fifo[replica_id].append((first_tick, deepest_first))
         self._fifo_size[replica_id] += num_blocks
         self._tick_times.append((now, first_tick))
@@ -343,6 +362,7 @@ class PrefixIndex:
             self._holders[block_hash] = mask
         else:
             self._holders.pop(block_hash, None)
+            self._prompt_ends.discard(block_hash)
 
     def _maybe_trim(self, replica_id: str) -> None:
         """Evict least recent entries down to capacity; rebuild a mostly stale FIFO."""
@@ -371,7 +391,7 @@ class PrefixIndex:
                                 self._fifo_size[replica_id] += len(rest)
                             break
         if self._fifo_size[replica_id] > 8 * len(entries) + 4096:
-            self._fifo[replica_id] = deque(_runs(sorted((t, h) for h, t in entries.items())))
+            self._fifo[replica_id] = deque(fifo_runs(sorted((t, h) for h, t in entries.items())))
             self._fifo_size[replica_id] = len(entries)
 
     def check_invariants(self) -> None:
@@ -382,6 +402,7 @@ class PrefixIndex:
         }
         assert pairs_from_entries == pairs_from_holders, "holders and entries disagree"
         assert all(self._holders.values()), "zero holder mask"
+        assert self._prompt_ends <= self._holders.keys(), "a prompt end nobody holds"
         assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size) == set(self._trimmed)
         assert set(self._unreported) == set(self._applied_tick) <= set(self._entries)
         for replica_id, entries in self._entries.items():
@@ -389,26 +410,10 @@ class PrefixIndex:
             assert len(entries) <= self.capacity_blocks(replica_id), replica_id
             assert len(self._trimmed[replica_id]) <= TRIMMED_KEPT * self.capacity_blocks(replica_id), replica_id
             assert all(run for _, run in self._fifo[replica_id]), "empty FIFO run"
-            fifo = list(_items(self._fifo[replica_id]))
+            fifo = list(fifo_items(self._fifo[replica_id]))
             assert len(fifo) == self._fifo_size[replica_id], replica_id
             queued = set(fifo)
             assert all((t, h) in queued for h, t in entries.items()), replica_id
             ticks = [t for t, _ in fifo if t > 0]
             assert ticks == sorted(ticks), replica_id
 
-
-def _items(runs: Iterable[tuple[int, Sequence[int]]]) -> Iterator[tuple[int, int]]:
-    """The ``(tick, hash)`` items of FIFO runs, in order."""
-    for first_tick, run in runs:
-        for offset, block_hash in enumerate(run):
-            yield (first_tick + offset if first_tick else 0), block_hash
-
-
-def _runs(items: Sequence[tuple[int, int]]) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """FIFO runs holding ``items`` (``(tick, hash)``, in order): items of tick 0,
-    or of consecutive ticks, share a run."""
-    start = 0
-    for end in range(1, len(items) + 1):
-        if end == len(items) or items[end][0] != (items[end - 1][0] + 1 if items[start][0] else 0):
-            yield items[start][0], tuple(h for _, h in items[start:end])
-            start = end

@@ -150,7 +150,10 @@ CONFIGS = {
     "default": {},
     "pending_gate": {"fetch_awaits_prefill": False},  # the default before the fetch waited for a prefill in flight
     "before_hot": BEFORE_HOT,  # the default before hot_affinity_weight
-    "queue_copies": {"queue_copy_requests": 2.0, **BEFORE_BUSY},  # the default with queued copies on
+    # queued copies at q = 2 without the pending-block tracking (premium_needs_completion), so that the gated rule
+    # fires on this workload (with the tracking, a prefix's holder is computing it whenever it is queued here)
+    "queue_copies": {"queue_copy_requests": 2.0, "premium_needs_completion": False, **BEFORE_BUSY},
+    "before_queue_copies": {"queue_copy_requests": 0.0},  # the default before queue_copy_requests 1
     "before_busy": BEFORE_BUSY,  # the default before balance_busy_share
     "before_balance": BEFORE_BALANCE,  # the default before the stronger balance term
     "busy_from_reports": {"balance_busy_share": 0.6, "balance_weight": 0.2, "balance_from_reports": True},
@@ -171,7 +174,12 @@ CONFIGS = {
     "wide": {**UNSPLIT, "max_affinity_candidates": 8, "num_ring_candidates": 4, "queue_decode_token_cost": 10.0,
              "sub_block_tokens": 2, "reservation_timeout_s": 0.3},
 }
-CONFIGS = {name: config if name in ("default", "pending_gate") else {**BEFORE_HOT, **config}
+CONFIGS = {name: config if name in ("default", "pending_gate", "before_queue_copies") else {**BEFORE_HOT, **config}
+           for name, config in CONFIGS.items()}
+# queue_copy_requests 1 (queued copies of a branching prefix, gated; session 52) became the default after all of
+# them: every config but "default" and "queue_copies" carries it off, and "before_queue_copies" checks the
+# default with it off.
+CONFIGS = {name: config if name in ("default", "queue_copies") else {"queue_copy_requests": 0.0, **config}
            for name, config in CONFIGS.items()}
 
 # sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite; re-pinned when
@@ -199,6 +207,11 @@ CONFIGS = {name: config if name in ("default", "pending_gate") else {**BEFORE_HO
 # so by default (fetch_awaits_prefill) the demand rules act on a pending prefix again: the six pins that
 # session 50's gate moved are back at what they were before it (default 0 700f5895196351dcb5de), and the
 # gate keeps its pins as "pending_gate" (fetch_awaits_prefill off).
+# 2026-12-06 (session 52): a hint names holders that have computed the prefix before those still computing it
+# (FetchPlan's computing); rankings and hint owners moved in default 0, before_balance 0, before_busy 0,
+# before_hot 1, busy_from_reports 0 and 1, split_fetch 0 and 1 (default 0 was 700f5895196351dcb5de). The
+# gated queued copies (default since) never fire on this workload with pending blocks tracked, so "default" and
+# "before_queue_copies" agree; "queue_copies" now runs without that tracking (above) to pin the gated rule.
 PINS: dict[tuple[str, int], str] = {
     # backup hints for a first choice short of at most fetch_min_tokens of the deepest holders' prefix
     # (2026-12-04, later); with the backup rule before it (the first choice among the deepest only) the
@@ -206,28 +219,30 @@ PINS: dict[tuple[str, int], str] = {
     # and backup_fetch_hints. The record keeps a hint's owner and tokens, not its alternates.
     # a stronger balance term, balance_busy_share 0.6 and balance_weight 0.6 (2026-12-06, later)
     # hot_affinity_weight 5.5 at hot_affinity_share 0.1 (2026-12-06, session 49)
-    ("default", 0): "700f5895196351dcb5de",
+    ("default", 0): "ae94c54fe8767a9644af",
     ("default", 1): "5dd8255312d2e57dabf6",
+    ("before_queue_copies", 0): "ae94c54fe8767a9644af",
+    ("before_queue_copies", 1): "5dd8255312d2e57dabf6",
     ("pending_gate", 0): "77f74c16048365e8fc62",  # the session-50 default: the gate on a pending prefix
     ("pending_gate", 1): "5dd8255312d2e57dabf6",
     ("before_hot", 0): "d680c881e902c9c8ea0b",  # the default's pins before hot_affinity_weight
-    ("before_hot", 1): "e34d30ae82358afe4057",
-    ("before_balance", 0): "b6601999c456a46d5aa8",  # observed busy time as a quarter of the measure (2026-12-06)
+    ("before_hot", 1): "d3557de07bd64f63a153",
+    ("before_balance", 0): "5764bee14f2844fcbdc5",  # observed busy time as a quarter of the measure (2026-12-06)
     ("before_balance", 1): "72a0eae2f4776dfe3cf1",
-    ("busy_from_reports", 0): "a706d527bae19e22ef42",  # busy spans mixed with the reported work counters
-    ("busy_from_reports", 1): "d4090cf515c7d6e43bb4",
-    ("before_busy", 0): "9718f47ccf0228e383c1",  # the default's pins before balance_busy_share
+    ("busy_from_reports", 0): "2b5881909d570d48ca12",  # busy spans mixed with the reported work counters
+    ("busy_from_reports", 1): "c3abca15da3353555e58",
+    ("before_busy", 0): "64b15e12c014e6c595c0",  # the default's pins before balance_busy_share
     ("before_busy", 1): "52f945bfa44ce329b214",
-    ("queue_copies", 0): "1a1b3897b446bf90cbf3",  # queue_copy_requests 2 (off by default; 2026-12-04)
-    ("queue_copies", 1): "168c48058018583571e9",
+    ("queue_copies", 0): "f55283b6c54c3f71bbf1",  # queue_copy_requests 2, gated (session 52), no pending tracking
+    ("queue_copies", 1): "fd5690d51903aec307b9",
     ("before_replication", 0): "14aeb41de7f31a38db09",  # premium_needs_completion on, premium_pending_min_users 4
     ("before_replication", 1): "a72eb6a8d89cb095737f",
     ("premium_always", 0): "b114452e4df866582152",  # fetch_min_tokens 64
     ("premium_always", 1): "1f66a23e1e2778bc4176",
     ("min256", 0): "f20ca46eb2eb57dc184d",  # split_affinity_by_holders, balance_weight 0.2 (issue 14, item 4)
     ("min256", 1): "e5b3ba0684b2e808d927",
-    ("split_fetch", 0): "2af2ebc465291ae15b4d",
-    ("split_fetch", 1): "b5ba5f6d78b272682021",
+    ("split_fetch", 0): "78670efa4c0573d18e83",
+    ("split_fetch", 1): "28fb5eee7275112cd00b",
     ("cold_home_bounded", 0): "309a0f5cfb1cb42ea3ee",
     ("cold_home_bounded", 1): "0429e3ccbc51c5efa73f",
     ("cold_home_ring", 0): "ec7560a8a2bdbf4d52f7",

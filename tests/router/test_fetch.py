@@ -18,7 +18,8 @@ SHARED = [7000 + i for i in range(32)]  # 8 blocks every request of a hot group 
 # hot_affinity_weight (session 49; like replication it weighs a prefix differently where a fetch pays): the
 # tests of the "never" scope's identity and of the owner-over-bound hint use it; the newer rules' are in
 # tests/router/test_replication.py.
-BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, "hot_affinity_weight": None}
+BEFORE_REPLICATION = {"replicate_hot_prefixes": False, "backup_fetch_hints": False, "hot_affinity_weight": None,
+                      "queue_copy_requests": 0}
 
 
 def make_policy(clock=None, **config):

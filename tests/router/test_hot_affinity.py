@@ -16,7 +16,8 @@ from tests.router.test_fetch import BLOCK, REPLICAS
 from tests.router.test_replication import make_policy
 
 OFF = {"hot_affinity_weight": None}
-ISOLATED = {"replicate_hot_prefixes": False, "premium_needs_completion": False}  # no other rule moves the group
+# no other rule moves the group (queued copies, session 52, would move it too: tests/router/test_replication.py)
+ISOLATED = {"replicate_hot_prefixes": False, "premium_needs_completion": False, "queue_copy_requests": 0}
 
 
 PREFIX = [7000 + i for i in range(256)]  # 64 blocks
@@ -137,8 +138,9 @@ def test_shared_prefix_fifo_waits_less_at_the_optimal_hit():
     """Workload seed 0, FIFO replicas at 8,000 tokens each: with the lighter
     weight the groups' requests leave queued homes and fetch, so the TTFT
     tail and the imbalance fall while every system prompt is still
-    computed once (the optimum)."""
-    on, off = run_shared_prefix(0), run_shared_prefix(0, **OFF)
+    computed once (the optimum). Queued copies off on both sides: since
+    session 52 they take these requests from their queued homes too."""
+    on, off = run_shared_prefix(0, queue_copy_requests=0), run_shared_prefix(0, **OFF, queue_copy_requests=0)
     optimum = 15 / 16 * 1024 / 1088
     assert on["hit_rate"] == off["hit_rate"] == pytest.approx(optimum)
     assert on["num_fetches"] > off["num_fetches"]

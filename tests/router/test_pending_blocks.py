@@ -45,10 +45,10 @@ def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_wait
     (``premium_pending_min_users``: with 4 the fifth chat is the first sent
     away, with 2 the third). Once the
     first has completed, the premium draws the next chats to it either way."""
-    # replicate_hot_prefixes off: it would split the burst too (tests/router/test_replication.py)
+    # replicate_hot_prefixes and queued copies off: they would split the burst too (tests/router/test_replication.py)
     policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
                          premium_pending_min_users=min_users, queue_decode_token_cost=4.0,
-                         replicate_hot_prefixes=False, **EARLIER_BALANCE)
+                         replicate_hot_prefixes=False, queue_copy_requests=0, **EARLIER_BALANCE)
     system = prompt(7, 256)
     chats = [request(system + prompt(100 + i, 32), num_output_tokens=16) for i in range(8)]
     chosen = [policy.rank(chat, request_id=f"chat{i}")[0] for i, chat in enumerate(chats)]
@@ -60,7 +60,8 @@ def test_a_burst_of_chats_on_one_system_prompt_splits_only_when_the_premium_wait
     policy.check_invariants()
     # a computed prefix earns its premium: after the first chat completes, the next three follow it
     policy = make_policy(replicas=REPLICAS[:2], premium_needs_completion=needs_completion,
-                         queue_decode_token_cost=4.0, replicate_hot_prefixes=False, hot_affinity_weight=None)
+                         queue_decode_token_cost=4.0, replicate_hot_prefixes=False, hot_affinity_weight=None,
+                         queue_copy_requests=0)
     first = policy.rank(chats[0], request_id="first")[0]
     policy.on_completed("first")
     assert [policy.rank(chat, request_id=f"next{i}")[0] for i, chat in enumerate(chats[1:4])] == [first] * 3

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from router import PrefixIndex
-from router.prefix_index import _items
+from router.fifo_runs import fifo_items as _items
 
 
 def chain(*ids):
@@ -266,4 +266,27 @@ def test_a_delta_before_any_summary_is_applied_as_a_full_one():
     index.learn("a", [1, 2, 3], 0.0)
     index.apply_delta("a", frozenset({7}), frozenset(), {7}, 10.0)
     assert index.holds("a", 7) and not index.holds("a", 1)
+    index.check_invariants()
+
+
+def test_prompts_branch_at_a_block_learned_inside_a_prompt_never_at_its_end():
+    """``is_branch_point``: a shared system prompt's last block, which every
+    prompt learned continues past, is one; a chat turn's last block, where
+    its next turn continues, is not; nor a block only a summary reported
+    (an answer's), nor one nobody holds. Forgotten with its last holder
+    (invariant 5)."""
+    index = PrefixIndex()
+    index.learn("a", (1, 2, 3), 0.0)  # a prompt: blocks 1 and 2 inside it, 3 its last
+    assert index.is_branch_point(1) and index.is_branch_point(2)
+    assert not index.is_branch_point(3) and not index.is_branch_point(99)
+    index.apply_summary("b", [1, 2, 3, 4], 1.0)  # 4: reported only (an answer's block)
+    assert not index.is_branch_point(4)
+    index.learn("b", (1, 2), 2.0)  # a prompt ending at block 2: a chat's history now ends there
+    assert not index.is_branch_point(2) and index.is_branch_point(1)
+    index.check_invariants()
+    index.remove_replica("a")
+    index.remove_replica("b")
+    assert not index.is_branch_point(1) and not index._prompt_ends
+    index.learn("c", (1, 2, 5), 3.0)  # learned afresh after it was forgotten: a branch point again
+    assert index.is_branch_point(2)
     index.check_invariants()
