@@ -98,6 +98,11 @@ class PendingBlocks:
             return depth
         return last_true(depth, lambda d: block_hashes[d - 1] not in counts)
 
+    def computes(self, replica_id: str, block_hashes: Sequence[int], depth: int) -> bool:
+        """Whether a request in flight at ``replica_id`` still computes one of
+        the first ``depth`` blocks of the chain (:meth:`computed_depth` < ``depth``)."""
+        return replica_id in self._count and self.computed_depth(replica_id, block_hashes, depth) < depth
+
     def check_invariants(self) -> None:
         expected: dict[str, dict[int, int]] = {}
         users: dict[str, dict[int, int]] = {}

@@ -50,8 +50,7 @@ class NewHoldersMixin:
         the Workers' fetch waits for it (``fetch_awaits_prefill``, the
         default: ``ExportRequest.wait_s``), when this gate is off."""
         pending, hashes, known = self._pending, request.block_hashes, found.num_known
-        return any(not pending.has_pending(r) or pending.computed_depth(r, hashes, known) >= known
-                   for r, depth in found.depths.items() if depth >= known)
+        return any(not pending.computes(r, hashes, known) for r, depth in found.depths.items() if depth >= known)
 
     def _first_hint(self, request: RoutingRequest, plan: FetchPlan | None, ranked: list[str],
                     cached_at: dict[str, int]) -> FetchHint | None:
@@ -66,10 +65,8 @@ class NewHoldersMixin:
         """``hint`` with ``owner_computing`` set when a request this router sent
         to the owner still computes one of the hinted blocks there
         (:class:`PendingBlocks`; tracked with ``premium_needs_completion``)."""
-        if hint is None or not self._pending.has_pending(hint.owner):
-            return hint
-        num_blocks = hint.num_tokens // self.config.block_size
-        if self._pending.computed_depth(hint.owner, request.block_hashes, num_blocks) >= num_blocks:
+        if hint is None or not self._pending.computes(hint.owner, request.block_hashes,
+                                                      hint.num_tokens // self.config.block_size):
             return hint
         return replace(hint, owner_computing=True)
 
@@ -126,10 +123,10 @@ class NewHoldersMixin:
         together); and no other router shares the traffic (with several,
         their requests at the holder are unseen here, so whether it is the
         only holder and has computed the prefix is a guess). Else None (and
-        always with the rule off, at 0). The
-        request would wait there whatever it saves, and a lighter replica
-        that fetches the prefix need not (step 5, queued copies). Why each
-        gate: BENCHMARKS.md "Queued copies of a branching prefix"."""
+        always with the rule off, at 0). The request would wait there
+        whatever it saves, and a lighter replica that fetches the prefix
+        need not (step 5, queued copies). Why each gate: BENCHMARKS.md
+        "Queued copies of a branching prefix"."""
         requests, known = self.config.queue_copy_requests, found.num_known
         if not requests or not found.depths:
             return None
@@ -157,13 +154,10 @@ class NewHoldersMixin:
         config, hashes, pending, depths = self.config, request.block_hashes, self._pending, found.depths
         if not config.fetch_enabled:
             return None
-
-        def computing(replica_id: str) -> bool:
-            depth = depths.get(replica_id, 0)
-            return pending.has_pending(replica_id) and pending.computed_depth(replica_id, hashes, depth) < depth
         return FetchPlan(depths, lambda r: self._index.depth(r, hashes), config.block_size, request.num_prompt_tokens,
                          scoring.load, config.fetch_min_tokens, config.fetch_token_cost, config.fetch_credit_scope,
-                         scoring.is_over, config.fetch_alternates, computing)
+                         scoring.is_over, config.fetch_alternates,
+                         lambda r: pending.computes(r, hashes, depths.get(r, 0)))
 
     def _queue_copy_target(self, holders_load: float, scoring: Scoring) -> Callable[[str, int], bool]:
         """Who may take a queued copy: a replica with at least

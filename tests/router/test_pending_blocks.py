@@ -19,6 +19,8 @@ def test_computed_depth_is_the_leading_blocks_no_request_in_flight_still_compute
     assert pending.computed_depth("r0", chain, 6) == 2
     assert pending.computed_depth("r0", chain, 2) == 2
     assert pending.computed_depth("r1", chain, 6) == 6  # nothing pending there
+    assert pending.computes("r0", chain, 3) and not pending.computes("r0", chain, 2)
+    assert not pending.computes("r1", chain, 6)
     pending.done("a")
     assert pending.computed_depth("r0", chain, 6) == 4  # "b" still computes 4-5
     pending.add("b", "r1", chain, now=2.0)  # counted again elsewhere: moved
