@@ -6,8 +6,8 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 
 from router.cache_fill import FleetCacheFill
+from router.cache_turnover import CacheTurnover
 from router.candidates import Candidates, gather, within_block
-from router.cold_home import home_first
 from router.fetch import FetchHint, RoutingDecision
 from router.fetch_cost import ReportedFetchCost
 from router.load import LoadTracker
@@ -100,7 +100,12 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        completed (:class:`router.busy_spans.BusySpans`), scaled to work
        units: under batching overlapping requests share their steps, so the
        work a replica took says little about how long it was busy, and its
-       spans do. Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a pure
+       spans do. Where a cache is full and its replica serves one request
+       at a time, each uncached token it would write costs
+       ``turnover_weight x pressure x (written / mean - 1)``: a cache
+       written faster than the fleet's mean evicts what was used more
+       recently (:class:`CacheTurnover`, :meth:`_turnover_price`).
+       Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a pure
        function of the replica set, so every router homes a cold prefix on the
        same replica and cold prefixes spread by hash), then by a rendezvous
        hash of (k, replica); ``tie_by_recent_work`` puts this router's recent
@@ -154,11 +159,12 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        since its last report is fetched back, not recomputed (a receiver
        that still holds it ignores the hint). Every hint names up to
        ``fetch_alternates`` more holders, asked in turn when the owner has
-       evicted the prefix. **Queued copies** (``queue_copy_requests``, off
-       by default): where every holder candidate has more than that many
-       typical requests' work queued, a candidate at least
-       ``queue_copy_gap_requests`` lighter with room for
-       ``queue_copy_room_factor`` x the copy is credited as a hot prefix's would-be holder.
+       evicted the prefix. **Queued copies** (``queue_copy_requests``, 1):
+       where every holder candidate has more than that many typical
+       requests' work queued, and ``queue_copy_size_factor`` x the copy's
+       tokens, a candidate at least ``queue_copy_gap_requests`` lighter with
+       room for ``queue_copy_room_factor`` x the copy is credited as a hot
+       prefix's would-be holder (gated: :meth:`_holders_queued`).
     6. **Answer.** Up to ``num_ranked`` replicas, best first; the caller
        falls back to the next when the first is full. Given a
        ``request_id``, the first choice is *reserved* at once (its work
@@ -221,6 +227,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._reported = ReportedWork(self.config.load_window_s, self.config.decode_token_cost,
                                       self.config.queue_token_cost)
         self._busy_reports = ReportedBusy(self.config.load_window_s)
+        self._turnover = CacheTurnover(self.config.load_window_s)  # tokens written into each cache lately
         self._typical_work = float(self.config.block_size)  # work of a request, moving average
         self._typical_queued = float(self.config.block_size)  # its queued work (the load's units), likewise
         self._share = RouterShare(self.config.load_window_s)
@@ -276,6 +283,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._intake.remove(replica_id)
         self._outputs.remove(replica_id)
         self._reported.remove(replica_id)
+        self._turnover.remove(replica_id)
         self._busy_reports.remove(replica_id)
         self._share.remove(replica_id)
         if self._prices.remove(replica_id):
@@ -364,16 +372,6 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         hint = self._first_hint(request, plan, ranked, cached_at)
         return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
 
-    def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
-                    ranked: list[str], now: float) -> list[str]:
-        """``ranked`` with the cold home first when the request is cold (:func:`home_first`)."""
-        def cached_there(replica_id: str) -> int:
-            within = found.within_tokens if replica_id == found.within_replica else 0
-            return self._cached_tokens(request, self._index.depth(replica_id, request.block_hashes), within)
-        return home_first(self.config.cold_home, self._ring, found.key, live, self._reported, now,
-                          self.config.cold_home_load_factor, self._work_tokens(request, 0), cached_at,
-                          cached_there, ranked)
-
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))
 
@@ -390,11 +388,6 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
     def _within_block(self, request: RoutingRequest, depth: int) -> tuple[str, int] | None:
         return within_block(self._partial, self._index, self._ring, request, depth, self.config.block_size)
 
-    def _least_loaded(self, live: Collection[str]) -> list[str]:
-        now = self._clock()
-        ordered = sorted(live, key=lambda r: (self._loads.load(r), self._loads.recent_work(r, now), r))
-        return ordered[: self.config.num_ranked]
-
     def check_invariants(self) -> None:
         self._ring.check_invariants()
         self._index.check_invariants()
@@ -409,6 +402,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._queueing.check_invariants()
         self._demand.check_invariants()
         self._busy_reports.check_invariants()
+        self._turnover.check_invariants()
         self._fetch_cost.check_invariants(nodes)
         self._prices.check_invariants(nodes)
         assert (self.config.decode_token_cost, self.config.queue_token_cost) == (

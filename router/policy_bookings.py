@@ -13,7 +13,7 @@ from router.request import RoutingRequest
 class RequestBookingMixin:
     """The booking half of :class:`router.policy.PrefixAffinityPolicy` (mixed
     into it, never used alone): updates the components the policy creates
-    (``_loads``, ``_queue_priced``, ``_reported``, ``_pending``, ``_demand``,
+    (``_loads``, ``_queue_priced``, ``_reported``, ``_turnover``, ``_pending``, ``_demand``,
     ``_index``, ``_partial``, ``_share``) and its moving averages of a
     request's work (``_typical_work``, ``_typical_queued``)."""
 
@@ -86,6 +86,8 @@ class RequestBookingMixin:
         add(request_id, replica_id, queued, now, work)
         self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
         self._reported.on_routed(replica_id, queued)
+        if self.config.turnover_weight:
+            self._turnover.on_routed(replica_id, routing.num_prompt_tokens - cached + expected)
         if self.config.premium_needs_completion:
             done = self._pending.computed_depth(replica_id, hashes, depth)
             anchor = hashes[done] if done < len(hashes) else None  # the first block it waits for there

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from router.cold_home import COLD_HOME_MODES
-from router.fetch import CREDIT_SCOPES
-
-BALANCE_OUTPUT_PRICES = ("busy", "queue")
+from router.policy_config_checks import check_policy_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +232,31 @@ class PolicyConfig:
     and a hint names holders that have computed the prefix first: over
     seeds 0-39 shared-prefix FIFO 0.8824 / 1.026 / 0.198 s -> 0.8824 (every
     seed) / 1.022 / 0.178 s (goal 0.182 s); BENCHMARKS.md "Queued copies of
-    a branching prefix".
+    a branching prefix". ``queue_copy_size_factor`` = 2 (session 53): the
+    least-queued holder's work must also be at least that many times the
+    copy's tokens. A copy occupies a second cache for as long as both
+    replicas serve the prefix, so a wait shorter than a couple of copies'
+    prefill does not pay for it: on Mooncake 1.25M under FIFO the rule
+    copied 15-56k-token contexts while the caches filled (queues mostly
+    of 0.3-2.7 copies), and ~1.3 % of the fleet's cache held such second
+    copies; shared-prefix's copies wait behind 2.6-6 copies' work (a
+    1,024-token system prompt) and are kept.
+
+    ``turnover_weight`` = 4 (session 53; BENCHMARKS.md "Cache turnover
+    under FIFO"): step 3 adds ``turnover_weight x pressure x (written(r) /
+    mean - 1)`` per uncached prompt token a candidate would write, for a
+    candidate that serves one request at a time (it never reported two
+    running: :class:`router.replica_queueing.ReplicaQueueing`), where
+    ``written`` is the tokens written into its cache lately
+    (:class:`router.cache_turnover.CacheTurnover`: its counters plus this
+    router's sends) and ``pressure`` the fleet's share of full caches
+    (:class:`router.cache_fill.FleetCacheFill`: while caches have room,
+    a write evicts nothing). A full LRU cache written faster evicts what
+    was used more recently. Balanced on busy time, a FIFO replica that drew
+    long answers prefills half as much as the others and they churn
+    (Mooncake 1.25M: prompt tokens computed 1.9M against 3.2-3.7M); under
+    batching the same balance keeps them within 0.84, and the term cost
+    shared-prefix batching 0.008 of imbalance for no hit, hence the gate.
 
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the
@@ -345,63 +365,11 @@ class PolicyConfig:
     queue_copy_requests: float = 1.0  # q: every holder queued beyond q typical requests -> a lighter one may copy
     queue_copy_gap_requests: float = 1.0  # ... with at least this many typical requests less queued than each
     queue_copy_room_factor: float = 2.0  # ... and room at its last report for this many times the copy
+    queue_copy_size_factor: float = 2.0  # ... and the holders' queued work at least this many times the copy
+    turnover_weight: float = 4.0  # price per token written where a full cache turns over faster than the mean
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_ring_candidates", "max_affinity_candidates", "virtual_nodes",
-                     "max_blocks_per_replica", "num_ranked", "max_partial_entries", "prior_output_tokens", "price_history",
-                     "premium_pending_min_users", "max_demand_entries"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, low in (("load_factor", 1.0), ("affinity_weight", 1.0), ("decode_token_cost", 0.0),
-                          ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0),
-                          ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0), ("queue_copy_requests", 0.0),
-                          ("queue_copy_gap_requests", 0.0), ("queue_copy_room_factor", 0.0),
-                          ("max_replica_fetch_cost", 0.0), ("hot_affinity_share", 0.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < low:
-                raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
-        for name in ("load_window_s", "in_flight_timeout_s", "reservation_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        weight = self.hot_affinity_weight
-        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                                   or not math.isfinite(weight) or weight < 1.0):
-            raise ValueError(f"hot_affinity_weight must be None or a finite number >= 1.0, got {weight!r}")
-        if not isinstance(self.balance_from_reports, bool):
-            raise ValueError(f"balance_from_reports must be a bool, got {self.balance_from_reports!r}")
-        for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
-                     "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
-                     "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "bound_fleet_scale", "busy_from_reports",
-                     "fetch_awaits_prefill"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if type(self.fetch_alternates) is not int or self.fetch_alternates < 0:
-            raise ValueError(f"fetch_alternates must be a non-negative int, got {self.fetch_alternates!r}")
-        if type(self.fetch_min_tokens) is not int or self.fetch_min_tokens < 0:
-            raise ValueError(f"fetch_min_tokens must be a non-negative int, got {self.fetch_min_tokens!r}")
-        for name in ("fetch_token_cost", "fetch_affinity_share", "balance_busy_share", "reported_busy_share"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        if self.balance_output_price not in BALANCE_OUTPUT_PRICES:
-            raise ValueError(f"balance_output_price must be one of {BALANCE_OUTPUT_PRICES}, "
-                             f"got {self.balance_output_price!r}")
-        if self.cold_home not in COLD_HOME_MODES:
-            raise ValueError(f"cold_home must be one of {COLD_HOME_MODES}, got {self.cold_home!r}")
-        if self.fetch_credit_scope not in CREDIT_SCOPES:
-            raise ValueError(f"fetch_credit_scope must be one of {CREDIT_SCOPES}, got {self.fetch_credit_scope!r}")
-        queue_cost = self.queue_decode_token_cost
-        if queue_cost is not None and (isinstance(queue_cost, bool) or not isinstance(queue_cost, (int, float))
-                                       or not math.isfinite(queue_cost) or queue_cost < 0):
-            raise ValueError(f"queue_decode_token_cost must be None or a finite number >= 0, got {queue_cost!r}")
-        grain = self.sub_block_tokens
-        if grain is not None and (type(grain) is not int or grain < 0 or (
-                grain and (self.block_size % grain or grain >= self.block_size))):
-            raise ValueError(f"sub_block_tokens must be None, 0 or a divisor of block_size {self.block_size} "
-                             f"below it, got {grain!r}")
+        check_policy_config(self)
 
     @property
     def queue_token_cost(self) -> float:

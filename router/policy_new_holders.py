@@ -113,7 +113,9 @@ class NewHoldersMixin:
         """The least queued work among the candidates holding part of the
         request's prefix, when every one of them has more than
         ``queue_copy_requests`` typical requests' work queued (this router's
-        in flight there, in the load's units) and the known prefix is one
+        in flight there, in the load's units), and at least
+        :meth:`_copy_floor` (a wait worth the copy's footprint in a second
+        cache), and the known prefix is one
         a copy serves: prompts branch at its last block
         (:meth:`PrefixIndex.is_branch_point`: a shared system prompt, not a
         chat's own history), one candidate holds all of it, that holder has
@@ -128,10 +130,10 @@ class NewHoldersMixin:
         need not (step 5, queued copies). Why each gate: BENCHMARKS.md
         "Queued copies of a branching prefix"."""
         requests, known = self.config.queue_copy_requests, found.num_known
-        if not requests or not found.depths:
+        if not requests or not found.depths or known <= 0:
             return None
         least = min(map(scoring.load, found.depths))
-        if not least > requests * self._typical_queued:
+        if not least > requests * self._typical_queued or least < self._copy_floor(known):
             return None
         holders = [replica_id for replica_id, depth in found.depths.items() if depth >= known]
         if (len(holders) != 1 or self._shares_traffic() or not self._queueing.queues(holders[0])
@@ -139,6 +141,12 @@ class NewHoldersMixin:
                 or not self._computed_somewhere(request, found)):
             return None
         return least
+
+    def _copy_floor(self, num_blocks: int) -> float:
+        """The least queued work a holder must have for a queued copy of a
+        ``num_blocks``-block prefix: ``queue_copy_size_factor`` x the copy's
+        tokens (a copy stays cached at both replicas while both serve it)."""
+        return self.config.queue_copy_size_factor * num_blocks * self.config.block_size
 
     def _shares_traffic(self) -> bool:
         """Whether other routers share the traffic: their decisions are booked

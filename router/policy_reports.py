@@ -18,7 +18,7 @@ class ReplicaReportsMixin:
     """The report half of :class:`router.policy.PrefixAffinityPolicy` (mixed
     into it, never used alone): reads and updates the components the policy
     creates (``_intake``, ``_index``, ``_outputs``, ``_fill``, ``_queueing``, ``_fetch_cost``,
-    ``_prices``, ``_loads``, ``_queue_priced``, ``_demand``, ``_reported``,
+    ``_prices``, ``_loads``, ``_queue_priced``, ``_demand``, ``_reported``, ``_turnover``,
     ``_share``), and puts measured token prices in force in ``config``."""
 
     def on_summary(self, summary: CacheSummary) -> bool:
@@ -50,9 +50,9 @@ class ReplicaReportsMixin:
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
         if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
-                or self.config.queue_copy_requests):  # the fill's readers
+                or self.config.queue_copy_requests or self.config.turnover_weight):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
-        if self.config.queue_copy_requests:  # its reader
+        if self.config.queue_copy_requests or self.config.turnover_weight:  # its readers
             self._queueing.report(replica_id, summary.num_running, summary.num_waiting)
         if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests
                 or self.config.hot_affinity_weight is not None) and self.config.learn_token_costs:  # its readers
@@ -69,6 +69,9 @@ class ReplicaReportsMixin:
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                               summary.num_output_tokens_total, self._clock(), reported_work)
         self._loads.on_report(replica_id, reported_work)
+        if self.config.turnover_weight:
+            self._turnover.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
+                                  summary.num_output_tokens_total, self._clock())
         self._share.on_report(replica_id, summary.epoch, summary.num_output_tokens_total, self._clock())
         now = self._clock()
         if self.config.busy_from_reports and (view := self._loads.busy_view(now)) is not None:

@@ -1,13 +1,16 @@
 """Steps 3–4's terms as :class:`router.policy.PrefixAffinityPolicy` reads
 them from its state for one decision: the :class:`Scoring` it builds, the
-blocks the affinity premium counts (``premium_needs_completion``), the queued
-work and the number of routers with several routers."""
+blocks the affinity premium counts (``premium_needs_completion``), the price
+of writing into a cache that turns over fast, the queued work and the number
+of routers with several routers; the cold home and the least loaded
+fallback."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from router.candidates import Candidates
+from router.cold_home import home_first
 from router.request import RoutingRequest
 from router.scoring import Scoring
 
@@ -16,7 +19,8 @@ class ScoringTermsMixin:
     """The scoring-terms part of :class:`router.policy.PrefixAffinityPolicy`
     (mixed into it, never used alone): reads the components the policy
     creates (``_loads``, ``_ring``, ``_reported``, ``_queue_priced``,
-    ``_outputs``, ``_pending``, ``_fill``, ``_share``, and for
+    ``_outputs``, ``_pending``, ``_fill``, ``_share``, ``_turnover``,
+    ``_queueing``, ``_index``, ``_partial``, and for
     :meth:`routing_status` ``_intake``, ``_index``, ``_busy_reports``,
     ``_prices``); changes nothing."""
 
@@ -45,7 +49,39 @@ class ScoringTermsMixin:
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
-            balance_work=balance_work)
+            balance_work=balance_work, turnover=self._turnover_price(now))
+
+    def _turnover_price(self, now: float) -> Callable[[str], float] | None:
+        """Step 3's turnover term per token written (``turnover_weight``):
+        ``replica -> turnover_weight x pressure x (written / mean - 1)``
+        (:class:`CacheTurnover`; ``pressure``: :class:`FleetCacheFill`, the
+        fleet's share of full caches) for a replica that serves one request
+        at a time (:meth:`ReplicaQueueing.serves_one_at_a_time`), 0 for
+        another. None while off, while no cache is full, or until every
+        replica has reported its counters."""
+        weight = self.config.turnover_weight * self._fill.pressure
+        if not weight > 0:
+            return None
+        relative = self._turnover.relative(len(self._ring), now)
+        if relative is None:
+            return None
+        one_at_a_time = self._queueing.serves_one_at_a_time
+        return lambda replica_id: weight * relative(replica_id) if one_at_a_time(replica_id) else 0.0
+
+    def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
+                    ranked: list[str], now: float) -> list[str]:
+        """``ranked`` with the cold home first when the request is cold (:func:`home_first`)."""
+        def cached_there(replica_id: str) -> int:
+            within = found.within_tokens if replica_id == found.within_replica else 0
+            return self._cached_tokens(request, self._index.depth(replica_id, request.block_hashes), within)
+        return home_first(self.config.cold_home, self._ring, found.key, live, self._reported, now,
+                          self.config.cold_home_load_factor, self._work_tokens(request, 0), cached_at,
+                          cached_there, ranked)
+
+    def _least_loaded(self, live: Collection[str]) -> list[str]:
+        now = self._clock()
+        ordered = sorted(live, key=lambda r: (self._loads.load(r), self._loads.recent_work(r, now), r))
+        return ordered[: self.config.num_ranked]
 
     def _with_busy(self, balance_work: Callable[[str], float] | None, mean_balance: float, mean_recent: float,
                    now: float) -> tuple[Callable[[str], float] | None, float]:

@@ -25,11 +25,14 @@ class ReplicaQueueing:
 
     def __init__(self) -> None:
         self._reports: dict[str, tuple[int, int]] = {}  # replica -> (most running at once, waiting at the latest)
+        self._waited_behind_one: set[str] = set()  # replicas that reported requests waiting while one ran
 
     def report(self, replica_id: str, num_running: int, num_waiting: int) -> None:
         """A replica's report; O(1)."""
         most, _ = self._reports.get(replica_id, (0, 0))
         self._reports[replica_id] = (max(most, num_running, 0), max(num_waiting, 0))
+        if num_running == 1 and num_waiting > 0:
+            self._waited_behind_one.add(replica_id)
 
     def queues(self, replica_id: str) -> bool:
         """Whether a request sent to ``replica_id`` now waits behind those in
@@ -38,8 +41,20 @@ class ReplicaQueueing:
         most, waiting = self._reports.get(replica_id, (0, 0))
         return most <= 1 or waiting > 0
 
+    def serves_one_at_a_time(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` is seen to be a FIFO server: it reported
+        requests waiting while it ran one, and never two running at once.
+        Its busy time is one request's after another's, so a replica that
+        drew long answers decodes where the others prefill (the turnover
+        term, ``PolicyConfig.turnover_weight``). A lightly loaded batching
+        engine also runs one request at a time, but nothing waits behind it."""
+        report = self._reports.get(replica_id)
+        return report is not None and report[0] <= 1 and replica_id in self._waited_behind_one
+
     def remove(self, replica_id: str) -> None:
         self._reports.pop(replica_id, None)
+        self._waited_behind_one.discard(replica_id)
 
     def check_invariants(self) -> None:
         assert all(most >= 0 and waiting >= 0 for most, waiting in self._reports.values()), "a negative count"
+        assert self._waited_behind_one <= set(self._reports), "a replica seen queueing that has no report"

@@ -17,7 +17,10 @@ class Scoring:
     once; :meth:`order` then costs a few dict reads and calls per candidate.
 
     ``cost(r) = load(r) + T - w(r) * saved(r) - (cached(r) + credit(r) -
-    saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)``
+    saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)
+    + turnover(r) * (T - cached(r))`` (the last term only where ``turnover``
+    is given: the price of a token written there, for the uncached prompt
+    tokens it writes)
     with ``saved = cached + fetch_share * credit`` (``fetch_share``:
     ``fetch_affinity_share``, or ``1 / (1 - fetch_token_cost)`` where a hot
     prefix may gain a holder: ``saved`` is then every fetched token, and
@@ -58,6 +61,7 @@ class Scoring:
     # gain a holder, 1 / (1 - fetch_token_cost): every fetched token weighs as cached, less its fetch cost once
     fetch_share: float | None = None
     affinity_weight: float | None = None  # w in force for this request; None: config.affinity_weight
+    turnover: Callable[[str], float] | None = None  # replica -> price of a token written there; None: no term
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -98,7 +102,7 @@ class Scoring:
         balance, mean_balance, dead = self.balance, self.mean_balance, self.dead
         load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
-        premium, computed, entries, cached_at = self.premium, self.computed, [], {}
+        premium, computed, turnover, entries, cached_at = self.premium, self.computed, self.turnover, [], {}
         for replica_id in found.replica_ids:
             cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
             cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
@@ -112,6 +116,8 @@ class Scoring:
             deviation = (balance_work(replica_id) if balance_work is not None else recent_work) - mean_balance
             beyond_dead = deviation - dead if deviation > dead else (deviation + dead if deviation < -dead else 0.0)
             cost = load(replica_id) + num_prompt - weight * saved - (cached + fetched - saved) + balance * beyond_dead
+            if turnover is not None:
+                cost += turnover(replica_id) * (num_prompt - cached)
             decode_work = decode_token_cost * expected(num_output, replica_id)
             bound = (load_factor * (mean_recent + (num_prompt - cached + decode_work) / num_replicas)
                      + one_request * (num_prompt + decode_work) + slack_sd * (cached / prompt_or_1) * chance_sd)

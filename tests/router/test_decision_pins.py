@@ -30,8 +30,11 @@ from tests.router.fake_clock import Clock
 BLOCK = 16
 
 
-def drive(config: PolicyConfig, seed: int, num_steps: int = 600, num_replicas: int = 6) -> list:
-    """Every decision (ranked replicas, fetch hint) of a seeded workload."""
+def drive(config: PolicyConfig, seed: int, num_steps: int = 600, num_replicas: int = 6,
+          fifo_full: bool = False) -> list:
+    """Every decision (ranked replicas, fetch hint) of a seeded workload.
+    ``fifo_full``: the replicas report running at most one request and, where
+    they report a budget, a full cache (the same random draws otherwise)."""
     rng = random.Random(seed)
     clock = Clock()
     policy = PrefixAffinityPolicy(config, clock=clock)
@@ -55,7 +58,7 @@ def drive(config: PolicyConfig, seed: int, num_steps: int = 600, num_replicas: i
             policy.on_completed(in_flight.pop(rng.randrange(len(in_flight))))
         elif event < 0.90 and live:
             replica_id = rng.choice(live)
-            _report(policy, rng, replica_id, routed, versions, epochs, outputs, clock.now)
+            _report(policy, rng, replica_id, routed, versions, epochs, outputs, clock.now, fifo_full)
         elif event < 0.95 and len(live) > 2:
             policy.set_replicas(set(live) - {rng.choice(live)})
         else:  # a new replica joins (a new name: a returning id is a known gap of LoadTracker's heap)
@@ -104,7 +107,7 @@ def _prompt(rng, systems, chats) -> list[int]:
     return [rng.randrange(1000) for _ in range(rng.randrange(1, 50))]  # cold, maybe under a block
 
 
-def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> None:
+def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now, fifo_full=False) -> None:
     held = routed[replica_id]
     kept = {h for h in held if rng.random() < 0.85}  # evictions anywhere in a chain
     routed[replica_id] = kept
@@ -113,10 +116,11 @@ def _report(policy, rng, replica_id, routed, versions, epochs, outputs, now) -> 
         routed[replica_id] = kept = set()
     versions[replica_id] += 1 if rng.random() < 0.9 else -1  # sometimes stale
     outputs[replica_id] += rng.randrange(0, 400)  # prefill counter; no output counter: RouterShare stays at 1
+    budget, queued, running = rng.choice((0, 0, 40 * BLOCK, 200 * BLOCK)), rng.randrange(0, 500), rng.randrange(0, 4)
     policy.on_summary(CacheSummary(
         replica_id, max(versions[replica_id], 0), now, BLOCK, frozenset(kept),
-        budget_tokens=rng.choice((0, 0, 40 * BLOCK, 200 * BLOCK)), num_queued_tokens=rng.randrange(0, 500),
-        num_running=rng.randrange(0, 4), num_waiting=rng.randrange(0, 3),
+        num_cached_tokens=budget if fifo_full else 0, budget_tokens=budget, num_queued_tokens=queued,
+        num_running=min(running, 1) if fifo_full else running, num_waiting=rng.randrange(0, 3),
         mean_output_tokens=rng.choice((0.0, 20.0, 150.0)), num_prefill_tokens_total=outputs[replica_id], epoch=epochs[replica_id]))
 
 
@@ -181,6 +185,19 @@ CONFIGS = {name: config if name in ("default", "pending_gate", "before_queue_cop
 # default with it off.
 CONFIGS = {name: config if name in ("default", "queue_copies") else {"queue_copy_requests": 0.0, **config}
            for name, config in CONFIGS.items()}
+# turnover_weight 4 and queue_copy_size_factor 2 became the default after all of them (session 53). Neither acts
+# on the workload above (its caches never report full, its replicas run several requests), so every pin above
+# stands; "turnover" drives it with FIFO replicas whose caches report full, where the turnover term acts, and
+# "turnover_off" is the same without the term (test_the_turnover_term_acts_on_its_pinned_workload). Its prompts are
+# short (under 110 tokens) and several replicas often have not reported yet, so the term acts in few decisions and
+# moves none at the default weight: "turnover" weighs it at 40 to pin what it does.
+FIFO_FULL = {"turnover": {"turnover_weight": 40.0}, "turnover_off": {"turnover_weight": 0.0}}
+CONFIGS.update(FIFO_FULL)
+
+
+def run(name: str, seed: int) -> list:
+    """The decisions of config ``name`` on seed ``seed``'s workload."""
+    return drive(PolicyConfig(block_size=BLOCK, **CONFIGS[name]), seed, fifo_full=name in FIFO_FULL)
 
 # sha256 of drive(...)'s decisions as JSON, recorded before the decision-cost rewrite; re-pinned when
 # the defaults became balance_output_price "queue" and load_factor 1.1 (the queue_price pins stayed),
@@ -261,6 +278,10 @@ PINS: dict[tuple[str, int], str] = {
     ("ties_and_reports", 1): "9232c4d680a731a700cd",
     ("wide", 0): "156819e0fffb5dc42c60",  # queue-priced work priced when read: one near-tie of ranks 2 and 3 swapped
     ("wide", 1): "1d9d4d0c20a9f0cdf6c9",
+    ("turnover", 0): "187905834a42576191d5",  # FIFO replicas, full caches (session 53), the term at 40
+    ("turnover", 1): "759fed367d10dcae33e4",
+    ("turnover_off", 0): "d02dfc84c9af5137f48c",
+    ("turnover_off", 1): "759fed367d10dcae33e4",
 }
 
 
@@ -271,13 +292,17 @@ def digest(decisions: list) -> str:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_decisions_are_the_pinned_ones(name, seed):
-    decisions = drive(PolicyConfig(block_size=BLOCK, **CONFIGS[name]), seed)
+    decisions = run(name, seed)
     assert len(decisions) > 300
     assert digest(decisions) == PINS[(name, seed)], (
         "the policy chose differently on a pinned workload: a hot-path change must not change decisions")
 
 
+def test_the_turnover_term_acts_on_its_pinned_workload():
+    assert run("turnover", 0) != run("turnover_off", 0)  # seed 1's workload: the same decisions either way
+
+
 if __name__ == "__main__":  # re-pin after a deliberate change of the rule: python -m tests.router.test_decision_pins
     for name in sorted(CONFIGS):
         for seed in (0, 1):
-            print(f'    ("{name}", {seed}): "{digest(drive(PolicyConfig(block_size=BLOCK, **CONFIGS[name]), seed))}",')
+            print(f'    ("{name}", {seed}): "{digest(run(name, seed))}",')

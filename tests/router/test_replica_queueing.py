@@ -17,3 +17,19 @@ def test_a_replica_queues_unless_it_was_seen_batching_with_nothing_waiting():
     queueing.remove("a")
     assert queueing.queues("a")
     queueing.check_invariants()
+
+
+def test_one_at_a_time_only_for_a_replica_seen_queueing_behind_one_and_never_running_two():
+    queueing = ReplicaQueueing()
+    assert not queueing.serves_one_at_a_time("a")  # no report: unknown
+    queueing.report("a", num_running=1, num_waiting=0)
+    assert not queueing.serves_one_at_a_time("a")  # a lightly loaded batching engine looks the same
+    queueing.report("a", num_running=1, num_waiting=5)
+    assert queueing.serves_one_at_a_time("a")  # requests wait while it runs one
+    queueing.report("a", num_running=0, num_waiting=0)
+    assert queueing.serves_one_at_a_time("a")
+    queueing.report("a", num_running=2, num_waiting=0)
+    assert not queueing.serves_one_at_a_time("a")  # seen batching once: a batching engine
+    queueing.remove("a")
+    assert not queueing.serves_one_at_a_time("a")
+    queueing.check_invariants()

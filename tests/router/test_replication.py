@@ -156,12 +156,14 @@ def test_a_new_holder_needs_room_for_one_and_a_half_copies(room):
     (0: a full cache, where a copy would evict, maybe the only copy of
     something else) no credit opens and the hot prefix goes exactly where
     the rule without replication sends it (two holders); above, lighter
-    replicas are credited and the group spreads over all four."""
+    replicas are credited and the group spreads over all four. (The
+    turnover term, which full caches switch on, is off: this isolates the
+    room rule.)"""
     assert PolicyConfig().replica_room_factor == 1.5
     served = {}
     for name, knobs in (("on", {}), ("off", OFF)):
         clock = Clock()
-        policy = make_policy(clock, premium_needs_completion=False, **knobs)
+        policy = make_policy(clock, premium_needs_completion=False, turnover_weight=0.0, **knobs)
         for version, replica_id in enumerate(REPLICAS, 1):
             unrelated = [[10**6 * version + i for i in range(1000)]]
             budget = 1000 + round(room * len(SHARED))
@@ -457,6 +459,20 @@ def test_a_queued_copy_needs_a_holder_that_queues_what_it_has_in_flight(running,
 def test_a_queued_copy_needs_room_for_two_copies(copies, copied):
     on = route_behind_a_queue(room_tokens=round(copies * len(SHARED)), queue_copy_requests=2)
     assert (len({first for first, _ in on}) > 1) == copied
+
+
+def test_a_queued_copy_needs_a_queue_worth_its_footprint():
+    """``queue_copy_size_factor`` (2): the holder's queued work must also be
+    at least that many times the copy's tokens (here the 32-token prefix):
+    a copy stays cached at both replicas while both serve the prefix. The
+    larger the factor, the longer the home's queue before the first copy;
+    with none that long, no copy at all."""
+    assert PolicyConfig().queue_copy_size_factor == 2
+    first_copy = {}
+    for factor in (2, 6, 8, 12):
+        firsts = [first for first, _ in route_behind_a_queue(queue_copy_requests=2, queue_copy_size_factor=factor)]
+        first_copy[factor] = next((i for i, replica_id in enumerate(firsts) if replica_id != firsts[0]), None)
+    assert first_copy == {2: 3, 6: 4, 8: 5, 12: None}
 
 
 def test_a_first_choice_short_of_a_block_of_the_prefix_gets_a_backup_hint():
