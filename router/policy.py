@@ -102,9 +102,10 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        work a replica took says little about how long it was busy, and its
        spans do. Where a cache is full and its replica serves one request
        at a time, each uncached token it would write costs
-       ``turnover_weight x pressure x (written / mean - 1)``: a cache
-       written faster than the fleet's mean evicts what was used more
-       recently (:class:`CacheTurnover`, :meth:`_turnover_price`).
+       ``turnover_weight x pressure x (written / mean - 1)`` (a credit
+       below the mean only for a cold request): a cache written faster
+       than the fleet's mean evicts what was used more recently
+       (:class:`CacheTurnover`, :meth:`_turnover_price`).
        Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a pure
        function of the replica set, so every router homes a cold prefix on the
        same replica and cold prefixes spread by hash), then by a rendezvous

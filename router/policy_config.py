@@ -245,18 +245,22 @@ class PolicyConfig:
     ``turnover_weight`` = 4 (session 53; BENCHMARKS.md "Cache turnover
     under FIFO"): step 3 adds ``turnover_weight x pressure x (written(r) /
     mean - 1)`` per uncached prompt token a candidate would write, for a
-    candidate that serves one request at a time (it never reported two
-    running: :class:`router.replica_queueing.ReplicaQueueing`), where
-    ``written`` is the tokens written into its cache lately
-    (:class:`router.cache_turnover.CacheTurnover`: its counters plus this
-    router's sends) and ``pressure`` the fleet's share of full caches
-    (:class:`router.cache_fill.FleetCacheFill`: while caches have room,
-    a write evicts nothing). A full LRU cache written faster evicts what
-    was used more recently. Balanced on busy time, a FIFO replica that drew
-    long answers prefills half as much as the others and they churn
-    (Mooncake 1.25M: prompt tokens computed 1.9M against 3.2-3.7M); under
-    batching the same balance keeps them within 0.84, and the term cost
-    shared-prefix batching 0.008 of imbalance for no hit, hence the gate.
+    candidate seen to serve one request at a time (requests waited while it
+    ran one, and it never ran two: :class:`router.replica_queueing.
+    ReplicaQueueing`); ``written`` is the tokens written into its cache
+    lately (:class:`router.cache_turnover.CacheTurnover`: its counters plus
+    this router's sends) and ``pressure`` the fleet's share of full caches
+    (:class:`router.cache_fill.FleetCacheFill`: while caches have room, a
+    write evicts nothing). A full LRU cache written faster evicts what was
+    used more recently. Balanced on busy time, a FIFO replica that drew long
+    answers prefills half as much as the others and they churn (Mooncake
+    1.25M: prompt tokens computed 1.9M against 3.2-3.7M); under batching
+    the same balance keeps them within 0.84 of each other, and the term
+    moved shared-prefix batching's imbalance 1.045 -> 1.052 for no hit,
+    hence the gate. A price below 0 (a cache churning slower than the mean)
+    counts only for a cold request: for a warm one it drew the request off
+    its holder to write the prefix again, and shared-prefix FIFO lost a
+    system prompt in 2 of 40 seeds.
 
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the

@@ -20,7 +20,10 @@ class Scoring:
     saved(r)) + balance * beyond(balance_work(r) - mean_balance, dead)
     + turnover(r) * (T - cached(r))`` (the last term only where ``turnover``
     is given: the price of a token written there, for the uncached prompt
-    tokens it writes)
+    tokens it writes; a price below 0, a cache churning slower than the
+    mean, only for a cold request, which no candidate holds any of: for a
+    warm one it would draw the request off its holder, to write the prefix
+    again where the cache is cheap)
     with ``saved = cached + fetch_share * credit`` (``fetch_share``:
     ``fetch_affinity_share``, or ``1 / (1 - fetch_token_cost)`` where a hot
     prefix may gain a holder: ``saved`` is then every fetched token, and
@@ -103,6 +106,7 @@ class Scoring:
         load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
         premium, computed, turnover, entries, cached_at = self.premium, self.computed, self.turnover, [], {}
+        cold = not depths and within_replica is None
         for replica_id in found.replica_ids:
             cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
             cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
@@ -117,7 +121,8 @@ class Scoring:
             beyond_dead = deviation - dead if deviation > dead else (deviation + dead if deviation < -dead else 0.0)
             cost = load(replica_id) + num_prompt - weight * saved - (cached + fetched - saved) + balance * beyond_dead
             if turnover is not None:
-                cost += turnover(replica_id) * (num_prompt - cached)
+                price = turnover(replica_id)
+                cost += (price if price > 0 or cold else 0.0) * (num_prompt - cached)
             decode_work = decode_token_cost * expected(num_output, replica_id)
             bound = (load_factor * (mean_recent + (num_prompt - cached + decode_work) / num_replicas)
                      + one_request * (num_prompt + decode_work) + slack_sd * (cached / prompt_or_1) * chance_sd)

@@ -105,10 +105,11 @@ def test_window_must_be_positive():
 
 # ------------------------------------------------------------------ in the policy
 def fleet_reporting(turnover_weight: float, *, full: bool = True, running: int = 1,
-                    written=(8000, 8000, 8000, 2000)) -> PrefixAffinityPolicy:
+                    written=(12000, 6000, 6000, 2000)) -> PrefixAffinityPolicy:
     """Four replicas, each reporting twice: caches full (or at 0 of their
     budget), ``running`` requests running and two waiting, and ``written`` prompt tokens
-    prefilled between the two reports (replica-3 the fewest). All four are
+    prefilled between the two reports (replica-0 the most, above the mean;
+    replica-3 the fewest; the other two a little below the mean). All four are
     candidates for every prompt (``num_ring_candidates`` 4): the term ranks
     the candidates, it does not add one."""
     clock = Clock()
@@ -132,9 +133,11 @@ def first_choices(policy_of) -> list[str]:
 
 
 def test_a_cold_prompt_goes_where_a_full_fifo_cache_turns_over_slowest():
-    """FIFO replicas (never two running), caches full: a cold prompt's
-    tokens evict least where the cache is written slowest, so it goes to
-    replica-3 whatever its ring home. Off (weight 0), with caches that have
+    """FIFO replicas (never two running, requests waiting), caches full: a
+    cold prompt's tokens evict least where the cache is written slowest, so
+    it goes to replica-3 whatever its ring home (not merely away from
+    replica-0, the one above the mean: a cold prompt's write is priced
+    below the mean too). Off (weight 0), with caches that have
     room (a write evicts nothing), or on batching replicas (the gate), the
     ring home decides as before; equal writes change nothing either."""
     assert PolicyConfig().turnover_weight == 4.0
@@ -159,3 +162,23 @@ def test_the_router_s_own_sends_fill_the_slow_cache_until_the_term_lets_go():
         policy.on_routed(cold, chosen[-1], str(i))
         policy.check_invariants()
     assert chosen[0] == "replica-3" and len(set(chosen)) == 4
+
+
+def test_a_warm_prompt_is_not_drawn_off_its_holder_by_a_slow_cache():
+    """The turnover term rewards writing at a cache that churns slowly only
+    for a cold prompt (no candidate holds any of it): a warm prompt's
+    candidates that lack its prefix would write it all again, and a bonus
+    for that would draw it off the replica holding it and leave a second
+    copy (shared-prefix FIFO lost a system prompt in 2 of 40 seeds that
+    way). A cache written faster than the mean still costs more. Here
+    replica-0 churns a little faster than the mean and holds the first 24
+    of a 64-token prompt: the prompt stays there (with a bonus at replica-3
+    for the 64 tokens it would write, it went there); a cold one still goes
+    to replica-3, the slowest."""
+    policy = fleet_reporting(4.0, written=(9000, 8000, 8000, 2000))
+    held = [4242 + i for i in range(24)]
+    assert policy.on_summary(CacheSummary(
+        "replica-0", 3, 3.0, BLOCK, frozenset(request(held).block_hashes), num_cached_tokens=10_000,
+        budget_tokens=10_000, num_running=1, num_waiting=2, num_prefill_tokens_total=9000))
+    assert policy.rank(request(held + [7 + i for i in range(40)]))[0] == "replica-0"
+    assert policy.rank(request([10**6 + i for i in range(40)]))[0] == "replica-3"
