@@ -232,15 +232,19 @@ class PolicyConfig:
     and a hint names holders that have computed the prefix first: over
     seeds 0-39 shared-prefix FIFO 0.8824 / 1.026 / 0.198 s -> 0.8824 (every
     seed) / 1.022 / 0.178 s (goal 0.182 s); BENCHMARKS.md "Queued copies of
-    a branching prefix". ``queue_copy_size_factor`` = 2 (session 53): the
-    least-queued holder's work must also be at least that many times the
-    copy's tokens. A copy occupies a second cache for as long as both
-    replicas serve the prefix, so a wait shorter than a couple of copies'
-    prefill does not pay for it: on Mooncake 1.25M under FIFO the rule
-    copied 15-56k-token contexts while the caches filled (queues mostly
-    of 0.3-2.7 copies), and ~1.3 % of the fleet's cache held such second
-    copies; shared-prefix's copies wait behind 2.6-6 copies' work (a
-    1,024-token system prompt) and are kept.
+    a branching prefix". ``queue_copy_size_factor`` = 2 (session 53): a
+    holder not seen batching must also have queued that many times the
+    copy's tokens. A copy occupies a second cache for as
+    long as both replicas serve the prefix, so a wait shorter than a couple
+    of copies' prefill does not pay for it: on Mooncake 1.25M under FIFO
+    the rule copied 15-56k-token contexts while the caches filled (queues
+    mostly of 0.3-2.7 copies), and ~1.3 % of the fleet's cache held such
+    second copies; shared-prefix's copies wait behind 2.6-6 copies' work (a
+    1,024-token system prompt) and are kept. For a batching holder (one
+    that reports requests waiting has its batch or KV cache full) the floor
+    cost heavy Mooncake batching 0.0010 of hit and moved shared-prefix
+    batching's imbalance 1.045 -> 1.050, so a holder seen running two
+    requests at once has none.
 
     ``turnover_weight`` = 4 (session 53; BENCHMARKS.md "Cache turnover
     under FIFO"): step 3 adds ``turnover_weight x pressure x (written(r) /

@@ -113,9 +113,7 @@ class NewHoldersMixin:
         """The least queued work among the candidates holding part of the
         request's prefix, when every one of them has more than
         ``queue_copy_requests`` typical requests' work queued (this router's
-        in flight there, in the load's units), and at least
-        :meth:`_copy_floor` (a wait worth the copy's footprint in a second
-        cache), and the known prefix is one
+        in flight there, in the load's units), and the known prefix is one
         a copy serves: prompts branch at its last block
         (:meth:`PrefixIndex.is_branch_point`: a shared system prompt, not a
         chat's own history), one candidate holds all of it, that holder has
@@ -124,8 +122,9 @@ class NewHoldersMixin:
         flight (:meth:`ReplicaQueueing.queues`: a batching holder runs them
         together); and no other router shares the traffic (with several,
         their requests at the holder are unseen here, so whether it is the
-        only holder and has computed the prefix is a guess). Else None (and
-        always with the rule off, at 0). The request would wait there
+        only holder and has computed the prefix is a guess); a holder not
+        seen batching has a queue worth the copy's footprint in a second cache
+        (:meth:`_copy_floor`). Else None (and always with the rule off, at 0). The request would wait there
         whatever it saves, and a lighter replica that fetches the prefix
         need not (step 5, queued copies). Why each gate: BENCHMARKS.md
         "Queued copies of a branching prefix"."""
@@ -133,19 +132,24 @@ class NewHoldersMixin:
         if not requests or not found.depths or known <= 0:
             return None
         least = min(map(scoring.load, found.depths))
-        if not least > requests * self._typical_queued or least < self._copy_floor(known):
+        if not least > requests * self._typical_queued:
             return None
         holders = [replica_id for replica_id, depth in found.depths.items() if depth >= known]
         if (len(holders) != 1 or self._shares_traffic() or not self._queueing.queues(holders[0])
                 or not self._index.is_branch_point(request.block_hashes[known - 1])
-                or not self._computed_somewhere(request, found)):
+                or not self._computed_somewhere(request, found) or least < self._copy_floor(known, holders[0])):
             return None
         return least
 
-    def _copy_floor(self, num_blocks: int) -> float:
-        """The least queued work a holder must have for a queued copy of a
+    def _copy_floor(self, num_blocks: int, holder: str) -> float:
+        """The least queued work ``holder`` must have for a queued copy of a
         ``num_blocks``-block prefix: ``queue_copy_size_factor`` x the copy's
-        tokens (a copy stays cached at both replicas while both serve it)."""
+        tokens (a copy stays cached at both replicas while both serve it);
+        0 for a holder seen batching (:meth:`ReplicaQueueing.batches`: one
+        reporting requests waiting has its batch or its KV cache full, and
+        there the floor cost hit: BENCHMARKS.md "Cache turnover under FIFO")."""
+        if self._queueing.batches(holder):
+            return 0.0
         return self.config.queue_copy_size_factor * num_blocks * self.config.block_size
 
     def _shares_traffic(self) -> bool:

@@ -41,6 +41,11 @@ class ReplicaQueueing:
         most, waiting = self._reports.get(replica_id, (0, 0))
         return most <= 1 or waiting > 0
 
+    def batches(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` was seen running two requests at once (a
+        batching engine; a queued copy's size floor spares it)."""
+        return self._reports.get(replica_id, (0, 0))[0] > 1
+
     def serves_one_at_a_time(self, replica_id: str) -> bool:
         """Whether ``replica_id`` is seen to be a FIFO server: it reported
         requests waiting while it ran one, and never two running at once.

@@ -28,8 +28,10 @@ def test_one_at_a_time_only_for_a_replica_seen_queueing_behind_one_and_never_run
     assert queueing.serves_one_at_a_time("a")  # requests wait while it runs one
     queueing.report("a", num_running=0, num_waiting=0)
     assert queueing.serves_one_at_a_time("a")
+    assert not queueing.batches("a")
     queueing.report("a", num_running=2, num_waiting=0)
     assert not queueing.serves_one_at_a_time("a")  # seen batching once: a batching engine
+    assert queueing.batches("a")
     queueing.remove("a")
     assert not queueing.serves_one_at_a_time("a")
     queueing.check_invariants()

@@ -461,18 +461,23 @@ def test_a_queued_copy_needs_room_for_two_copies(copies, copied):
     assert (len({first for first, _ in on}) > 1) == copied
 
 
-def test_a_queued_copy_needs_a_queue_worth_its_footprint():
-    """``queue_copy_size_factor`` (2): the holder's queued work must also be
-    at least that many times the copy's tokens (here the 32-token prefix):
-    a copy stays cached at both replicas while both serve the prefix. The
+@pytest.mark.parametrize("running, floored", [((1, 1), True), ((2, 1), False)])
+def test_a_fifo_holder_s_queue_must_be_worth_the_copy_s_footprint(running, floored):
+    """``queue_copy_size_factor`` (2): a holder not seen batching (here it
+    reported one running and requests waiting) must also have queued that
+    many times the copy's tokens (here the 32-token prefix): a
+    copy stays cached at both replicas while both serve the prefix. The
     larger the factor, the longer the home's queue before the first copy;
-    with none that long, no copy at all."""
+    with none that long, no copy at all. A holder seen running two at once,
+    reporting requests waiting (its batch or KV cache full), has no floor
+    (simulated, the floor cost heavy Mooncake batching 0.0010 of hit)."""
     assert PolicyConfig().queue_copy_size_factor == 2
     first_copy = {}
     for factor in (2, 6, 8, 12):
-        firsts = [first for first, _ in route_behind_a_queue(queue_copy_requests=2, queue_copy_size_factor=factor)]
+        firsts = [first for first, _ in route_behind_a_queue(running=running, queue_copy_requests=2,
+                                                             queue_copy_size_factor=factor)]
         first_copy[factor] = next((i for i, replica_id in enumerate(firsts) if replica_id != firsts[0]), None)
-    assert first_copy == {2: 3, 6: 4, 8: 5, 12: None}
+    assert first_copy == ({2: 3, 6: 4, 8: 5, 12: None} if floored else {2: 3, 6: 3, 8: 3, 12: 3})
 
 
 def test_a_first_choice_short_of_a_block_of_the_prefix_gets_a_backup_hint():
