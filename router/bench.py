@@ -1,6 +1,6 @@
 """Router decision cost: ``rank`` + ``on_routed`` per request, for 4k-token prompts.
 
-    python -m router.bench [--replicas 8,16,32,64] [--prompt-tokens 4096] [--policy-args JSON] [--json OUT]
+    python -m router.bench [--replicas 8,16,32,64] [--prompt-tokens 4096] [--policy-args JSON] [--fifo-full] [--json OUT]
 
 Per fleet size: a policy is warmed up with ``--warmup`` requests (prompts of
 ``--prompt-tokens`` tokens: a 2k-token prefix shared by one of 64 groups +
@@ -17,6 +17,7 @@ one replica summary. Pure Python, one core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -53,8 +54,21 @@ def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> lis
     return out
 
 
+def _report(replica_id: str, version: int, now: float, block_tokens: int, routed: dict[str, set[int]],
+            fifo_full: bool) -> CacheSummary:
+    """What ``replica_id`` holds; with ``fifo_full`` also a full cache, one
+    request running and one waiting, and its prefill counter (so the
+    turnover term, ``PolicyConfig.turnover_weight``, is in force)."""
+    held = frozenset(routed[replica_id])
+    if not fifo_full:
+        return CacheSummary(replica_id, version, now, block_tokens, held)
+    size = len(held) * block_tokens
+    return CacheSummary(replica_id, version, now, block_tokens, held, num_cached_tokens=size, budget_tokens=size,
+                        num_running=1, num_waiting=1, num_prefill_tokens_total=size)
+
+
 def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int,
-                policy_args: dict | None = None) -> dict:
+                policy_args: dict | None = None, fifo_full: bool = False) -> dict:
     clock = _Clock()
     policy = PrefixAffinityPolicy(PolicyConfig(**{**(policy_args or {}), "block_size": block_tokens}), clock=clock)
     replica_ids = [f"replica-{i}" for i in range(num_replicas)]
@@ -65,10 +79,13 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
     wall_us: list[float] = []  # wall clock: also counts being descheduled on a shared machine
     for number, request in enumerate(requests):
         clock.now += 0.01
+        if fifo_full and number == num_warmup // 2:  # a first report: the counters' baseline
+            for replica_id in replica_ids:
+                policy.on_summary(dataclasses.replace(_report(replica_id, 1, clock.now, block_tokens, routed, True),
+                                                      num_prefill_tokens_total=0))
         if number == num_warmup:  # every replica reports what it holds
-            for version, replica_id in enumerate(replica_ids, 1):
-                policy.on_summary(CacheSummary(replica_id, version, clock.now, block_tokens,
-                                               frozenset(routed[replica_id])))
+            for version, replica_id in enumerate(replica_ids, 2):
+                policy.on_summary(_report(replica_id, version, clock.now, block_tokens, routed, fifo_full))
         started_cpu, started = time.thread_time_ns(), time.perf_counter_ns()
         chosen = policy.rank(request, request_id=str(number))[0]  # reserves, as the Ray adapter does
         policy.on_routed(request, chosen, str(number))
@@ -109,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy-args", type=json.loads, default={},
                         help="PolicyConfig knobs as JSON, e.g. '{\"split_affinity_by_holders\": false}'")
+    parser.add_argument("--fifo-full", action="store_true",
+                        help="replicas report full caches, one request running, one waiting and prefill counters: "
+                             "the turnover term (turnover_weight) is in force")
     parser.add_argument("--json", help="output JSON path")
     args = parser.parse_args(argv)
     fleet_sizes = [int(n) for n in args.replicas.split(",")]
@@ -118,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(200):
         block_hashes(tokens, args.block_tokens)
     hash_us = (time.perf_counter_ns() - started) / 1000 / 200
-    results = [bench_fleet(n, requests, args.warmup, args.block_tokens, args.policy_args) for n in fleet_sizes]
+    results = [bench_fleet(n, requests, args.warmup, args.block_tokens, args.policy_args, args.fifo_full)
+               for n in fleet_sizes]
     print(f"{args.prompt_tokens}-token prompts, block size {args.block_tokens} "
           f"({args.prompt_tokens // args.block_tokens} blocks); ingress block_hashes: {hash_us:.0f} us/prompt")
     print(f"{'replicas':>8} {'cpu p50 us':>10} {'cpu p99 us':>10} {'cpu max us':>10} {'wall p50':>9} {'wall p99':>9}"

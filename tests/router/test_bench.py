@@ -1,0 +1,26 @@
+"""router.bench: the decision-cost benchmark times the states it names."""
+
+import pytest
+
+from router import bench
+from router.policy_scoring_terms import ScoringTermsMixin
+
+
+@pytest.mark.parametrize("fifo_full", [False, True])
+def test_the_fifo_full_bench_times_decisions_with_the_turnover_term_in_force(monkeypatch, fifo_full):
+    """``--fifo-full``: the replicas report full caches, one request running
+    and one waiting, and prefill counters, so every timed decision prices
+    the turnover term; the default bench never reaches it (no budget, no
+    counters)."""
+    prices = []
+    original = ScoringTermsMixin._turnover_price
+
+    def recorded(self, now):
+        prices.append(original(self, now))
+        return prices[-1]
+    monkeypatch.setattr(ScoringTermsMixin, "_turnover_price", recorded)
+    requests = bench._requests(400, 512, 64, seed=0)  # noqa: SLF001
+    figures = bench.bench_fleet(4, requests, 200, 64, fifo_full=fifo_full)
+    assert len(prices) == 400 and figures["decision_us_p50"] > 0
+    timed = prices[200:]
+    assert all(price is not None for price in timed) if fifo_full else all(price is None for price in timed)
