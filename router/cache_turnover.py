@@ -61,11 +61,11 @@ class CacheTurnover:
         self._counters[replica_id] = (epoch, num_prefill_total, num_output_total)
         if last is None or last[0] != epoch or num_prefill_total < last[1] or num_output_total < last[2]:
             others = [scaled for r, scaled in self._scaled.items() if r != replica_id]
-            value = sum(others) / len(others) / growth if others else 0.0
+            scaled = sum(others) / len(others) if others else 0.0
         else:
             written = (num_prefill_total - last[1]) + (num_output_total - last[2])
-            value = self._scaled.get(replica_id, 0.0) / growth + written
-        self._set(replica_id, value * growth)
+            scaled = self._scaled.get(replica_id, 0.0) + written * growth
+        self._set(replica_id, scaled)
         self._pending_total -= self._pending.pop(replica_id, 0.0)
 
     def on_routed(self, replica_id: str, num_tokens: float) -> None:
