@@ -17,12 +17,12 @@ one replica summary. Pure Python, one core.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 from cache import block_hashes
 from cache.summary import CacheSummary
@@ -54,21 +54,41 @@ def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> lis
     return out
 
 
-def _report(replica_id: str, version: int, now: float, block_tokens: int, routed: dict[str, set[int]],
-            fifo_full: bool) -> CacheSummary:
+def _report(replica_id: str, version: int, now: float, block_tokens: int, held: Iterable[int],
+            fifo_full: bool, written_tokens: int = 0) -> CacheSummary:
     """What ``replica_id`` holds; with ``fifo_full`` also a full cache, one
     request running and one waiting, and its prefill counter (so the
     turnover term, ``PolicyConfig.turnover_weight``, is in force)."""
-    held = frozenset(routed[replica_id])
+    held = frozenset(held)
     if not fifo_full:
         return CacheSummary(replica_id, version, now, block_tokens, held)
     size = len(held) * block_tokens
     return CacheSummary(replica_id, version, now, block_tokens, held, num_cached_tokens=size, budget_tokens=size,
-                        num_running=1, num_waiting=1, num_prefill_tokens_total=size)
+                        num_running=1, num_waiting=1, num_prefill_tokens_total=written_tokens)
+
+
+class _LruCache:
+    """A replica's cache in ``--fifo-full``: the blocks routed to it, least
+    recently used out first past ``capacity_blocks``."""
+
+    def __init__(self, blocks: Iterable[int], capacity_blocks: int) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
+        self.capacity_blocks = capacity_blocks
+        self.written_tokens = 0
+
+    def add(self, block_hashes: Iterable[int], block_tokens: int) -> None:
+        for block_hash in block_hashes:
+            if block_hash in self.blocks:
+                self.blocks.move_to_end(block_hash)
+            else:
+                self.blocks[block_hash] = None
+                self.written_tokens += block_tokens
+        while len(self.blocks) > self.capacity_blocks:
+            self.blocks.popitem(last=False)
 
 
 def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int,
-                policy_args: dict | None = None, fifo_full: bool = False) -> dict:
+                policy_args: dict | None = None, fifo_full: bool = False, summary_every: int = 100) -> dict:
     clock = _Clock()
     policy = PrefixAffinityPolicy(PolicyConfig(**{**(policy_args or {}), "block_size": block_tokens}), clock=clock)
     replica_ids = [f"replica-{i}" for i in range(num_replicas)]
@@ -77,15 +97,32 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
     in_flight: deque[str] = deque()
     timings_us: list[float] = []  # thread CPU time: what the router spends
     wall_us: list[float] = []  # wall clock: also counts being descheduled on a shared machine
+    summary_us: list[float] = []  # --fifo-full: applying one replica's periodic summary
+    caches: dict[str, _LruCache] = {}
+    reporting_at: dict[int, list[str]] = {}  # --fifo-full: decision within a period -> who reports before it
+    for slot, replica_id in enumerate(replica_ids):
+        reporting_at.setdefault(slot * summary_every // num_replicas, []).append(replica_id)
     for number, request in enumerate(requests):
         clock.now += 0.01
         if fifo_full and number == num_warmup // 2:  # a first report: the counters' baseline
             for replica_id in replica_ids:
-                policy.on_summary(dataclasses.replace(_report(replica_id, 1, clock.now, block_tokens, routed, True),
-                                                      num_prefill_tokens_total=0))
+                policy.on_summary(_report(replica_id, 1, clock.now, block_tokens, routed[replica_id], True))
         if number == num_warmup:  # every replica reports what it holds
-            for version, replica_id in enumerate(replica_ids, 2):
-                policy.on_summary(_report(replica_id, version, clock.now, block_tokens, routed, fifo_full))
+            for replica_id in replica_ids:
+                held = routed[replica_id]
+                caches[replica_id] = _LruCache(held, len(held))
+                caches[replica_id].written_tokens = len(held) * block_tokens
+                policy.on_summary(_report(replica_id, 2, clock.now, block_tokens, held, fifo_full,
+                                          caches[replica_id].written_tokens))
+        elif fifo_full and number > num_warmup:  # replica i reports i / N of a period after replica 0
+            period, phase = divmod(number - num_warmup, summary_every)
+            for replica_id in reporting_at.get(phase, ()):
+                cache = caches[replica_id]
+                summary = _report(replica_id, 3 + period, clock.now, block_tokens, cache.blocks, True,
+                                  cache.written_tokens)
+                started_cpu = time.thread_time_ns()
+                policy.on_summary(summary)
+                summary_us.append((time.thread_time_ns() - started_cpu) / 1000)
         started_cpu, started = time.thread_time_ns(), time.perf_counter_ns()
         chosen = policy.rank(request, request_id=str(number))[0]  # reserves, as the Ray adapter does
         policy.on_routed(request, chosen, str(number))
@@ -94,6 +131,8 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
         if number >= num_warmup:
             timings_us.append(elapsed_cpu_us)
             wall_us.append(elapsed_us)
+            if fifo_full:
+                caches[chosen].add(request.block_hashes, block_tokens)
         else:
             routed[chosen].update(request.block_hashes)
         in_flight.append(str(number))
@@ -113,6 +152,8 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
         "wall_us_p99": percentile(wall_us, 99),
         "summary_blocks": len(summary.block_hashes),
         "apply_summary_ms": summary_ms,
+        "periodic_summary_us_p50": percentile(summary_us, 50) if summary_us else None,
+        "periodic_summary_us_max": max(summary_us) if summary_us else None,
     }
 
 
@@ -129,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fifo-full", action="store_true",
                         help="replicas report full caches, one request running, one waiting and prefill counters: "
                              "the turnover term (turnover_weight) is in force")
+    parser.add_argument("--summary-every", type=int, default=100,
+                        help="--fifo-full: every replica reports its cache every this many decisions "
+                             "(100 = each second at the bench's 100 decisions/s)")
     parser.add_argument("--json", help="output JSON path")
     args = parser.parse_args(argv)
     fleet_sizes = [int(n) for n in args.replicas.split(",")]
@@ -138,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(200):
         block_hashes(tokens, args.block_tokens)
     hash_us = (time.perf_counter_ns() - started) / 1000 / 200
-    results = [bench_fleet(n, requests, args.warmup, args.block_tokens, args.policy_args, args.fifo_full)
-               for n in fleet_sizes]
+    if args.summary_every <= 0:
+        parser.error("--summary-every must be positive")
+    results = [bench_fleet(n, requests, args.warmup, args.block_tokens, args.policy_args, args.fifo_full,
+                           args.summary_every) for n in fleet_sizes]
     print(f"{args.prompt_tokens}-token prompts, block size {args.block_tokens} "
           f"({args.prompt_tokens // args.block_tokens} blocks); ingress block_hashes: {hash_us:.0f} us/prompt")
     print(f"{'replicas':>8} {'cpu p50 us':>10} {'cpu p99 us':>10} {'cpu max us':>10} {'wall p50':>9} {'wall p99':>9}"
@@ -148,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['num_replicas']:>8} {r['decision_us_p50']:10.1f} {r['decision_us_p99']:10.1f} "
               f"{r['decision_us_max']:10.0f} {r['wall_us_p50']:9.1f} {r['wall_us_p99']:9.1f}"
               f" {r['summary_blocks']:>15} {r['apply_summary_ms']:9.1f}")
+    if args.fifo_full:
+        print("periodic summaries (us per replica's summary): "
+              + ", ".join(f"{r['num_replicas']} replicas p50 {r['periodic_summary_us_p50']:.0f} "
+                          f"max {r['periodic_summary_us_max']:.0f}" for r in results))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"prompt_tokens": args.prompt_tokens, "block_tokens": args.block_tokens,

@@ -5,7 +5,11 @@ learn (item ``k`` of a run is ``(first_tick + k, hashes[k])``, or
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+# the longest run of reported blocks (tick 0) or of a rebuilt FIFO: trimming a few off a run copies its rest
+RUN_LIMIT = 256
 
 
 def fifo_items(runs: Iterable[tuple[int, Sequence[int]]]) -> Iterator[tuple[int, int]]:
@@ -15,11 +19,53 @@ def fifo_items(runs: Iterable[tuple[int, Sequence[int]]]) -> Iterator[tuple[int,
             yield (first_tick + offset if first_tick else 0), block_hash
 
 
-def fifo_runs(items: Sequence[tuple[int, int]]) -> Iterator[tuple[int, tuple[int, ...]]]:
+def fifo_runs(items: Sequence[tuple[int, int]], max_length: int | None = None) -> Iterator[tuple[int, tuple[int, ...]]]:
     """FIFO runs holding ``items`` (``(tick, hash)``, in order): items of tick 0,
-    or of consecutive ticks, share a run."""
+    or of consecutive ticks, share a run of at most ``max_length`` items."""
+    limit = max_length or len(items)
     start = 0
     for end in range(1, len(items) + 1):
-        if end == len(items) or items[end][0] != (items[end - 1][0] + 1 if items[start][0] else 0):
+        if (end == len(items) or end - start == limit
+                or items[end][0] != (items[end - 1][0] + 1 if items[start][0] else 0)):
             yield items[start][0], tuple(h for _, h in items[start:end])
             start = end
+
+
+def reported_runs(hashes: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+    """Runs of tick-0 items holding ``hashes`` in order, ``RUN_LIMIT`` at most each."""
+    return [(0, tuple(hashes[start:start + RUN_LIMIT])) for start in range(0, len(hashes), RUN_LIMIT)]
+
+
+def pop_least_recent(fifo: deque[tuple[int, Sequence[int]]], entries: Mapping[int, int],
+                     count: int) -> tuple[list[int], int]:
+    """Pop ``fifo``'s items up to its ``count``-th current one (an item is
+    current iff ``entries`` maps its hash to its tick); return those
+    ``count`` hashes, least recent first (the caller deletes them), and how
+    many items left the FIFO. Stale items met on the way are dropped; the
+    rest of the last run goes back to the head. ``entries`` must hold at
+    least ``count`` current items."""
+    get = entries.get
+    evicted: list[int] = []
+    num_popped = 0
+    while True:
+        first_tick, run = fifo.popleft()
+        num_popped += len(run)
+        cut = 0  # items of the run looked at
+        if first_tick:
+            for tick, block_hash in enumerate(run, first_tick):
+                if get(block_hash) == tick:
+                    evicted.append(block_hash)
+                    if len(evicted) == count:
+                        cut = tick - first_tick + 1
+                        break
+        else:
+            for cut, block_hash in enumerate(run, 1):
+                if get(block_hash) == 0:
+                    evicted.append(block_hash)
+                    if len(evicted) == count:
+                        break
+        if len(evicted) == count:
+            if cut < len(run):
+                fifo.appendleft((first_tick + cut if first_tick else 0, run[cut:]))
+                num_popped -= len(run) - cut
+            return evicted, num_popped

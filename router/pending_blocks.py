@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.prefix_index import last_true
+from router.chain_search import last_true
 
 
 class PendingBlocks:

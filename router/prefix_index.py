@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import islice
 
-from router.fifo_runs import fifo_items, fifo_runs
+from router.chain_search import last_true
+from router.fifo_runs import RUN_LIMIT, fifo_items, fifo_runs, pop_least_recent, reported_runs
 
 # a replica's trimmed entries kept for its next summary, in caches' worth: past that (an index churning its
 # whole cache many times between two summaries), a delta puts back fewer than a full summary would
 TRIMMED_KEPT = 8
-
-
-def last_true(n: int, predicate: Callable[[int], bool]) -> int:
-    """Largest ``d`` in ``1..n`` with ``predicate(d)``, for a predicate that is
-    true up to some point and false after it; 0 if ``predicate(1)`` is false."""
-    if n <= 0 or not predicate(1):
-        return 0
-    low, high = 1, n + 1  # predicate(low) holds; predicate(high) fails or is out of range
-    while high - low > 1:
-        mid = (low + high) // 2
-        if predicate(mid):
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 class PrefixIndex:
@@ -46,6 +32,11 @@ class PrefixIndex:
     (``max_blocks_per_replica``, lowered to the replica's own budget in
     blocks once a summary reports it), least recently used out first, so the
     index mirrors the replica's own LRU instead of growing with the traffic.
+    A learn may leave up to ``learn_slack(r)`` (``learn_slack_share`` of the
+    capacity) entries more: the next summary trims them, off the decision
+    path, and a learn trims only what passes that slack. Between summaries
+    the index then also names the few least recent blocks the replica's
+    own LRU has just pushed out, until its summary says so.
 
     Layout (chosen so that the hot path runs mostly in C and the garbage
     collector never walks the index): ``_holders`` maps a hash to a bit mask
@@ -64,7 +55,8 @@ class PrefixIndex:
     Invariants (checked by :meth:`check_invariants`):
 
     1. ``_holders[h] & bit(r)`` iff ``h in _entries[r]``; no zero masks.
-    2. ``len(_entries[r]) <= capacity_blocks(r)``.
+    2. ``len(_entries[r]) <= capacity_blocks(r) + learn_slack(r)``, and
+       ``<= capacity_blocks(r)`` right after a summary.
     3. Every entry has its current ``(tick, hash)`` in ``_fifo[r]``; items
        with a tick > 0 are in ascending tick order; ``_fifo_size[r]`` is the
        number of items, and no run is empty.
@@ -76,17 +68,25 @@ class PrefixIndex:
     Cost: :meth:`deepest_holders` and :meth:`depth` are O(log n) lookups per
     depth returned (binary search: whoever holds block ``j`` of a chain holds
     ``0..j``), independent of how many blocks or replicas the index knows;
-    :meth:`learn` O(n) mostly in C; :meth:`apply_summary` set operations in
-    C plus O(changed blocks) in Python; :meth:`apply_delta` O(changed blocks
-    + blocks learned since the last summary), independent of the cache size.
+    :meth:`learn` O(n) mostly in C, and no eviction while within the slack
+    (trimming costs ~1 µs a block: a decision with a full cache would pay it
+    for every block it adds); :meth:`apply_summary` set operations in C plus
+    O(changed blocks) in Python; :meth:`apply_delta` O(changed blocks +
+    blocks learned since the last summary), independent of the cache size.
+    Reported blocks sit in FIFO runs of at most ``RUN_LIMIT``, so trimming a
+    few never copies a whole cache's run.
     """
 
-    def __init__(self, max_blocks_per_replica: int = 1 << 18, learned_grace_s: float = 5.0) -> None:
+    def __init__(self, max_blocks_per_replica: int = 1 << 18, learned_grace_s: float = 5.0,
+                 learn_slack_share: float = 0.125) -> None:
         if type(max_blocks_per_replica) is not int or max_blocks_per_replica <= 0:
             raise ValueError(f"max_blocks_per_replica must be a positive int, got {max_blocks_per_replica!r}")
         if not learned_grace_s >= 0:
             raise ValueError(f"learned_grace_s must be >= 0, got {learned_grace_s!r}")
+        if not 0 <= learn_slack_share <= 1:
+            raise ValueError(f"learn_slack_share must be in [0, 1], got {learn_slack_share!r}")
         self.max_blocks_per_replica = max_blocks_per_replica
+        self.learn_slack_share = float(learn_slack_share)
         self.learned_grace_s = float(learned_grace_s)
         self._holders: dict[int, int] = {}
         self._entries: dict[str, dict[int, int]] = {}
@@ -114,6 +114,10 @@ class PrefixIndex:
 
     def capacity_blocks(self, replica_id: str) -> int:
         return self._capacity.get(replica_id, self.max_blocks_per_replica)
+
+    def learn_slack(self, replica_id: str) -> int:
+        """Entries a learn may leave past the capacity until the next summary trims them."""
+        return int(self.capacity_blocks(replica_id) * self.learn_slack_share)
 
     def num_blocks(self, replica_id: str) -> int:
         entries = self._entries.get(replica_id)
@@ -213,7 +217,7 @@ class PrefixIndex:
         self._tick_times.append((now, first_tick))
         if len(self._tick_times) > 4096:
             self._first_tick_after(now - self.learned_grace_s)  # prunes
-        self._maybe_trim(replica_id)
+        self._maybe_trim(replica_id, self.learn_slack(replica_id))
 
     def apply_summary(
         self, replica_id: str, block_hashes: Iterable[int], now: float, capacity_blocks: int | None = None,
@@ -311,7 +315,7 @@ class PrefixIndex:
             return
         added = sorted(added)
         self._entries[replica_id].update(dict.fromkeys(added, 0))
-        self._fifo[replica_id].appendleft((0, tuple(added[::-1])))  # each pushed on the left in turn
+        self._fifo[replica_id].extendleft(reversed(reported_runs(added[::-1])))  # each pushed on the left in turn
         self._fifo_size[replica_id] += len(added)
         holders = self._holders
         for block_hash in added:
@@ -364,34 +368,30 @@ class PrefixIndex:
             self._holders.pop(block_hash, None)
             self._prompt_ends.discard(block_hash)
 
-    def _maybe_trim(self, replica_id: str) -> None:
-        """Evict least recent entries down to capacity; rebuild a mostly stale FIFO."""
-        entries, fifo = self._entries[replica_id], self._fifo[replica_id]
-        excess = len(entries) - self.capacity_blocks(replica_id)
+    def _maybe_trim(self, replica_id: str, slack: int = 0) -> None:
+        """Evict least recent entries down to capacity + ``slack``; rebuild a mostly stale FIFO."""
+        entries = self._entries[replica_id]
+        excess = len(entries) - self.capacity_blocks(replica_id) - slack
         if excess > 0:
-            bit = 1 << self._slot[replica_id]
-            # kept for the next summary only if one was applied, and at most TRIMMED_KEPT caches' worth
-            trimmed = self._trimmed[replica_id] if replica_id in self._applied_tick else None
-            room = TRIMMED_KEPT * self.capacity_blocks(replica_id) - len(trimmed) if trimmed is not None else 0
-            while excess > 0:
-                first_tick, run = fifo.popleft()
-                self._fifo_size[replica_id] -= len(run)
-                for offset, block_hash in enumerate(run):
-                    if entries.get(block_hash) == (first_tick + offset if first_tick else 0):
-                        del entries[block_hash]
-                        self._clear_bit(block_hash, bit)
-                        if room > 0:
-                            trimmed.add(block_hash)
-                            room -= 1
-                        excess -= 1
-                        if not excess:  # put back the rest of the run
-                            rest = run[offset + 1:]
-                            if rest:
-                                fifo.appendleft((first_tick + offset + 1 if first_tick else 0, rest))
-                                self._fifo_size[replica_id] += len(rest)
-                            break
+            evicted, num_popped = pop_least_recent(self._fifo[replica_id], entries, excess)
+            self._fifo_size[replica_id] -= num_popped
+            keep = ~(1 << self._slot[replica_id])
+            holders, prompt_ends = self._holders, self._prompt_ends
+            for block_hash in evicted:  # _clear_bit, inlined: this runs once per block a learn pushes out
+                del entries[block_hash]
+                mask = holders[block_hash] & keep
+                if mask:
+                    holders[block_hash] = mask
+                else:
+                    del holders[block_hash]
+                    prompt_ends.discard(block_hash)
+            if replica_id in self._applied_tick:  # kept for the next summary, at most TRIMMED_KEPT caches' worth
+                trimmed = self._trimmed[replica_id]
+                room = TRIMMED_KEPT * self.capacity_blocks(replica_id) - len(trimmed)
+                if room > 0:
+                    trimmed.update(evicted[:room])
         if self._fifo_size[replica_id] > 8 * len(entries) + 4096:
-            self._fifo[replica_id] = deque(fifo_runs(sorted((t, h) for h, t in entries.items())))
+            self._fifo[replica_id] = deque(fifo_runs(sorted((t, h) for h, t in entries.items()), RUN_LIMIT))
             self._fifo_size[replica_id] = len(entries)
 
     def check_invariants(self) -> None:
@@ -407,7 +407,7 @@ class PrefixIndex:
         assert set(self._unreported) == set(self._applied_tick) <= set(self._entries)
         for replica_id, entries in self._entries.items():
             assert self._replica_at[self._slot[replica_id]] == replica_id
-            assert len(entries) <= self.capacity_blocks(replica_id), replica_id
+            assert len(entries) <= self.capacity_blocks(replica_id) + self.learn_slack(replica_id), replica_id
             assert len(self._trimmed[replica_id]) <= TRIMMED_KEPT * self.capacity_blocks(replica_id), replica_id
             assert all(run for _, run in self._fifo[replica_id]), "empty FIFO run"
             fifo = list(fifo_items(self._fifo[replica_id]))

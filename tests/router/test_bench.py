@@ -24,3 +24,23 @@ def test_the_fifo_full_bench_times_decisions_with_the_turnover_term_in_force(mon
     assert len(prices) == 400 and figures["decision_us_p50"] > 0
     timed = prices[200:]
     assert all(price is not None for price in timed) if fifo_full else all(price is None for price in timed)
+    # --fifo-full: every replica reports its cache each summary_every decisions, timed apart
+    assert (figures["periodic_summary_us_p50"] > 0) if fifo_full else figures["periodic_summary_us_p50"] is None
+
+
+def test_fifo_full_summaries_keep_the_index_at_the_caches_size(monkeypatch):
+    """Between two summaries a learn may leave the index past a cache's size
+    (its slack); each periodic summary trims it back."""
+    from router.prefix_index import PrefixIndex
+    over_before, within_after = [], []
+    original = PrefixIndex.apply_summary
+
+    def recorded(self, replica_id, *args, **kwargs):
+        over_before.append(self.num_blocks(replica_id) > self.capacity_blocks(replica_id))
+        original(self, replica_id, *args, **kwargs)
+        within_after.append(self.num_blocks(replica_id) <= self.capacity_blocks(replica_id))
+    monkeypatch.setattr(PrefixIndex, "apply_summary", recorded)
+    requests = bench._requests(400, 512, 64, seed=0)  # noqa: SLF001
+    bench.bench_fleet(4, requests, 200, 64, fifo_full=True, summary_every=50)
+    assert len(within_after) == 4 * 2 + 15 + 1  # two warm-up reports each; 15 in 199 decisions (each replica every 50); the last
+    assert all(within_after) and any(over_before)

@@ -90,6 +90,39 @@ def test_capacity_evicts_least_recent_and_descendants_before_ancestors():
     assert not index.holds("a", 2) and index.holds("a", 1)
 
 
+def test_a_learn_leaves_up_to_the_slack_past_capacity_and_the_next_summary_trims_it():
+    """Capacity 80, slack 10: learns trim only what passes 90 (least recent
+    first, deepest blocks before their ancestors); a summary trims to 80."""
+    index = PrefixIndex(max_blocks_per_replica=80, learn_slack_share=0.125)
+    assert index.learn_slack("a") == 10
+    index.learn("a", list(range(1, 81)), now=0.0)  # block 80 is the least recent, 1 the most
+    index.learn("a", list(range(101, 111)), now=1.0)
+    index.check_invariants()
+    assert index.num_blocks("a") == 90 and index.holds("a", 80)  # within the slack: nothing trimmed
+    index.learn("a", list(range(201, 206)), now=2.0)
+    index.check_invariants()
+    assert index.num_blocks("a") == 90
+    assert not any(index.holds("a", h) for h in range(76, 81)) and index.holds("a", 75)
+    held = {h for h in [*range(1, 76), *range(101, 111), *range(201, 206)]}
+    index.apply_summary("a", held, now=3.0)
+    index.check_invariants()
+    assert index.num_blocks("a") == 80  # the summary trims to the capacity
+    assert not any(index.holds("a", h) for h in range(66, 76)) and index.holds("a", 65)
+
+
+def test_without_slack_a_learn_trims_to_the_capacity():
+    index = PrefixIndex(max_blocks_per_replica=80, learn_slack_share=0.0)
+    index.learn("a", list(range(1, 86)), now=0.0)
+    index.check_invariants()
+    assert index.num_blocks("a") == 80 and not index.holds("a", 81) and index.holds("a", 80)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_bad_learn_slack_share(share):
+    with pytest.raises(ValueError, match="learn_slack_share"):
+        PrefixIndex(learn_slack_share=share)
+
+
 def test_summary_budget_lowers_the_capacity():
     index = PrefixIndex(max_blocks_per_replica=100)
     index.apply_summary("a", {1, 2, 3}, now=0.0, capacity_blocks=2)
