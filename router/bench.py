@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from cache import block_hashes
 from cache.summary import CacheSummary
+from cache.summary_stream import SummaryStream
 from harness.loadstats import percentile
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
@@ -99,6 +100,9 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
     wall_us: list[float] = []  # wall clock: also counts being descheduled on a shared machine
     summary_us: list[float] = []  # --fifo-full: applying one replica's periodic summary
     caches: dict[str, _LruCache] = {}
+    # --fifo-full: what each replica sends, as a live Worker's SummarySender does (mode "stream"): a snapshot,
+    # then each period a delta against the summary before
+    streams = {r: SummaryStream(f"{r}@bench", 1, cumulative=True, by_reference=True) for r in replica_ids}
     reporting_at: dict[int, list[str]] = {}  # --fifo-full: decision within a period -> who reports before it
     for slot, replica_id in enumerate(replica_ids):
         reporting_at.setdefault(slot * summary_every // num_replicas, []).append(replica_id)
@@ -106,20 +110,22 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
         clock.now += 0.01
         if fifo_full and number == num_warmup // 2:  # a first report: the counters' baseline
             for replica_id in replica_ids:
-                policy.on_summary(_report(replica_id, 1, clock.now, block_tokens, routed[replica_id], True))
+                policy.on_summary(streams[replica_id].encode(
+                    _report(replica_id, 1, clock.now, block_tokens, routed[replica_id], True)))
         if number == num_warmup:  # every replica reports what it holds
             for replica_id in replica_ids:
                 held = routed[replica_id]
                 caches[replica_id] = _LruCache(held, len(held))
                 caches[replica_id].written_tokens = len(held) * block_tokens
-                policy.on_summary(_report(replica_id, 2, clock.now, block_tokens, held, fifo_full,
-                                          caches[replica_id].written_tokens))
+                summary = _report(replica_id, 2, clock.now, block_tokens, held, fifo_full,
+                                  caches[replica_id].written_tokens)
+                policy.on_summary(streams[replica_id].encode(summary) if fifo_full else summary)
         elif fifo_full and number > num_warmup:  # replica i reports i / N of a period after replica 0
             period, phase = divmod(number - num_warmup, summary_every)
             for replica_id in reporting_at.get(phase, ()):
                 cache = caches[replica_id]
-                summary = _report(replica_id, 3 + period, clock.now, block_tokens, cache.blocks, True,
-                                  cache.written_tokens)
+                summary = streams[replica_id].encode(_report(replica_id, 3 + period, clock.now, block_tokens,
+                                                             cache.blocks, True, cache.written_tokens))
                 started_cpu = time.thread_time_ns()
                 policy.on_summary(summary)
                 summary_us.append((time.thread_time_ns() - started_cpu) / 1000)
@@ -139,7 +145,8 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
         if len(in_flight) > 4 * num_replicas:
             policy.on_completed(in_flight.popleft())
     biggest = max(routed, key=lambda r: len(routed[r]))
-    summary = CacheSummary(biggest, 10**6, clock.now, block_tokens, frozenset(routed[biggest]))
+    summary = CacheSummary(biggest, 10**6, clock.now, block_tokens, frozenset(routed[biggest]),  # a snapshot
+                           epoch=streams[biggest].epoch if fifo_full else "")
     started = time.perf_counter_ns()
     policy.on_summary(summary)
     summary_ms = (time.perf_counter_ns() - started) / 1e6

@@ -30,17 +30,24 @@ def test_the_fifo_full_bench_times_decisions_with_the_turnover_term_in_force(mon
 
 def test_fifo_full_summaries_keep_the_index_at_the_caches_size(monkeypatch):
     """Between two summaries a learn may leave the index past a cache's size
-    (its slack); each periodic summary trims it back."""
+    (its slack); each periodic summary, a delta as a live Worker sends it,
+    trims it back."""
     from router.prefix_index import PrefixIndex
-    over_before, within_after = [], []
-    original = PrefixIndex.apply_summary
+    over_before, within_after, deltas = [], [], []
 
-    def recorded(self, replica_id, *args, **kwargs):
-        over_before.append(self.num_blocks(replica_id) > self.capacity_blocks(replica_id))
-        original(self, replica_id, *args, **kwargs)
-        within_after.append(self.num_blocks(replica_id) <= self.capacity_blocks(replica_id))
-    monkeypatch.setattr(PrefixIndex, "apply_summary", recorded)
+    def recording(name):
+        original = getattr(PrefixIndex, name)
+
+        def recorded(self, replica_id, *args, **kwargs):
+            over_before.append(self.num_blocks(replica_id) > self.capacity_blocks(replica_id))
+            original(self, replica_id, *args, **kwargs)
+            within_after.append(self.num_blocks(replica_id) <= self.capacity_blocks(replica_id))
+            deltas.append(name == "apply_delta")
+        monkeypatch.setattr(PrefixIndex, name, recorded)
+    recording("apply_summary")
+    recording("apply_delta")
     requests = bench._requests(400, 512, 64, seed=0)  # noqa: SLF001
     bench.bench_fleet(4, requests, 200, 64, fifo_full=True, summary_every=50)
     assert len(within_after) == 4 * 2 + 15 + 1  # two warm-up reports each; 15 in 199 decisions (each replica every 50); the last
     assert all(within_after) and any(over_before)
+    assert sum(deltas[8:-1]) == 15  # the periodic ones are deltas
