@@ -266,6 +266,24 @@ class PolicyConfig:
     its holder to write the prefix again, and shared-prefix FIFO lost a
     system prompt in 2 of 40 seeds.
 
+    ``cold_queue_weight`` = 2 (session 54; BENCHMARKS.md "A cold request
+    does not queue at a FIFO server"): for a cold request (no candidate
+    holds any of it) a candidate's queue weighs ``1 + cold_queue_weight``
+    times in step 3, at a candidate seen to serve one request at a time
+    (the turnover term's gate). Nothing is cached anywhere to trade the
+    request's wait for, and behind a FIFO queue it waits for all of it,
+    where the balance term's credit for a replica below its share of the
+    work is a long-run aim. Off, on Mooncake 1.25M under FIFO, 449 cold
+    requests waited (194 of them while some replica was idle), against
+    llm-d's 282 (none while one was idle), and ours' TTFT p99 was 0.1 s
+    above llm-d's at the same hit rate. Under batching a queued request
+    joins the next steps, and the weight raised Mooncake batching's
+    imbalance 1.040 -> 1.052 for no TTFT gain, hence the gate. It trades
+    against the turnover term, whose credit draws cold requests to the
+    caches written slowest, the FIFO replicas busy decoding: at weight 4
+    Mooncake FIFO's TTFT p99 fell 0.121 s but its hit 0.0021; at 2, 0.095 s
+    and 0.0006 (18 summary periods).
+
     Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
     2026-12-02). A hint is only an offer: the receiving worker weighs the
     transfer, fixed cost included, against recomputing with its own
@@ -375,6 +393,7 @@ class PolicyConfig:
     queue_copy_room_factor: float = 2.0  # ... and room at its last report for this many times the copy
     queue_copy_size_factor: float = 2.0  # ... and the holders' queued work at least this many times the copy
     turnover_weight: float = 4.0  # price per token written where a full cache turns over faster than the mean
+    cold_queue_weight: float = 2.0  # a cold request's queue at a FIFO server weighs 1 + this
 
     def __post_init__(self) -> None:
         check_policy_config(self)

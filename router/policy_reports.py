@@ -52,7 +52,7 @@ class ReplicaReportsMixin:
         if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
                 or self.config.queue_copy_requests or self.config.turnover_weight):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
-        if self.config.queue_copy_requests or self.config.turnover_weight:  # its readers
+        if self.config.queue_copy_requests or self.config.turnover_weight or self.config.cold_queue_weight:  # readers
             self._queueing.report(replica_id, summary.num_running, summary.num_waiting)
         if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests
                 or self.config.hot_affinity_weight is not None) and self.config.learn_token_costs:  # its readers

@@ -49,7 +49,17 @@ class ScoringTermsMixin:
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
             load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
-            balance_work=balance_work, turnover=self._turnover_price(now))
+            balance_work=balance_work, turnover=self._turnover_price(now), cold_queue=self._cold_queue_weight())
+
+    def _cold_queue_weight(self) -> Callable[[str], float] | None:
+        """Step 3's extra weight on a cold request's queue (``cold_queue_weight``)
+        at a replica that serves one request at a time
+        (:meth:`ReplicaQueueing.serves_one_at_a_time`), 0 at another; None while off."""
+        weight = self.config.cold_queue_weight
+        if not weight > 0:
+            return None
+        one_at_a_time = self._queueing.serves_one_at_a_time
+        return lambda replica_id: weight if one_at_a_time(replica_id) else 0.0
 
     def _turnover_price(self, now: float) -> Callable[[str], float] | None:
         """Step 3's turnover term per token written (``turnover_weight``):

@@ -24,6 +24,9 @@ class Scoring:
     mean, only for a cold request, which no candidate holds any of: for a
     warm one it would draw the request off its holder, to write the prefix
     again where the cache is cheap)
+    ``+ cold_queue(r) * load(r)`` for a cold request (only where
+    ``cold_queue`` is given: nothing is cached anywhere to trade its wait
+    for, and at a FIFO server it waits for all of the queue)
     with ``saved = cached + fetch_share * credit`` (``fetch_share``:
     ``fetch_affinity_share``, or ``1 / (1 - fetch_token_cost)`` where a hot
     prefix may gain a holder: ``saved`` is then every fetched token, and
@@ -65,6 +68,7 @@ class Scoring:
     fetch_share: float | None = None
     affinity_weight: float | None = None  # w in force for this request; None: config.affinity_weight
     turnover: Callable[[str], float] | None = None  # replica -> price of a token written there; None: no term
+    cold_queue: Callable[[str], float] | None = None  # replica -> extra weight of a cold request's queue there
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -107,6 +111,7 @@ class Scoring:
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
         premium, computed, turnover, entries, cached_at = self.premium, self.computed, self.turnover, [], {}
         cold = not depths and within_replica is None
+        cold_queue = self.cold_queue if cold else None
         for replica_id in found.replica_ids:
             cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
             cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
@@ -119,7 +124,10 @@ class Scoring:
             recent_work = recent(replica_id)
             deviation = (balance_work(replica_id) if balance_work is not None else recent_work) - mean_balance
             beyond_dead = deviation - dead if deviation > dead else (deviation + dead if deviation < -dead else 0.0)
-            cost = load(replica_id) + num_prompt - weight * saved - (cached + fetched - saved) + balance * beyond_dead
+            queued = load(replica_id)
+            cost = queued + num_prompt - weight * saved - (cached + fetched - saved) + balance * beyond_dead
+            if cold_queue is not None:
+                cost += cold_queue(replica_id) * queued
             if turnover is not None:
                 price = turnover(replica_id)
                 cost += (price if price > 0 or cold else 0.0) * (num_prompt - cached)

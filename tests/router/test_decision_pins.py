@@ -194,6 +194,13 @@ CONFIGS = {name: config if name in ("default", "queue_copies") else {"queue_copy
 # decisions move; seed 1's workload never has every replica reported while one is seen queueing).
 FIFO_FULL = {"turnover": {"turnover_weight": 100.0}, "turnover_off": {"turnover_weight": 0.0}}
 CONFIGS.update(FIFO_FULL)
+# cold_queue_weight 2 became the default after all of them (session 54): a cold request's queue at a replica seen
+# serving one at a time weighs three times. It acts on the pinned workload (its replicas report running one with
+# requests waiting), so every config but "default" carries it off and keeps its pin; "cold_queue_off" is the
+# default with it off, whose pin is the default's before it.
+CONFIGS = {name: config if name == "default" else {"cold_queue_weight": 0.0, **config}
+           for name, config in CONFIGS.items()}
+CONFIGS["cold_queue_off"] = {"cold_queue_weight": 0.0}
 
 
 def run(name: str, seed: int) -> list:
@@ -251,7 +258,9 @@ PINS: dict[tuple[str, int], str] = {
     ("cold_home_ring", 0): "e9c2764818737001e523",
     ("cold_home_ring", 1): "77786fe5aad1ae758508",
     ("default", 0): "a45c91c2618de8ace7b7",
-    ("default", 1): "5dd8255312d2e57dabf6",
+    ("default", 1): "3a736e52669cb14475eb",  # cold_queue_weight 2 (session 54): seed 0's decisions are unchanged
+    ("cold_queue_off", 0): "a45c91c2618de8ace7b7",
+    ("cold_queue_off", 1): "5dd8255312d2e57dabf6",
     ("fetch_always", 0): "8886d26a46bbd3b5f6d5",
     ("fetch_always", 1): "959f012ff62eb3bdd7fd",
     ("fetch_over_bound", 0): "0022e2f12976c3adae2c",

@@ -530,7 +530,7 @@ def test_tenants_do_not_share_affinity():
     ("num_ring_candidates", 0), ("decode_token_cost", -1.0), ("balance_output_price", "free"), ("balance_busy_share", 1.5), ("balance_busy_share", -0.1), ("num_ranked", 1.5), ("load_factor", True),
     ("load_slack_sd", -1.0), ("reservation_timeout_s", 0), ("premium_pending_min_users", 0),
     ("premium_needs_completion", 1), ("hot_affinity_weight", 0.5), ("hot_affinity_weight", float("inf")),
-    ("hot_affinity_weight", True), ("hot_affinity_share", -0.1),
+    ("hot_affinity_weight", True), ("hot_affinity_share", -0.1), ("cold_queue_weight", -1.0),
 ])
 def test_bad_config_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
