@@ -70,22 +70,48 @@ def _report(replica_id: str, version: int, now: float, block_tokens: int, held: 
 
 class _LruCache:
     """A replica's cache in ``--fifo-full``: the blocks routed to it, least
-    recently used out first past ``capacity_blocks``."""
+    recently used out first past ``capacity_blocks``, and what changed since
+    its last report (a Worker's delta: :meth:`delta`)."""
 
-    def __init__(self, blocks: Iterable[int], capacity_blocks: int) -> None:
+    def __init__(self, replica_id: str, blocks: Iterable[int], capacity_blocks: int, epoch: str,
+                 version: int, block_tokens: int) -> None:
+        self.replica_id, self.epoch, self.version, self.block_tokens = replica_id, epoch, version, block_tokens
         self.blocks: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
         self.capacity_blocks = capacity_blocks
-        self.written_tokens = 0
+        self.written_tokens = len(self.blocks) * block_tokens
+        self._added: set[int] = set()
+        self._removed: set[int] = set()
 
-    def add(self, block_hashes: Iterable[int], block_tokens: int) -> None:
+    def add(self, block_hashes: Iterable[int]) -> None:
         for block_hash in block_hashes:
             if block_hash in self.blocks:
                 self.blocks.move_to_end(block_hash)
+                continue
+            self.blocks[block_hash] = None
+            self.written_tokens += self.block_tokens
+            if block_hash in self._removed:
+                self._removed.discard(block_hash)
             else:
-                self.blocks[block_hash] = None
-                self.written_tokens += block_tokens
+                self._added.add(block_hash)
         while len(self.blocks) > self.capacity_blocks:
-            self.blocks.popitem(last=False)
+            evicted = self.blocks.popitem(last=False)[0]
+            if evicted in self._added:
+                self._added.discard(evicted)
+            else:
+                self._removed.add(evicted)
+
+    def delta(self, now: float) -> CacheSummary:
+        """The next summary, a delta against the last (what
+        ``cache.summary_sender.SummarySender``'s stream sends each period),
+        built from the changes kept since: a Worker's work, not the router's."""
+        base, self.version = self.version, self.version + 1
+        size = len(self.blocks) * self.block_tokens
+        summary = CacheSummary(self.replica_id, self.version, now, self.block_tokens, frozenset(self._added),
+                               num_cached_tokens=size, budget_tokens=size, num_running=1, num_waiting=1,
+                               num_prefill_tokens_total=self.written_tokens, epoch=self.epoch,
+                               base_version=base, removed_hashes=frozenset(self._removed))
+        self._added, self._removed = set(), set()
+        return summary
 
 
 def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: int, block_tokens: int,
@@ -115,17 +141,12 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
         if number == num_warmup:  # every replica reports what it holds
             for replica_id in replica_ids:
                 held = routed[replica_id]
-                caches[replica_id] = _LruCache(held, len(held))
-                caches[replica_id].written_tokens = len(held) * block_tokens
-                summary = _report(replica_id, 2, clock.now, block_tokens, held, fifo_full,
-                                  caches[replica_id].written_tokens)
+                summary = _report(replica_id, 2, clock.now, block_tokens, held, fifo_full, len(held) * block_tokens)
                 policy.on_summary(streams[replica_id].encode(summary) if fifo_full else summary)
+                caches[replica_id] = _LruCache(replica_id, held, len(held), streams[replica_id].epoch, 2, block_tokens)
         elif fifo_full and number > num_warmup:  # replica i reports i / N of a period after replica 0
-            period, phase = divmod(number - num_warmup, summary_every)
-            for replica_id in reporting_at.get(phase, ()):
-                cache = caches[replica_id]
-                summary = streams[replica_id].encode(_report(replica_id, 3 + period, clock.now, block_tokens,
-                                                             cache.blocks, True, cache.written_tokens))
+            for replica_id in reporting_at.get((number - num_warmup) % summary_every, ()):
+                summary = caches[replica_id].delta(clock.now)
                 started_cpu = time.thread_time_ns()
                 policy.on_summary(summary)
                 summary_us.append((time.thread_time_ns() - started_cpu) / 1000)
@@ -138,7 +159,7 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
             timings_us.append(elapsed_cpu_us)
             wall_us.append(elapsed_us)
             if fifo_full:
-                caches[chosen].add(request.block_hashes, block_tokens)
+                caches[chosen].add(request.block_hashes)
         else:
             routed[chosen].update(request.block_hashes)
         in_flight.append(str(number))
