@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice
 
 from router.chain_search import last_true
 from router.fifo_runs import RUN_LIMIT, fifo_items, fifo_runs, pop_least_recent, reported_runs
@@ -274,11 +274,12 @@ class PrefixIndex:
         bit = 1 << self._slot[replica_id]
         entries = self._entries[replica_id]
         fresh_tick = self._first_tick_after(now - self.learned_grace_s)
-        candidates = [*removed, *self._unreported.get(replica_id, ()), *self._learned_since(replica_id)]
+        candidates = {h for h in chain(removed, self._unreported.get(replica_id, ()), self._learned_since(replica_id))
+                      if h not in reported}  # entries the replica may not hold (what apply_summary checks)
         survivors = set()
-        for block_hash in candidates:  # entries the replica may not hold (what apply_summary checks)
+        for block_hash in candidates:
             tick = entries.get(block_hash)
-            if tick is None or block_hash in reported:
+            if tick is None:
                 continue
             if tick < fresh_tick:
                 del entries[block_hash]
