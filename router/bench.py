@@ -26,7 +26,6 @@ from collections.abc import Iterable
 
 from cache import block_hashes
 from cache.summary import CacheSummary
-from cache.summary_stream import SummaryStream
 from harness.loadstats import percentile
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
@@ -55,17 +54,24 @@ def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> lis
     return out
 
 
+def _epoch(replica_id: str) -> str:
+    """The summary stream ``--fifo-full``'s replica sends (its snapshots and deltas)."""
+    return f"{replica_id}@bench"
+
+
 def _report(replica_id: str, version: int, now: float, block_tokens: int, held: Iterable[int],
             fifo_full: bool, written_tokens: int = 0) -> CacheSummary:
-    """What ``replica_id`` holds; with ``fifo_full`` also a full cache, one
-    request running and one waiting, and its prefill counter (so the
-    turnover term, ``PolicyConfig.turnover_weight``, is in force)."""
+    """A snapshot of what ``replica_id`` holds; with ``fifo_full`` also a full
+    cache, one request running and one waiting, and its prefill counter (so
+    the turnover term, ``PolicyConfig.turnover_weight``, is in force), in the
+    replica's stream (:func:`_epoch`)."""
     held = frozenset(held)
     if not fifo_full:
         return CacheSummary(replica_id, version, now, block_tokens, held)
     size = len(held) * block_tokens
     return CacheSummary(replica_id, version, now, block_tokens, held, num_cached_tokens=size, budget_tokens=size,
-                        num_running=1, num_waiting=1, num_prefill_tokens_total=written_tokens)
+                        num_running=1, num_waiting=1, num_prefill_tokens_total=written_tokens,
+                        epoch=_epoch(replica_id), base_version=version)
 
 
 class _LruCache:
@@ -73,9 +79,9 @@ class _LruCache:
     recently used out first past ``capacity_blocks``, and what changed since
     its last report (a Worker's delta: :meth:`delta`)."""
 
-    def __init__(self, replica_id: str, blocks: Iterable[int], capacity_blocks: int, epoch: str,
-                 version: int, block_tokens: int) -> None:
-        self.replica_id, self.epoch, self.version, self.block_tokens = replica_id, epoch, version, block_tokens
+    def __init__(self, replica_id: str, blocks: Iterable[int], capacity_blocks: int, version: int,
+                 block_tokens: int) -> None:
+        self.replica_id, self.version, self.block_tokens = replica_id, version, block_tokens
         self.blocks: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
         self.capacity_blocks = capacity_blocks
         self.written_tokens = len(self.blocks) * block_tokens
@@ -108,7 +114,7 @@ class _LruCache:
         size = len(self.blocks) * self.block_tokens
         summary = CacheSummary(self.replica_id, self.version, now, self.block_tokens, frozenset(self._added),
                                num_cached_tokens=size, budget_tokens=size, num_running=1, num_waiting=1,
-                               num_prefill_tokens_total=self.written_tokens, epoch=self.epoch,
+                               num_prefill_tokens_total=self.written_tokens, epoch=_epoch(self.replica_id),
                                base_version=base, removed_hashes=frozenset(self._removed))
         self._added, self._removed = set(), set()
         return summary
@@ -126,9 +132,6 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
     wall_us: list[float] = []  # wall clock: also counts being descheduled on a shared machine
     summary_us: list[float] = []  # --fifo-full: applying one replica's periodic summary
     caches: dict[str, _LruCache] = {}
-    # --fifo-full: what each replica sends, as a live Worker's SummarySender does (mode "stream"): a snapshot,
-    # then each period a delta against the summary before
-    streams = {r: SummaryStream(f"{r}@bench", 1, cumulative=True, by_reference=True) for r in replica_ids}
     reporting_at: dict[int, list[str]] = {}  # --fifo-full: decision within a period -> who reports before it
     for slot, replica_id in enumerate(replica_ids):
         reporting_at.setdefault(slot * summary_every // num_replicas, []).append(replica_id)
@@ -136,14 +139,13 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
         clock.now += 0.01
         if fifo_full and number == num_warmup // 2:  # a first report: the counters' baseline
             for replica_id in replica_ids:
-                policy.on_summary(streams[replica_id].encode(
-                    _report(replica_id, 1, clock.now, block_tokens, routed[replica_id], True)))
+                policy.on_summary(_report(replica_id, 1, clock.now, block_tokens, routed[replica_id], True))
         if number == num_warmup:  # every replica reports what it holds
             for replica_id in replica_ids:
                 held = routed[replica_id]
-                summary = _report(replica_id, 2, clock.now, block_tokens, held, fifo_full, len(held) * block_tokens)
-                policy.on_summary(streams[replica_id].encode(summary) if fifo_full else summary)
-                caches[replica_id] = _LruCache(replica_id, held, len(held), streams[replica_id].epoch, 2, block_tokens)
+                policy.on_summary(_report(replica_id, 2, clock.now, block_tokens, held, fifo_full,
+                                          len(held) * block_tokens))
+                caches[replica_id] = _LruCache(replica_id, held, len(held), 2, block_tokens)
         elif fifo_full and number > num_warmup:  # replica i reports i / N of a period after replica 0
             for replica_id in reporting_at.get((number - num_warmup) % summary_every, ()):
                 summary = caches[replica_id].delta(clock.now)
@@ -167,7 +169,7 @@ def bench_fleet(num_replicas: int, requests: list[RoutingRequest], num_warmup: i
             policy.on_completed(in_flight.popleft())
     biggest = max(routed, key=lambda r: len(routed[r]))
     summary = CacheSummary(biggest, 10**6, clock.now, block_tokens, frozenset(routed[biggest]),  # a snapshot
-                           epoch=streams[biggest].epoch if fifo_full else "")
+                           epoch=_epoch(biggest) if fifo_full else "")
     started = time.perf_counter_ns()
     policy.on_summary(summary)
     summary_ms = (time.perf_counter_ns() - started) / 1e6

@@ -376,16 +376,10 @@ class PrefixIndex:
         if excess > 0:
             evicted, num_popped = pop_least_recent(self._fifo[replica_id], entries, excess)
             self._fifo_size[replica_id] -= num_popped
-            keep = ~(1 << self._slot[replica_id])
-            holders, prompt_ends = self._holders, self._prompt_ends
-            for block_hash in evicted:  # _clear_bit, inlined: this runs once per block a learn pushes out
+            bit = 1 << self._slot[replica_id]
+            for block_hash in evicted:
                 del entries[block_hash]
-                mask = holders[block_hash] & keep
-                if mask:
-                    holders[block_hash] = mask
-                else:
-                    del holders[block_hash]
-                    prompt_ends.discard(block_hash)
+                self._clear_bit(block_hash, bit)
             if replica_id in self._applied_tick:  # kept for the next summary, at most TRIMMED_KEPT caches' worth
                 trimmed = self._trimmed[replica_id]
                 room = TRIMMED_KEPT * self.capacity_blocks(replica_id) - len(trimmed)
