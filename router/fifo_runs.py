@@ -6,7 +6,7 @@ learn (item ``k`` of a run is ``(first_tick + k, hashes[k])``, or
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 # the longest run of reported blocks (tick 0) or of a rebuilt FIFO: trimming a few off a run copies its rest
 RUN_LIMIT = 256
@@ -36,14 +36,19 @@ def reported_runs(hashes: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
     return [(0, tuple(hashes[start:start + RUN_LIMIT])) for start in range(0, len(hashes), RUN_LIMIT)]
 
 
-def pop_least_recent(fifo: deque[tuple[int, Sequence[int]]], entries: Mapping[int, int],
+def pop_least_recent(fifo: deque[tuple[int, Sequence[int]]], entries: dict[int, int],
                      count: int) -> tuple[list[int], int]:
     """Pop ``fifo``'s items up to its ``count``-th current one (an item is
-    current iff ``entries`` maps its hash to its tick); return those
-    ``count`` hashes, least recent first (the caller deletes them), and how
-    many items left the FIFO. Stale items met on the way are dropped; the
-    rest of the last run goes back to the head. ``entries`` must hold at
-    least ``count`` current items."""
+    current iff ``entries`` maps its hash to its tick), deleting those
+    ``count`` entries from ``entries`` as it goes; return their hashes,
+    least recent first, and how many items left the FIFO. Stale items met on
+    the way are dropped; the rest of the last run goes back to the head.
+    ``entries`` must hold at least ``count`` entries with a current item.
+
+    A hash may have two items that look current: a reported block (tick 0)
+    that a summary deleted while its item stayed queued, and that a later
+    summary reported again. Deleting as it goes takes each entry once, at
+    its least recent item."""
     get = entries.get
     evicted: list[int] = []
     num_popped = 0
@@ -54,6 +59,7 @@ def pop_least_recent(fifo: deque[tuple[int, Sequence[int]]], entries: Mapping[in
         if first_tick:
             for tick, block_hash in enumerate(run, first_tick):
                 if get(block_hash) == tick:
+                    del entries[block_hash]
                     evicted.append(block_hash)
                     if len(evicted) == count:
                         cut = tick - first_tick + 1
@@ -61,6 +67,7 @@ def pop_least_recent(fifo: deque[tuple[int, Sequence[int]]], entries: Mapping[in
         else:
             for cut, block_hash in enumerate(run, 1):
                 if get(block_hash) == 0:
+                    del entries[block_hash]
                     evicted.append(block_hash)
                     if len(evicted) == count:
                         break

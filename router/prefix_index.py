@@ -377,8 +377,7 @@ class PrefixIndex:
             evicted, num_popped = pop_least_recent(self._fifo[replica_id], entries, excess)
             self._fifo_size[replica_id] -= num_popped
             bit = 1 << self._slot[replica_id]
-            for block_hash in evicted:
-                del entries[block_hash]
+            for block_hash in evicted:  # pop_least_recent deleted their entries
                 self._clear_bit(block_hash, bit)
             if replica_id in self._applied_tick:  # kept for the next summary, at most TRIMMED_KEPT caches' worth
                 trimmed = self._trimmed[replica_id]

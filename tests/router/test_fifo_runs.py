@@ -24,12 +24,13 @@ def test_fifo_runs_split_at_the_limit_and_at_gaps():
 
 
 def _naive_pop(items: list[tuple[int, int]], entries: dict[int, int], count: int):
-    """The reference: walk the items, take current ones until ``count``, drop stale ones on the way."""
+    """The reference: walk the items, take each current entry once (at its
+    first current item) until ``count``, drop stale ones on the way."""
     taken, position = [], 0
     while len(taken) < count:
         tick, block_hash = items[position]
         position += 1
-        if entries.get(block_hash) == tick:
+        if entries.get(block_hash) == tick and block_hash not in taken:
             taken.append(block_hash)
     rest = items[position:]
     return taken, rest
@@ -38,8 +39,9 @@ def _naive_pop(items: list[tuple[int, int]], entries: dict[int, int], count: int
 @pytest.mark.parametrize("seed", range(30))
 def test_pop_least_recent_matches_a_walk_over_the_items(seed):
     """Random FIFOs of learned runs (consecutive ticks) and reported runs
-    (tick 0), with entries that moved on (stale items): the hashes taken, the
-    items left and the popped count all match a plain walk."""
+    (tick 0, a hash sometimes in several: deleted by a summary, reported
+    again), with entries that moved on (stale items): the hashes taken, the
+    entries left, the items left and the popped count all match a plain walk."""
     rng = random.Random(seed)
     runs, entries, tick = [], {}, 1
     for _ in range(rng.randrange(1, 12)):
@@ -56,14 +58,28 @@ def test_pop_least_recent_matches_a_walk_over_the_items(seed):
     for block_hash in rng.sample(sorted(entries), len(entries) // 5):  # some entries left the index
         del entries[block_hash]
     items = list(fifo_items(runs))
-    num_current = sum(entries.get(h) == t for t, h in items)
+    num_current = len({h for t, h in items if entries.get(h) == t})
     if not num_current:
         return
     count = rng.randrange(1, num_current + 1)
     expected_taken, expected_rest = _naive_pop(items, entries, count)
+    expected_entries = {h: t for h, t in entries.items() if h not in expected_taken}
     fifo = deque(runs)
     taken, num_popped = pop_least_recent(fifo, entries, count)
     assert taken == expected_taken
+    assert entries == expected_entries  # each taken entry deleted, once
     assert list(fifo_items(fifo)) == expected_rest  # from just after the count-th current item on
     assert num_popped == len(items) - len(expected_rest)
     assert all(run for _, run in fifo)
+
+
+def test_pop_least_recent_takes_a_hash_with_two_current_looking_items_once():
+    """A reported block deleted by a summary keeps its queued item; reported
+    again, it gets a second tick-0 item: both look current. It is taken once."""
+    entries = {13: 0, 12: 0, 11: 0}
+    fifo = deque([(0, (13,)), (0, (13, 12, 11))])
+    taken, num_popped = pop_least_recent(fifo, entries, 2)
+    assert taken == [13, 12]
+    assert entries == {11: 0}
+    assert list(fifo_items(fifo)) == [(0, 11)]
+    assert num_popped == 3

@@ -123,6 +123,59 @@ def test_bad_learn_slack_share(share):
         PrefixIndex(learn_slack_share=share)
 
 
+def test_a_block_a_summary_deleted_and_reported_again_is_trimmed_once():
+    """A summary deletes reported block 13 (its FIFO item stays queued); the
+    next reports it again, a second tick-0 item. A trim that walks past both
+    takes 13 once (before: it took it twice and raised KeyError)."""
+    index = PrefixIndex(max_blocks_per_replica=100)
+    index.apply_summary("a", {13, 12, 11}, now=1.0)
+    index.apply_summary("a", {12, 11}, now=2.0)
+    index.apply_summary("a", {13, 12, 11}, now=3.0)
+    index.apply_summary("a", {13, 12, 11}, now=4.0, capacity_blocks=1)
+    index.check_invariants()
+    assert index.num_blocks("a") == 1 and index.holds("a", 11) and index.num_holders(13) == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bounded_index_keeps_its_invariants_through_summaries_that_drop_and_re_report(seed):
+    """Small capacities, summaries (full and delta) that drop blocks and
+    report them again, learns between them: the index never raises, keeps
+    its invariants, and holds only what its last summary reported or it
+    learned since."""
+    rng = random.Random(seed)
+    index = PrefixIndex(max_blocks_per_replica=rng.choice([4, 8, 16]), learned_grace_s=1.5,
+                        learn_slack_share=rng.choice([0.0, 0.25]))
+    paths = [[1]]
+    for node in range(2, 40):
+        parent = rng.choice(paths)
+        paths.append(parent[: rng.randrange(1, len(parent) + 1)] + [node])
+    last_reported: dict[str, set[int]] = {}
+    learned_at: dict[str, dict[int, float]] = {}
+    for step in range(300):
+        now = float(step)
+        replica = rng.choice("ab")
+        if rng.random() < 0.4:
+            path = rng.choice(paths)
+            index.learn(replica, path, now)
+            learned_at.setdefault(replica, {}).update(dict.fromkeys(path, now))
+        else:
+            reported = set()
+            for path in rng.sample(paths, rng.randrange(0, 4)):
+                reported.update(path)
+            before = last_reported.get(replica)
+            if before is not None and rng.random() < 0.5:
+                index.apply_delta(replica, reported - before, before - reported, reported, now,
+                                  capacity_blocks=rng.choice([None, 6, 12]))
+            else:
+                index.apply_summary(replica, reported, now, capacity_blocks=rng.choice([None, 6, 12]))
+            last_reported[replica] = reported
+        index.check_invariants()
+        for r in "ab":
+            held = {h for h in paths[-1] + [n for p in paths for n in p] if index.holds(r, h)}
+            allowed = last_reported.get(r, set()) | set(learned_at.get(r, {}))
+            assert held <= allowed, (r, held - allowed)
+
+
 def test_summary_budget_lowers_the_capacity():
     index = PrefixIndex(max_blocks_per_replica=100)
     index.apply_summary("a", {1, 2, 3}, now=0.0, capacity_blocks=2)
