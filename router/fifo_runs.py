@@ -1,7 +1,7 @@
 """A replica's recency FIFO in :class:`router.prefix_index.PrefixIndex`:
-``(tick, hash)`` items stored as runs ``(first_tick, hashes)``, one per
-learn (item ``k`` of a run is ``(first_tick + k, hashes[k])``, or
-``(0, hashes[k])`` when ``first_tick`` is 0)."""
+``(tick, hash)`` items stored as runs ``(tick, hashes)``: every item of a
+run has the run's tick (one learn's tick, or 0 for reported blocks), so a
+learn allocates one tuple and no int per block."""
 
 from __future__ import annotations
 
@@ -14,19 +14,18 @@ RUN_LIMIT = 256
 
 def fifo_items(runs: Iterable[tuple[int, Sequence[int]]]) -> Iterator[tuple[int, int]]:
     """The ``(tick, hash)`` items of FIFO runs, in order."""
-    for first_tick, run in runs:
-        for offset, block_hash in enumerate(run):
-            yield (first_tick + offset if first_tick else 0), block_hash
+    for tick, run in runs:
+        for block_hash in run:
+            yield tick, block_hash
 
 
 def fifo_runs(items: Sequence[tuple[int, int]], max_length: int | None = None) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """FIFO runs holding ``items`` (``(tick, hash)``, in order): items of tick 0,
-    or of consecutive ticks, share a run of at most ``max_length`` items."""
+    """FIFO runs holding ``items`` (``(tick, hash)``, in order): consecutive
+    items of one tick share a run of at most ``max_length`` items."""
     limit = max_length or len(items)
     start = 0
     for end in range(1, len(items) + 1):
-        if (end == len(items) or end - start == limit
-                or items[end][0] != (items[end - 1][0] + 1 if items[start][0] else 0)):
+        if end == len(items) or end - start == limit or items[end][0] != items[start][0]:
             yield items[start][0], tuple(h for _, h in items[start:end])
             start = end
 
@@ -53,26 +52,14 @@ def pop_least_recent(fifo: deque[tuple[int, Sequence[int]]], entries: dict[int, 
     evicted: list[int] = []
     num_popped = 0
     while True:
-        first_tick, run = fifo.popleft()
+        tick, run = fifo.popleft()
         num_popped += len(run)
-        cut = 0  # items of the run looked at
-        if first_tick:
-            for tick, block_hash in enumerate(run, first_tick):
-                if get(block_hash) == tick:
-                    del entries[block_hash]
-                    evicted.append(block_hash)
-                    if len(evicted) == count:
-                        cut = tick - first_tick + 1
-                        break
-        else:
-            for cut, block_hash in enumerate(run, 1):
-                if get(block_hash) == 0:
-                    del entries[block_hash]
-                    evicted.append(block_hash)
-                    if len(evicted) == count:
-                        break
-        if len(evicted) == count:
-            if cut < len(run):
-                fifo.appendleft((first_tick + cut if first_tick else 0, run[cut:]))
-                num_popped -= len(run) - cut
-            return evicted, num_popped
+        for cut, block_hash in enumerate(run, 1):  # cut: items of the run looked at
+            if get(block_hash) == tick:
+                del entries[block_hash]
+                evicted.append(block_hash)
+                if len(evicted) == count:
+                    if cut < len(run):
+                        fifo.appendleft((tick, run[cut:]))
+                        num_popped -= len(run) - cut
+                    return evicted, num_popped

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 
 from router.chain_search import last_true
 from router.fifo_runs import RUN_LIMIT, fifo_items, fifo_runs, pop_least_recent, reported_runs
@@ -41,16 +41,14 @@ class PrefixIndex:
     Layout (chosen so that the hot path runs mostly in C and the garbage
     collector never walks the index): ``_holders`` maps a hash to a bit mask
     of replica slots; ``_entries[r]`` maps each hash ``r`` holds to its
-    recency tick (ints only). A learned path gets consecutive ticks deepest
-    block first, so ancestors are always more recent than descendants and
-    are evicted after them, as in the radix tree. ``_fifo[r]`` lists
-    ``(tick, hash)`` items in tick order, stored as runs ``(first_tick,
-    hashes)`` — one per learn, so a learn allocates one tuple, not one per
-    block: item ``k`` of a run is ``(first_tick + k, hashes[k])``, or
-    ``(0, hashes[k])`` when ``first_tick`` is 0. An item is current iff the
-    entry still has that tick, so eviction pops from its left. Blocks only
-    a summary reported get tick 0 and sit at the FIFO's head (least recent).
-    ``_fifo_size[r]`` counts the items.
+    recency tick (ints only): one tick per learn, shared by its blocks.
+    ``_fifo[r]`` lists ``(tick, hash)`` items in eviction order, stored as
+    runs ``(tick, hashes)`` — one per learn, its path deepest block first,
+    so a learn allocates one tuple and no int per block. Ancestors are
+    therefore always evicted after their descendants, as in the radix tree.
+    An item is current iff the entry still has that tick, so eviction pops
+    from its left. Blocks only a summary reported get tick 0 and sit at the
+    FIFO's head (least recent). ``_fifo_size[r]`` counts the items.
 
     Invariants (checked by :meth:`check_invariants`):
 
@@ -58,8 +56,9 @@ class PrefixIndex:
     2. ``len(_entries[r]) <= capacity_blocks(r) + learn_slack(r)``, and
        ``<= capacity_blocks(r)`` right after a summary.
     3. Every entry has its current ``(tick, hash)`` in ``_fifo[r]``; items
-       with a tick > 0 are in ascending tick order; ``_fifo_size[r]`` is the
-       number of items, and no run is empty.
+       with a tick > 0 are in non-decreasing tick order; ``_fifo_size[r]`` is
+       the number of items; no run is empty, and no run of tick 0 is longer
+       than ``RUN_LIMIT``.
     4. ``_trimmed[r]`` (the entries trimmed since the last summary, for
        :meth:`apply_delta` to put back) holds at most ``TRIMMED_KEPT ×
        capacity_blocks(r)`` hashes.
@@ -96,7 +95,7 @@ class PrefixIndex:
         self._slot: dict[str, int] = {}  # replica -> bit position
         self._replica_at: list[str | None] = []
         self._tick = 1
-        self._tick_times: list[tuple[float, int]] = []  # (time, first tick of a learn), ascending
+        self._tick_times: list[tuple[float, int]] = []  # (time, a learn's tick), ascending
         # per replica, for apply_delta: learned entries the last summary did not report (kept within the
         # grace period), and the tick when that summary was applied (later learns come after it)
         self._unreported: dict[str, set[int]] = {}
@@ -203,18 +202,18 @@ class PrefixIndex:
         bit = 1 << self._slot_of(replica_id)
         entries = self._entries[replica_id]
         num_known = len(entries)
-        first_tick = self._tick  # the deepest block gets the oldest tick
-        self._tick += num_blocks
+        tick = self._tick  # one per learn: its run's FIFO order puts the deepest block first out
+        self._tick += 1
         deepest_first = block_hashes[::-1]
-        entries.update(zip(deepest_first, range(first_tick, self._tick)))
+        entries.update(zip(deepest_first, repeat(tick)))
         if len(entries) > num_known:  # new keys went last: only they lack the bit (1.)
             holders = self._holders
             for block_hash in islice(reversed(entries), len(entries) - num_known):
                 holders[block_hash] = holders.get(block_hash, 0) | bit
         self._prompt_ends.add(deepest_first[0])
-        self._fifo[replica_id].append((first_tick, deepest_first))
+        self._fifo[replica_id].append((tick, deepest_first))
         self._fifo_size[replica_id] += num_blocks
-        self._tick_times.append((now, first_tick))
+        self._tick_times.append((now, tick))
         if len(self._tick_times) > 4096:
             self._first_tick_after(now - self.learned_grace_s)  # prunes
         self._maybe_trim(replica_id, self.learn_slack(replica_id))
@@ -303,8 +302,8 @@ class PrefixIndex:
     def _learned_since(self, replica_id: str) -> Iterator[int]:
         """Hashes of the FIFO runs learned since the last summary applied to ``replica_id``."""
         since = self._applied_tick[replica_id]
-        for first_tick, run in reversed(self._fifo[replica_id]):
-            if first_tick == 0 or first_tick + len(run) <= since:
+        for tick, run in reversed(self._fifo[replica_id]):
+            if tick < since:  # reported (0), or learned before
                 return
             yield from run
 
@@ -385,8 +384,15 @@ class PrefixIndex:
                 if room > 0:
                     trimmed.update(evicted[:room])
         if self._fifo_size[replica_id] > 8 * len(entries) + 4096:
-            self._fifo[replica_id] = deque(fifo_runs(sorted((t, h) for h, t in entries.items()), RUN_LIMIT))
+            self._fifo[replica_id] = deque(fifo_runs(self._current_items(replica_id), RUN_LIMIT))
             self._fifo_size[replica_id] = len(entries)
+
+    def _current_items(self, replica_id: str) -> list[tuple[int, int]]:
+        """``replica_id``'s current FIFO items, each entry once: reported blocks in hash
+        order, then learned ones in FIFO order (deepest blocks before their ancestors)."""
+        entries = self._entries[replica_id]
+        learned = dict.fromkeys((t, h) for t, h in fifo_items(self._fifo[replica_id]) if t and entries.get(h) == t)
+        return [(0, h) for h in sorted(h for h, t in entries.items() if not t)] + list(learned)
 
     def check_invariants(self) -> None:
         pairs_from_entries = {(h, r) for r, entries in self._entries.items() for h in entries}
@@ -410,4 +416,5 @@ class PrefixIndex:
             assert all((t, h) in queued for h, t in entries.items()), replica_id
             ticks = [t for t, _ in fifo if t > 0]
             assert ticks == sorted(ticks), replica_id
+            assert all(len(run) <= RUN_LIMIT for t, run in self._fifo[replica_id] if not t), replica_id
 

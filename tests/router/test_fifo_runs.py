@@ -16,10 +16,11 @@ def test_reported_runs_keep_the_order_in_runs_of_at_most_the_limit():
     assert [h for _, h in fifo_items(runs)] == hashes
 
 
-def test_fifo_runs_split_at_the_limit_and_at_gaps():
-    items = [(0, 7), (0, 8), (0, 9), (5, 1), (6, 2), (7, 3), (9, 4)]
-    assert list(fifo_runs(items)) == [(0, (7, 8, 9)), (5, (1, 2, 3)), (9, (4,))]
-    assert list(fifo_runs(items, max_length=2)) == [(0, (7, 8)), (0, (9,)), (5, (1, 2)), (7, (3,)), (9, (4,))]
+def test_fifo_runs_split_at_the_limit_and_where_the_tick_changes():
+    items = [(0, 7), (0, 8), (0, 9), (5, 1), (5, 2), (5, 3), (6, 4), (9, 5)]
+    assert list(fifo_runs(items)) == [(0, (7, 8, 9)), (5, (1, 2, 3)), (6, (4,)), (9, (5,))]
+    assert list(fifo_runs(items, max_length=2)) == [(0, (7, 8)), (0, (9,)), (5, (1, 2)), (5, (3,)), (6, (4,)),
+                                                    (9, (5,))]
     assert list(fifo_items(fifo_runs(items, max_length=2))) == items
 
 
@@ -38,7 +39,7 @@ def _naive_pop(items: list[tuple[int, int]], entries: dict[int, int], count: int
 
 @pytest.mark.parametrize("seed", range(30))
 def test_pop_least_recent_matches_a_walk_over_the_items(seed):
-    """Random FIFOs of learned runs (consecutive ticks) and reported runs
+    """Random FIFOs of learned runs (one tick each, ascending) and reported runs
     (tick 0, a hash sometimes in several: deleted by a summary, reported
     again), with entries that moved on (stale items): the hashes taken, the
     entries left, the items left and the popped count all match a plain walk."""
@@ -52,9 +53,9 @@ def test_pop_least_recent_matches_a_walk_over_the_items(seed):
                 entries[block_hash] = 0
         else:
             runs.append((tick, tuple(hashes)))
-            for offset, block_hash in enumerate(hashes):
-                entries[block_hash] = tick + offset
-            tick += len(hashes)
+            for block_hash in hashes:
+                entries[block_hash] = tick
+            tick += 1
     for block_hash in rng.sample(sorted(entries), len(entries) // 5):  # some entries left the index
         del entries[block_hash]
     items = list(fifo_items(runs))

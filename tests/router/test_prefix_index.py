@@ -123,6 +123,26 @@ def test_bad_learn_slack_share(share):
         PrefixIndex(learn_slack_share=share)
 
 
+def test_a_rebuilt_fifo_keeps_the_eviction_order():
+    """Learning one path again and again leaves stale FIFO items; past 4,096
+    the FIFO is rebuilt from its current items, in the same order: reported
+    blocks first, then the path deepest block first."""
+    index = PrefixIndex(max_blocks_per_replica=12, learn_slack_share=0.0)
+    index.apply_summary("a", {500, 400}, now=0.0)
+    path = list(range(1, 11))
+    for step in range(450):
+        index.learn("a", path, now=1.0 + step)
+    index.check_invariants()
+    assert index._fifo_size["a"] < 4096 + 8 * 12  # rebuilt on the way
+    entries = index._entries["a"]
+    assert [h for t, h in _items(index._fifo["a"]) if entries.get(h) == t] == [400, 500, *path[::-1]]
+    evicted = []
+    for new_block in range(1000, 1012):
+        index.learn("a", [new_block], now=500.0)
+        evicted.append(next(h for h in [400, 500, *path] if h not in evicted and not index.holds("a", h)))
+    assert evicted == [400, 500, *path[::-1]]
+
+
 def test_a_block_a_summary_deleted_and_reported_again_is_trimmed_once():
     """A summary deletes reported block 13 (its FIFO item stays queued); the
     next reports it again, a second tick-0 item. A trim that walks past both
