@@ -105,7 +105,9 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        ``turnover_weight x pressure x (written / mean - 1)`` (a credit
        below the mean only for a cold request): a cache written faster
        than the fleet's mean evicts what was used more recently
-       (:class:`CacheTurnover`, :meth:`_turnover_price`). At such a replica a
+       (:class:`CacheTurnover`, :meth:`_turnover_price`); at a batching
+       replica only that credit counts (``batching_turnover_credit``). At a
+       replica serving one at a time a
        cold request's queue weighs ``1 + cold_queue_weight``: it gains no
        cache anywhere, and waits for all of the queue.
        Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a pure

@@ -66,8 +66,10 @@ class ScoringTermsMixin:
         ``replica -> turnover_weight x pressure x (written / mean - 1)``
         (:class:`CacheTurnover`; ``pressure``: :class:`FleetCacheFill`, the
         fleet's share of full caches) for a replica that serves one request
-        at a time (:meth:`ReplicaQueueing.serves_one_at_a_time`), 0 for
-        another. None while off, while no cache is full, or until every
+        at a time (:meth:`ReplicaQueueing.serves_one_at_a_time`); for
+        another only a price below 0 (which counts for a cold request
+        alone: :meth:`Scoring.order`) with ``batching_turnover_credit``,
+        else 0. None while off, while no cache is full, or until every
         replica has reported its counters."""
         weight = self.config.turnover_weight * self._fill.pressure
         if not weight > 0:
@@ -76,7 +78,13 @@ class ScoringTermsMixin:
         if relative is None:
             return None
         one_at_a_time = self._queueing.serves_one_at_a_time
-        return lambda replica_id: weight * relative(replica_id) if one_at_a_time(replica_id) else 0.0
+        if not self.config.batching_turnover_credit:
+            return lambda replica_id: weight * relative(replica_id) if one_at_a_time(replica_id) else 0.0
+
+        def price(replica_id: str) -> float:
+            value = weight * relative(replica_id)
+            return value if value < 0.0 or one_at_a_time(replica_id) else 0.0
+        return price
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
                     ranked: list[str], now: float) -> list[str]:

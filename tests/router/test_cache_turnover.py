@@ -105,7 +105,7 @@ def test_window_must_be_positive():
 
 # ------------------------------------------------------------------ in the policy
 def fleet_reporting(turnover_weight: float, *, full: bool = True, running: int = 1,
-                    written=(12000, 6000, 6000, 2000)) -> PrefixAffinityPolicy:
+                    written=(12000, 6000, 6000, 2000), **knobs) -> PrefixAffinityPolicy:
     """Four replicas, each reporting twice: caches full (or at 0 of their
     budget), ``running`` requests running and two waiting, and ``written`` prompt tokens
     prefilled between the two reports (replica-0 the most, above the mean;
@@ -113,7 +113,7 @@ def fleet_reporting(turnover_weight: float, *, full: bool = True, running: int =
     candidates for every prompt (``num_ring_candidates`` 4): the term ranks
     the candidates, it does not add one."""
     clock = Clock()
-    config = PolicyConfig(block_size=BLOCK, turnover_weight=turnover_weight, num_ring_candidates=4)
+    config = PolicyConfig(block_size=BLOCK, turnover_weight=turnover_weight, num_ring_candidates=4, **knobs)
     policy = PrefixAffinityPolicy(config, clock=clock)
     policy.set_replicas(REPLICAS)
     for version, share in ((1, 0), (2, 1)):
@@ -138,15 +138,43 @@ def test_a_cold_prompt_goes_where_a_full_fifo_cache_turns_over_slowest():
     it goes to replica-3 whatever its ring home (not merely away from
     replica-0, the one above the mean: a cold prompt's write is priced
     below the mean too). Off (weight 0), with caches that have
-    room (a write evicts nothing), or on batching replicas (the gate), the
-    ring home decides as before; equal writes change nothing either."""
+    room (a write evicts nothing), or on batching replicas without
+    ``batching_turnover_credit`` (the gate), the ring home decides as
+    before; equal writes change nothing either."""
     assert PolicyConfig().turnover_weight == 4.0
     assert set(first_choices(lambda: fleet_reporting(4.0))) == {"replica-3"}
     before = first_choices(lambda: fleet_reporting(0.0))
     assert len(set(before)) > 1
     assert first_choices(lambda: fleet_reporting(4.0, full=False)) == before
-    assert first_choices(lambda: fleet_reporting(4.0, running=2)) == before
+    assert first_choices(lambda: fleet_reporting(4.0, running=2, batching_turnover_credit=False)) == before
     assert first_choices(lambda: fleet_reporting(4.0, written=(5000,) * 4)) == before
+
+
+def test_at_a_batching_server_a_cold_prompt_gets_only_the_credit():
+    """Batching replicas (seen running two), caches full: a cold prompt is
+    credited where a cache turns over slower than the mean and goes to
+    replica-3, the slowest (``batching_turnover_credit``, the default)."""
+    assert PolicyConfig().batching_turnover_credit is True
+    assert set(first_choices(lambda: fleet_reporting(4.0, running=2))) == {"replica-3"}
+
+
+def test_at_a_batching_server_a_warm_prompt_pays_no_turnover_price():
+    """replica-0 holds the first 8 tokens of a 64-token prompt and its cache
+    turns over twice as fast as the mean. At FIFO servers the 56 tokens it
+    would write there cost 4 x 1 each, more than its affinity for 8, and
+    the prompt goes elsewhere; at batching servers the term prices no
+    write, so it stays with its holder, as with the term off."""
+    def first_choice(turnover_weight: float, running: int) -> str:
+        policy = fleet_reporting(turnover_weight, running=running, written=(12000, 4000, 4000, 4000))
+        held = [4242 + i for i in range(8)]
+        assert policy.on_summary(CacheSummary(
+            "replica-0", 3, 3.0, BLOCK, frozenset(request(held).block_hashes), num_cached_tokens=10_000,
+            budget_tokens=10_000, num_running=running, num_waiting=2, num_prefill_tokens_total=12000))
+        return policy.rank(request(held + [7 + i for i in range(56)]))[0]
+
+    assert first_choice(0.0, running=2) == "replica-0"
+    assert first_choice(4.0, running=1) != "replica-0"
+    assert first_choice(4.0, running=2) == "replica-0"
 
 
 def test_the_router_s_own_sends_fill_the_slow_cache_until_the_term_lets_go():

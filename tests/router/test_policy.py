@@ -531,6 +531,7 @@ def test_tenants_do_not_share_affinity():
     ("load_slack_sd", -1.0), ("reservation_timeout_s", 0), ("premium_pending_min_users", 0),
     ("premium_needs_completion", 1), ("hot_affinity_weight", 0.5), ("hot_affinity_weight", float("inf")),
     ("hot_affinity_weight", True), ("hot_affinity_share", -0.1), ("cold_queue_weight", -1.0),
+    ("batching_turnover_credit", 1),
 ])
 def test_bad_config_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
