@@ -29,18 +29,11 @@ from cache.summary import BASE_REF_KEY, CacheSummary
 from cache.summary_sender import SummarySender
 from router import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
+from tests.router.fake_clock import Clock
 from tests.router.test_decision_pins import CONFIGS
 
 BLOCK = 4
 STEPS = 400
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Worker:
@@ -106,7 +99,7 @@ def _request(tokens: tuple[int, ...], rng: random.Random) -> RoutingRequest:
 
 def _run(config: PolicyConfig, seed: int) -> None:
     rng = random.Random(seed)
-    clock = _Clock()
+    clock = Clock()
     policy = PrefixAffinityPolicy(config, clock=clock)
     bases: dict[int, bytes] = {}
     names = [f"replica-{i}" for i in range(6)]
