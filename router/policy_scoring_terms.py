@@ -77,13 +77,11 @@ class ScoringTermsMixin:
         relative = self._turnover.relative(len(self._ring), now)
         if relative is None:
             return None
-        one_at_a_time = self._queueing.serves_one_at_a_time
-        if not self.config.batching_turnover_credit:
-            return lambda replica_id: weight * relative(replica_id) if one_at_a_time(replica_id) else 0.0
+        one_at_a_time, credit_anywhere = self._queueing.serves_one_at_a_time, self.config.batching_turnover_credit
 
         def price(replica_id: str) -> float:
             value = weight * relative(replica_id)
-            return value if value < 0.0 or one_at_a_time(replica_id) else 0.0
+            return value if one_at_a_time(replica_id) or (credit_anywhere and value < 0.0) else 0.0
         return price
 
     def _home_first(self, request: RoutingRequest, found, live: Collection[str], cached_at: dict[str, int],
