@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from router.busy_spans import BusySpans
 
+_STALE_SLACK = 512  # stale heap entries before a compaction: 1 decision in ~250 pays it at 8 replicas, not 1 in 40
 _REBASE_WINDOWS = 50.0  # rescale the recent-work counters before exp() overflows
 
 
@@ -67,13 +68,20 @@ class LoadTracker:
        ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
     3. With ``track_busy``, the busy spans track exactly these replicas, each
        with as many requests in flight as it has entries here.
-    4. The heap holds, for each tracked replica, exactly one entry with its
-       current version: ``(load, scaled recent work, version, replica)``;
-       others are stale and skipped. The least loaded replica is on top, the
-       one with the least recent work first among equal loads.
+    4. Once :meth:`least_loaded_replica` was asked (the heap is kept from
+       then on; a tracker never asked keeps none), the heap holds, for each
+       tracked replica, exactly one entry with its current version:
+       ``(load, scaled recent work, version, replica)``; others are stale
+       and skipped. The least loaded replica is on top, the one with the
+       least recent work first among equal loads. Versions count every
+       change, heap kept or not, so the first ask builds the entries an
+       always-kept heap would hold.
 
-    Cost: updates O(log N) amortised; :meth:`least_loaded_replica` O(log N)
-    amortised; the rest O(1) (a rebase every ``50 × window_s`` is O(N)).
+    Cost: updates O(1), O(log N) amortised with the heap kept;
+    :meth:`least_loaded_replica` O(log N) amortised (O(N) the first time);
+    the rest O(1) (a rebase every ``50 × window_s`` is O(N)). Stale entries
+    are dropped once ``_STALE_SLACK`` of them pile up, so few decisions pay
+    that O(N) compaction.
     """
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
@@ -99,6 +107,7 @@ class LoadTracker:
         self._base_s: float | None = None
         self._versions: dict[str, int] = {}
         self._heap: list[tuple[float, float, int, str]] = []
+        self._heap_kept = False  # invariant 4: from the first least_loaded_replica on
         self._busy = BusySpans(self.window_s) if track_busy else None
         self._last_s = 0.0  # the latest time an update was given: completions may come without one
 
@@ -167,6 +176,10 @@ class LoadTracker:
 
     def least_loaded_replica(self) -> str | None:
         """The least loaded replica (least recent work among equals); None if none."""
+        if not self._heap_kept:
+            self._heap_kept = True
+            self._heap = [(self.load(r), self._recent[r], self._versions[r], r) for r in self._local]
+            heapq.heapify(self._heap)
         heap, versions = self._heap, self._versions
         while heap:
             _, _, version, replica_id = heap[0]
@@ -362,8 +375,10 @@ class LoadTracker:
     def _changed(self, replica_id: str) -> None:
         version = self._versions.get(replica_id, 0) + 1
         self._versions[replica_id] = version
+        if not self._heap_kept:
+            return
         heapq.heappush(self._heap, (self.load(replica_id), self._recent[replica_id], version, replica_id))
-        if len(self._heap) > 4 * len(self._versions) + 64:  # drop stale entries
+        if len(self._heap) > len(self._versions) + _STALE_SLACK:  # drop stale entries
             self._heap = [e for e in self._heap if self._versions.get(e[3]) == e[2]]
             heapq.heapify(self._heap)
 
@@ -397,6 +412,9 @@ class LoadTracker:
                 counts[entry.replica_id] += 1
             assert set(self._busy.replica_ids) == set(counts), "busy spans of another replica set"
             assert counts == {r: self._busy.num_in_flight(r) for r in counts}, "busy spans disagree"
+        if not self._heap_kept:
+            assert not self._heap, "a heap kept before anyone asked for the least loaded replica"
+            return
         current = {(e[3], e[2]) for e in self._heap if self._versions.get(e[3]) == e[2]}
         assert current == set(self._versions.items()), "a replica without a current heap entry"
         for load, recent, version, replica_id in self._heap:

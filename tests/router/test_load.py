@@ -268,6 +268,7 @@ def test_a_replica_that_leaves_and_joins_again_has_no_stale_heap_entry():
     loads = LoadTracker()
     for replica in ("a", "b"):
         loads.add_replica(replica)
+    assert loads.least_loaded_replica() == "a"  # the heap is kept from here on
     loads.on_routed("q1", "a", 50.0, now=0.0)
     loads.on_routed("q2", "b", 10.0, now=0.0)
     loads.on_completed("q2")
@@ -278,6 +279,47 @@ def test_a_replica_that_leaves_and_joins_again_has_no_stale_heap_entry():
     assert loads.load("a") == 5.0 and loads.least_loaded_replica() == "b"
     loads.on_routed("q4", "b", 20.0, now=0.0)
     assert loads.least_loaded_replica() == "a"
+
+
+@pytest.mark.parametrize("first_ask", [0, 37, 150, 299])
+def test_a_heap_built_at_the_first_ask_answers_as_one_kept_all_along(first_ask):
+    """Invariant 4: a tracker that keeps no heap until asked (as the
+    queue-priced trackers, never asked) answers from then on exactly as one
+    asked at every step, ties between equal loads and equal recent work
+    included, through joins, leaves, rebases and forgotten windows."""
+    rng = random.Random(first_ask)
+    always, lazy = LoadTracker(window_s=10.0), LoadTracker(window_s=10.0)
+    replicas = list("abcdef")
+    for replica in replicas:
+        always.add_replica(replica)
+        lazy.add_replica(replica)
+    in_flight: list[str] = []
+    now = 0.0
+    for step in range(300):
+        now += rng.choice([0.0, 0.0, 0.3, 7.0])  # equal times make equal recent work; ~500 s: a rebase
+        action, replica = rng.random(), rng.choice(replicas)
+        for tracker in (always, lazy):
+            if action < 0.5 or not in_flight:
+                tracker.on_routed(f"q{step}", replica, float(step % 3) * 10, now)
+            elif action < 0.85:
+                tracker.on_completed(in_flight[0], now)
+            elif action < 0.9:
+                tracker.forget_recent()
+            elif action < 0.95:
+                tracker.remove_replica("f")
+            else:
+                tracker.add_replica("f")
+        if action < 0.5 or not in_flight:
+            in_flight.append(f"q{step}")
+        elif action < 0.85:
+            in_flight.pop(0)
+        always.check_invariants()
+        lazy.check_invariants()
+        expected = always.least_loaded_replica()
+        if step < first_ask:
+            assert not lazy._heap, "a heap kept before the first ask"
+        else:
+            assert lazy.least_loaded_replica() == expected, step
 
 
 def test_forget_recent_clears_the_window_and_keeps_queued_work():
