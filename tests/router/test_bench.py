@@ -51,3 +51,22 @@ def test_fifo_full_summaries_keep_the_index_at_the_caches_size(monkeypatch):
     assert len(within_after) == 4 * 2 + 15 + 1  # two warm-up reports each; 15 in 199 decisions (each replica every 50); the last
     assert all(within_after) and any(over_before)
     assert sum(deltas[8:-1]) == 15  # the periodic ones are deltas
+
+
+def test_repeated_runs_time_the_same_decisions_and_their_fastest_p99_is_the_lower(monkeypatch):
+    """``repeats``: each run is a new policy making the same decisions; the
+    p99 of each decision's fastest run never exceeds the pooled p99 (every
+    pooled time is at least its decision's fastest)."""
+    from router.policy import PrefixAffinityPolicy
+    chosen = []
+    original = PrefixAffinityPolicy.on_routed
+
+    def recorded(self, request, replica_id, request_id):
+        chosen.append(replica_id)
+        return original(self, request, replica_id, request_id)
+    monkeypatch.setattr(PrefixAffinityPolicy, "on_routed", recorded)
+    requests = bench._requests(300, 512, 64, seed=1)  # noqa: SLF001
+    figures = bench.bench_fleet(4, requests, 150, 64, repeats=3)
+    assert figures["repeats"] == 3 and len(chosen) == 900
+    assert chosen[:300] == chosen[300:600] == chosen[600:]
+    assert 0 < figures["decision_us_p99_fastest"] <= figures["decision_us_p99"]
