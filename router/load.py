@@ -265,7 +265,8 @@ class LoadTracker:
             raise ValueError(f"recent_tokens must be >= 0, got {recent_tokens!r}")
         self._last_s = max(self._last_s, now)
         self.expire(now)
-        self._forget(request_id, now)
+        if request_id in self._in_flight:  # counted before: moved, or asked again
+            self._forget(request_id, now)
         if replica_id not in self._local:  # routed to before set_replicas named it
             self._track(replica_id, 0.0)
         self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now, float(recent_tokens))
