@@ -68,20 +68,17 @@ class LoadTracker:
        ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
     3. With ``track_busy``, the busy spans track exactly these replicas, each
        with as many requests in flight as it has entries here.
-    4. Once :meth:`least_loaded_replica` was asked (the heap is kept from
-       then on; a tracker never asked keeps none), the heap holds, for each
-       tracked replica, exactly one entry with its current version:
-       ``(load, scaled recent work, version, replica)``; others are stale
-       and skipped. The least loaded replica is on top, the one with the
-       least recent work first among equal loads. Versions count every
-       change, heap kept or not, so the first ask builds the entries an
+    4. Once :meth:`least_loaded_replica` was asked (never: no heap), the
+       heap holds one entry per replica with its current version, ``(load,
+       scaled recent work, version, replica)``, and stale ones: the least
+       loaded on top, the least recent work first among equal loads.
+       Versions count every change, so the first ask builds what an
        always-kept heap would hold.
 
-    Cost: updates O(1), O(log N) amortised with the heap kept;
-    :meth:`least_loaded_replica` O(log N) amortised (O(N) the first time);
-    the rest O(1) (a rebase every ``50 × window_s`` is O(N)). Stale entries
-    are dropped once ``_STALE_SLACK`` of them pile up, so few decisions pay
-    that O(N) compaction.
+    Cost: updates O(1) (O(log N) amortised with a heap); the first
+    :meth:`least_loaded_replica` O(N), later ones O(log N) amortised; the
+    rest O(1) (a rebase every ``50 × window_s``, and dropping
+    ``_STALE_SLACK`` stale heap entries, O(N)).
     """
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
@@ -413,11 +410,9 @@ class LoadTracker:
                 counts[entry.replica_id] += 1
             assert set(self._busy.replica_ids) == set(counts), "busy spans of another replica set"
             assert counts == {r: self._busy.num_in_flight(r) for r in counts}, "busy spans disagree"
-        if not self._heap_kept:
-            assert not self._heap, "a heap kept before anyone asked for the least loaded replica"
-            return
+        assert self._heap_kept or not self._heap, "a heap kept before anyone asked for the least loaded replica"
         current = {(e[3], e[2]) for e in self._heap if self._versions.get(e[3]) == e[2]}
-        assert current == set(self._versions.items()), "a replica without a current heap entry"
+        assert current == (set(self._versions.items()) if self._heap_kept else set()), "a heap entry missing"
         for load, recent, version, replica_id in self._heap:
             if self._versions.get(replica_id) == version:
                 assert math.isclose(load, self.load(replica_id), rel_tol=1e-6, abs_tol=1e-6), replica_id
