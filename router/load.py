@@ -47,7 +47,7 @@ class LoadTracker:
     requests overlap.
 
     In-flight entries that never hear a completion are dropped after
-    ``in_flight_timeout_s``: a lost callback must not leak load forever.
+    ``in_flight_timeout_s``: a lost callback must not leak load.
 
     **Reservations** (:meth:`reserve`): a decision counted the moment it is
     made, before the caller says the request was sent (Ray Serve reports a
@@ -83,12 +83,10 @@ class LoadTracker:
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
                  reservation_timeout_s: float = 5.0, track_busy: bool = False) -> None:
-        if not in_flight_timeout_s > 0:
-            raise ValueError(f"in_flight_timeout_s must be > 0, got {in_flight_timeout_s!r}")
-        if not window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {window_s!r}")
-        if not reservation_timeout_s > 0:
-            raise ValueError(f"reservation_timeout_s must be > 0, got {reservation_timeout_s!r}")
+        for name, value in (("in_flight_timeout_s", in_flight_timeout_s), ("window_s", window_s),
+                            ("reservation_timeout_s", reservation_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         self.in_flight_timeout_s = float(in_flight_timeout_s)
         self.window_s = float(window_s)
         self.reservation_timeout_s = float(reservation_timeout_s)
@@ -158,9 +156,8 @@ class LoadTracker:
         return math.sqrt(max(sq_total, 0.0) * (num_replicas - 1)) / num_replicas
 
     def busy_view(self, now: float) -> tuple[Callable[[str], float], float] | None:
-        """``(busy_s(r), mean)``: each replica's recent busy seconds as of
-        ``now`` and their mean over the tracked replicas (:class:`BusySpans`);
-        None without ``track_busy``. Valid until the next update."""
+        """``(busy_s(r), mean)``: each replica's recent busy seconds as of ``now`` and their
+        mean (:class:`BusySpans`); None without ``track_busy``. Valid until the next update."""
         if self._busy is None:
             return None
         return self._busy.view(now)
@@ -170,6 +167,10 @@ class LoadTracker:
 
     def num_reserved(self) -> int:
         return len(self._reserved)
+
+    def num_in_flight_at(self, replica_id: str) -> int:
+        """This router's requests in flight at ``replica_id``; O(in flight)."""
+        return sum(1 for entry in self._in_flight.values() if entry.replica_id == replica_id)
 
     def least_loaded_replica(self) -> str | None:
         """The least loaded replica (least recent work among equals); None if none."""
@@ -300,20 +301,20 @@ class LoadTracker:
             self._changed(entry.replica_id)
         return True
 
-    def on_report(self, replica_id: str, load_tokens: float) -> None:
-        """The replica says it holds ``load_tokens`` of work (all routers')."""
+    def on_report(self, replica_id: str, load_tokens: float, peer_tokens: float = 0.0) -> None:
+        """The replica says it holds ``load_tokens`` of work (all routers'); ``foreign`` is
+        at least ``peer_tokens`` (what it may undercount: ``ReplicaQueueing.peer_work``)."""
         if not load_tokens >= 0:
             raise ValueError(f"load_tokens must be >= 0, got {load_tokens!r}")
         self.add_replica(replica_id)
-        foreign = max(0.0, load_tokens - self._local[replica_id])
+        foreign = max(0.0, load_tokens - self._local[replica_id], peer_tokens)
         self._total += foreign - self._foreign[replica_id]
         self._foreign[replica_id] = foreign
         self._changed(replica_id)
 
     def add_foreign(self, replica_id: str, num_tokens: float) -> None:
-        """Another router sent ``num_tokens`` of queued work to ``replica_id``
-        (its shared decision): it counts in ``foreign`` until the replica's
-        next report, which carries it if it still waits."""
+        """Another router sent ``num_tokens`` of queued work to ``replica_id`` (its shared
+        decision): it counts in ``foreign`` until the replica's next report carries it."""
         if not num_tokens >= 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         if replica_id not in self._local:

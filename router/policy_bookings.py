@@ -36,7 +36,9 @@ class RequestBookingMixin:
         :class:`RouterShare`. Its queued work counts as the replica's
         ``foreign`` load until the replica's next report, whose queue carries
         it if it still waits (``peer_queue_until_report``; the report may
-        already carry it for up to one period: counted twice until the next).
+        already carry it for up to one period: counted twice until the next);
+        at a FIFO replica, at least until its reports' request count says it
+        left (``peer_queue_until_done``: :meth:`ReplicaQueueing.peer_work`).
         ``request`` comes without token ids (a prompt's worth per decision
         would be most of what the routers exchange); ``tail_token_ids``, the
         tokens past its last full block, are learned as its partial last
@@ -48,6 +50,8 @@ class RequestBookingMixin:
         queued = self._count(request, replica_id, request_id, reserve=False)
         if self.config.peer_queue_until_report:
             self._loads.add_foreign(replica_id, queued)
+            if self.config.peer_queue_until_done:  # and after the report, while it may still wait there
+                self._queueing.add_peer(replica_id, queued)
         self._pending.done(request_id)
         self._queue_priced.on_completed(request_id)
         self._loads.on_completed(request_id, now)

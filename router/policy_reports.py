@@ -52,7 +52,8 @@ class ReplicaReportsMixin:
         if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
                 or self.config.queue_copy_requests or self.config.turnover_weight):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
-        if self.config.queue_copy_requests or self.config.turnover_weight or self.config.cold_queue_weight:  # readers
+        if (self.config.queue_copy_requests or self.config.turnover_weight or self.config.cold_queue_weight
+                or self.config.peer_queue_until_done):  # its readers
             self._queueing.report(replica_id, summary.num_running, summary.num_waiting)
         if (self.config.replicate_hot_prefixes or self.config.queue_copy_requests
                 or self.config.hot_affinity_weight is not None) and self.config.learn_token_costs:  # its readers
@@ -68,7 +69,9 @@ class ReplicaReportsMixin:
         reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                               summary.num_output_tokens_total, self._clock(), reported_work)
-        self._loads.on_report(replica_id, reported_work)
+        peer_work = self._queueing.peer_work(replica_id, summary.num_running + summary.num_waiting,
+                                             self._loads.num_in_flight_at)
+        self._loads.on_report(replica_id, reported_work, peer_work)
         if self.config.turnover_weight:
             self._turnover.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,
                                   summary.num_output_tokens_total, self._clock())

@@ -337,3 +337,17 @@ def test_forget_recent_clears_the_window_and_keeps_queued_work():
     assert tracker.recent_work("b", 1.0) == pytest.approx(30.0)
     assert tracker.recent_work("a", 1.0) == 0.0 and tracker.load("a") == 0.0
     tracker.check_invariants()
+
+
+def test_a_report_never_puts_foreign_work_below_the_peers_work_it_may_undercount():
+    loads = LoadTracker()
+    loads.add_replica("a")
+    loads.on_routed("mine", "a", 30.0, now=0.0)
+    loads.on_report("a", 50.0)
+    assert loads.foreign("a") == 20.0
+    loads.on_report("a", 50.0, peer_tokens=400.0)  # a peer's prefill the report prices at nothing
+    assert loads.foreign("a") == 400.0 and loads.load("a") == 430.0 and loads.total == 430.0
+    loads.on_report("a", 500.0, peer_tokens=400.0)
+    assert loads.foreign("a") == 470.0
+    assert loads.num_in_flight_at("a") == 1 and loads.num_in_flight_at("b") == 0
+    loads.check_invariants()

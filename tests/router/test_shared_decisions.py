@@ -9,6 +9,7 @@ import pytest
 
 from cache import block_hashes
 from harness.workloads import build_workload
+from cache.summary import CacheSummary
 from router.batching import StepProfile
 from router.closed_loop import ClosedLoopConfig
 from router.policy_config import PolicyConfig
@@ -118,6 +119,30 @@ def test_a_peer_decision_is_queued_work_at_its_replica_until_the_next_report(on)
     assert all(policy.loads.load(r) == 0.0 for r in REPLICAS if r != REPLICAS[2])
     report(policy, REPLICAS[2], 2, queued=40)  # the replica's queue replaces the guess
     assert policy.loads.load(REPLICAS[2]) == 40.0
+    policy.check_invariants()
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_peers_prefill_at_a_fifo_replica_outlives_a_report_that_prices_it_at_nothing(on):
+    """``peer_queue_until_done``: the replica's report says two requests are
+    there (the peer's long cold prompt, running, and one behind it) but
+    prices the prompt in prefill at nothing. This router keeps counting the
+    peer's request until a report's count says it left."""
+    clock = Clock()
+    policy = make_policy(clock, peer_queue_until_done=on)
+    for replica_id in REPLICAS:
+        report(policy, replica_id, 1)
+    decision = PeerDecision.of(routing(list(range(7000, 7000 + 40 * BLOCK)), num_output_tokens=16), REPLICAS[1], BLOCK)
+    policy.on_peer_routed(decision.request, decision.replica_id, decision.tail_token_ids)
+    booked = policy.loads.load(REPLICAS[1])
+    assert booked >= decision.request.num_prompt_tokens
+    summary = dict(num_queued_tokens=8, num_running=1, num_waiting=1)  # a FIFO server, its prefill priced at 0
+    policy.on_summary(CacheSummary(REPLICAS[1], 2, 0.0, BLOCK, frozenset(), 0, 10_000, **summary))
+    assert policy.loads.load(REPLICAS[1]) == (booked if on else 8.0)
+    assert policy.rank(routing(list(range(9000, 9000 + 2 * BLOCK))))[0] != REPLICAS[1] or not on
+    policy.on_summary(CacheSummary(REPLICAS[1], 3, 0.0, BLOCK, frozenset(), 0, 10_000, num_queued_tokens=8,
+                                   num_running=0, num_waiting=0))  # it left: the report alone again
+    assert policy.loads.load(REPLICAS[1]) == 8.0
     policy.check_invariants()
 
 
