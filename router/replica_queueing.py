@@ -70,7 +70,10 @@ class ReplicaQueueing:
 
     def add_peer(self, replica_id: str, queued_tokens: float) -> None:
         """Another router sent a request of ``queued_tokens`` queued work to
-        ``replica_id`` (its shared decision); O(1)."""
+        ``replica_id`` (its shared decision), kept unless the replica was
+        seen batching (:meth:`peer_work` reads none there); O(1)."""
+        if self.batches(replica_id):
+            return
         peers = self._peers.setdefault(replica_id, deque(maxlen=MAX_PEER_REQUESTS))
         peers.append(max(float(queued_tokens), 0.0))
 
@@ -90,7 +93,7 @@ class ReplicaQueueing:
         and a request sent behind it waited seconds (simulated Mooncake,
         2 routers, FIFO: BENCHMARKS.md "Several routers: a peer's prefill
         outlives the next summary"). 0, and nothing kept, at a replica seen
-        batching: what it runs does not wait in order. O(forgotten)."""
+        batching: what it runs does not wait in order. O(kept + forgotten)."""
         peers = self._peers.get(replica_id)
         if not peers:
             return 0.0
