@@ -18,9 +18,10 @@ replica's own event loop).
 from __future__ import annotations
 
 import os
+import warnings
 
-from harness.direct_ingress import DirectIngressApp
-from harness.serving import ServeApp, free_port
+from harness.direct_ingress import DirectIngressApp, free_port_range
+from harness.serving import ServeApp, ServeRunFailed, free_port
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
@@ -31,6 +32,9 @@ class HAProxyApp(DirectIngressApp):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._pick_haproxy_ports()
+
+    def _pick_haproxy_ports(self) -> None:
         # HAProxy's stats and metrics listeners, and the Python proxy Serve keeps as HAProxy's backup server
         self.ports = {name: free_port() for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                                                      "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
@@ -50,6 +54,27 @@ class HAProxyApp(DirectIngressApp):
             env["RAY_SERVE_HAPROXY_SERVER_STATE_FILE"] = os.path.join(files, "server-state")
             env["RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"] = os.path.join(files, "metrics.sock")
         return env
+
+    def deploy(self, *args, **kwargs) -> None:
+        """Deploy as :meth:`ServeApp.deploy` does; a ``serve run`` that fails
+        in a cluster this app started is retried once on a fresh cluster and
+        fresh ports, with a warning that carries the first failure.
+
+        Serve starts HAProxy and its backup proxy inside ``serve run``: a port
+        picked free can be taken before HAProxy binds it, and on a loaded
+        machine HAProxy's start (30 s) or the proxies' (60 s) can time out.
+        Neither is kvroute's code; a second failure is raised as it is."""
+        try:
+            super().deploy(*args, **kwargs)
+        except ServeRunFailed as error:
+            if not self._started_ray:
+                raise
+            warnings.warn(f"HAProxy app: serve run failed, retrying once on a fresh cluster: {error}", stacklevel=2)
+            self.stop_ray()
+            self.http_port, self.direct_port_base = free_port(), free_port_range()
+            self._pick_haproxy_ports()
+            self._start_ray()
+            super().deploy(*args, **kwargs)
 
     def wait_ready(self) -> None:
         ServeApp.wait_ready(self)  # through HAProxy: there is no second port to find

@@ -55,6 +55,11 @@ def free_port() -> int:
     raise RuntimeError("no fresh free port after 1000 tries")
 
 
+class ServeRunFailed(RuntimeError):
+    """``serve run`` itself failed (the cluster's Serve did not start or take
+    the config); the message carries its output and Serve's logs."""
+
+
 class ServeApp:
     """A Serve deployment of ``config_path`` on a Ray cluster.
 
@@ -248,11 +253,21 @@ class ServeApp:
                app_args: dict | None = None, deployments: dict | None = None) -> None:
         """``serve run --non-blocking`` the (patched) config; wait until ready."""
         path = self.write_config(router, router_kwargs, app_args, deployments)
-        subprocess.run(
+        result = subprocess.run(
             [cli_path("serve"), "run", "--non-blocking", "--address", self.address, path],
-            check=True, capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
+            capture_output=True, text=True, env=self._env(), cwd=REPO_ROOT, timeout=300,
         )
+        if result.returncode != 0:
+            raise ServeRunFailed(f"serve run exited {result.returncode}; its output:\n{result.stdout[-3000:]}\n"
+                               f"{result.stderr[-3000:]}\nServe's logs:\n{self.serve_log_tail()}")
         self.wait_ready()
+
+    def serve_log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` of each of this cluster's Serve logs (what a failed start left)."""
+        if not self._temp_dir:
+            return ""
+        return subprocess.run(f"tail -n {lines} {self._temp_dir}/session_latest/logs/serve/*.log", shell=True,
+                              capture_output=True, text=True).stdout[-6000:]
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -361,14 +376,9 @@ def start_app(config_path: str | Path = "deploy/config.yaml", **overrides) -> Se
     try:
         app.deploy()
     except Exception as error:
-        logs = ""
-        if app._temp_dir:
-            logs = subprocess.run(
-                f"tail -n 40 {app._temp_dir}/session_latest/logs/serve/*.log", shell=True, capture_output=True, text=True
-            ).stdout
-        stderr = getattr(error, "stderr", "") or ""
+        logs = app.serve_log_tail() if isinstance(error, TimeoutError) else ""  # a failed serve run carries its own
         app.__exit__(None, None, None)
-        raise RuntimeError(f"app failed to start: {error}\n{stderr[-3000:]}\n{logs[-6000:]}") from error
+        raise RuntimeError(f"app failed to start: {error}\n{logs}") from error
     return app
 
 
