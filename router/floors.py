@@ -1,4 +1,5 @@
-"""What any dispatcher could reach on FIFO replicas: TTFT floors with queueing.
+"""What any dispatcher could reach on FIFO replicas: TTFT floors with queueing,
+and the hit rate no router could pass (:func:`hit_ceiling`).
 
 ``simulate.cache_bound`` gives the *no-queue* floor (every request starts
 on arrival, every prefix cached). Two tighter references for the ``fifo``
@@ -167,12 +168,13 @@ def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units:
            protected_share: float = 0.0) -> dict:
     """Every reference at ``budget_units`` per replica (shared: × replicas)
     under plain LRU (``global_lru``), under the replicas' segmented LRU where
-    ``protected_share`` > 0 (``global_cache``), and unbounded."""
+    ``protected_share`` > 0 (``global_cache``), and unbounded; and
+    ``hit_ceiling``, :func:`hit_ceiling` of the fleet's whole budget."""
     shared = budget_units * num_replicas
     caches = [("global_lru", shared, 0.0), ("unbounded", None, 0.0)]
     if protected_share > 0:
         caches.insert(1, ("global_cache", shared, protected_share))
-    result = {}
+    result = {"hit_ceiling": hit_ceiling(workload, shared)}
     for label, budget, share in caches:
         hit, pooled = pooled_fifo(workload, num_replicas, cost, budget, share)
         result[label] = {"hit_rate": hit, "pooled_ttft_p99_s": percentile(sorted(pooled), 99)}
@@ -180,6 +182,64 @@ def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units:
             ttfts = sorted(honest_dispatch(workload, num_replicas, cost, budget, estimate, protected_share=share))
             result[label][f"honest_{estimate}_ttft_p99_s"] = percentile(ttfts, 99)
     return result
+
+
+def hit_ceiling(workload: Workload, budget_units: int | None) -> float:
+    """An upper bound on the token hit rate any router and any eviction can
+    reach over replicas whose caches hold ``budget_units`` in all (None:
+    unbounded): Belady's offline rule over one cache of that size.
+
+    The fleet's caches together never hold more than their budgets, a
+    replica caches a block only when it computes or fetches it, and a prompt
+    reuses only what its replica holds: every hit of a routed fleet is a hit
+    of one cache holding the union. That cache is given the future: a unit
+    of a prompt or answer is kept if it is read again sooner than something
+    kept (which then goes), else not kept at all; for equal-sized units this
+    keeps the most reads possible. A prompt counts every kept unit it reads,
+    not only its leading run (at most ``T - 1`` tokens), and reads the cache
+    on arrival, before anything queued ahead of it: so a bound, not a policy.
+    Units are told apart by their whole prefix, as the radix tree does."""
+    node_of: dict[tuple[int, int], int] = {}
+    events: list[tuple[int, int]] = []  # (node, request number: reads it; -1: its answer, cached unread)
+    tokens: list[int] = []  # the prompt tokens each read unit holds (the last unit may be partial)
+    for number, request in enumerate(workload.requests):
+        num_read = len(request.units)
+        written = request.cache_units if request.cache_units[:num_read] == request.units else request.units
+        last_tokens = request.num_prompt_tokens - request.unit_tokens * (num_read - 1)
+        node = -1
+        for depth, unit in enumerate(written):
+            node = node_of.setdefault((node, unit), len(node_of))
+            events.append((node, number if depth < num_read else -1))
+            tokens.append(0 if depth >= num_read else last_tokens if depth == num_read - 1 else request.unit_tokens)
+    never = len(events)
+    next_read = [never] * len(events)
+    last_seen: dict[int, int] = {}
+    for index in range(len(events) - 1, -1, -1):
+        node, reader = events[index]
+        next_read[index] = last_seen.get(node, never)
+        if reader >= 0:
+            last_seen[node] = index
+    capacity = never if budget_units is None else budget_units
+    kept: dict[int, int] = {}  # node -> the index of its next read
+    farthest: list[tuple[int, int]] = []  # (-next read, node), stale entries skipped
+    hit_tokens = [0] * len(workload.requests)
+    for index, (node, reader) in enumerate(events):
+        if reader >= 0 and node in kept:
+            hit_tokens[reader] += tokens[index]
+        upcoming = next_read[index]
+        if node not in kept:
+            if upcoming == never or capacity <= 0:
+                continue
+            if len(kept) >= capacity:
+                while kept.get(farthest[0][1]) != -farthest[0][0]:
+                    heapq.heappop(farthest)
+                if -farthest[0][0] <= upcoming:
+                    continue
+                del kept[heapq.heappop(farthest)[1]]
+        kept[node] = upcoming
+        heapq.heappush(farthest, (-upcoming, node))
+    cached = sum(min(hit, request.num_prompt_tokens - 1) for request, hit in zip(workload.requests, hit_tokens))
+    return cached / max(sum(request.num_prompt_tokens for request in workload.requests), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     _, no_queue = cache_bound(scaled, None, config.cost)
     print(f"no-queue floor (unbounded cache): TTFT p99 {no_queue:.3f} s")
     budget_units = args.budget_tokens // workload.unit_tokens
-    for label, figures in floors(scaled, args.replicas, config.cost, budget_units,
-                                 args.cache_protected_share).items():
+    references = floors(scaled, args.replicas, config.cost, budget_units, args.cache_protected_share)
+    print(f"hit ceiling (the fleet's budget as one cache evicting by the future, hit_ceiling): "
+          f"{references.pop('hit_ceiling'):.4f}")
+    for label, figures in references.items():
         print(f"{label:>10}: hit {figures['hit_rate']:.4f}  pooled FCFS p99 {figures['pooled_ttft_p99_s']:.3f} s  "
               f"honest dispatch p99 (mean) {figures['honest_mean_ttft_p99_s']:.3f} s  "
               f"(residual) {figures['honest_residual_ttft_p99_s']:.3f} s")

@@ -1,4 +1,4 @@
-"""router.floors: the pooled-queue and honest-dispatch TTFT references."""
+"""router.floors: the pooled-queue and honest-dispatch TTFT references, and the hit ceiling."""
 
 import random
 from dataclasses import replace
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from router.cluster import CostModel
-from router.floors import _OutputLengths, floors, honest_dispatch, main, pooled_fifo
+from router.floors import _OutputLengths, floors, hit_ceiling, honest_dispatch, main, pooled_fifo
 from router.workload import SimRequest, Workload
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head400.jsonl"
@@ -115,6 +115,8 @@ def test_floors_order_and_cli(capsys):
     assert main(["--trace", str(TRACE), "--replicas", "4", "--budget-tokens", "200000"]) == 0
     out = capsys.readouterr().out
     assert "no-queue floor" in out and "pooled FCFS p99" in out and "honest dispatch p99" in out
+    assert "hit ceiling" in out
+    assert figures["unbounded"]["hit_rate"] >= figures["hit_ceiling"] >= figures["global_cache"]["hit_rate"]
     assert "global_cache" in out  # the replicas' eviction rule, by default
 
 
@@ -125,3 +127,56 @@ def test_cli_takes_a_generated_workload_and_exactly_one_source(capsys):
                  ["--trace", str(TRACE), "--workload", "multi-turn", "--replicas", "8", "--budget-tokens", "8000"]):
         with pytest.raises(SystemExit):
             main(argv)
+
+
+def test_the_ceiling_keeps_what_is_read_soonest_and_caches_nothing_read_later():
+    """a, b and c are each read twice, in that order. With room for two, LRU
+    keeps none long enough (each is gone when read again); the ceiling keeps
+    a and b and never caches c, read again later than both: two hits. With
+    room for three, three."""
+    prompts = [[1], [2], [3], [1], [2], [3]]
+    workload = Workload(tuple(request(float(i), p + [100 + i], 1) for i, p in enumerate(prompts)), 1, 16, "hand")
+    # every prompt is 2 tokens (the shared unit + its own), a hit reuses at most T - 1 = 1 token
+    assert hit_ceiling(workload, 2) == pytest.approx(2 / 12)
+    assert hit_ceiling(workload, 3) == pytest.approx(3 / 12)
+    assert hit_ceiling(workload, 0) == 0
+    assert pooled_fifo(workload, 1, CostModel(), 2)[0] == 0  # LRU: each unit is gone when read again
+
+
+def test_units_are_told_apart_by_their_prefix():
+    """The same token after different prefixes is a different cache unit."""
+    workload = Workload((request(0.0, [1, 7, 9], 1), request(1.0, [2, 7, 9], 1)), 1, 16, "hand")
+    assert hit_ceiling(workload, None) == 0
+
+
+def test_an_answer_cached_unread_counts_when_the_next_turn_reads_it():
+    first = SimRequest(0.0, (1, 2), 1, 2, 2, (), (1, 2, 3, 4))  # its answer 3, 4 is cached for the next turn
+    second = SimRequest(1.0, (1, 2, 3, 4, 5), 1, 5, 1, (), (1, 2, 3, 4, 5))
+    workload = Workload((first, second), 1, 16, "chat")
+    assert hit_ceiling(workload, None) == pytest.approx(4 / 7)
+    assert hit_ceiling(workload, 4) == pytest.approx(4 / 7)
+    assert hit_ceiling(workload, 2) == pytest.approx(2 / 7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_no_one_cache_evicting_online_passes_the_ceiling_and_unbounded_it_is_the_infinite_cache(seed):
+    workload = random_workload(seed, num_requests=400)
+    cost = CostModel(prefill_tokens_per_s=2000.0, decode_s_per_token=0.01)
+    unbounded = pooled_fifo(workload, 4, cost)[0]
+    assert hit_ceiling(workload, None) == pytest.approx(unbounded)
+    for budget in (50, 200, 400, 800):
+        ceiling = hit_ceiling(workload, budget)
+        for share in (0.0, 0.8):
+            assert pooled_fifo(workload, 4, cost, budget, share)[0] <= ceiling + 1e-12
+        assert ceiling <= unbounded + 1e-12
+        assert hit_ceiling(workload, budget // 2) <= ceiling + 1e-12  # more room never lowers it
+
+
+def test_the_ceiling_on_the_mooncake_head_reads_partial_last_units_by_their_tokens():
+    from router.workload import load_mooncake
+
+    workload = load_mooncake(TRACE)
+    unbounded = pooled_fifo(workload, 4, CostModel())[0]
+    assert hit_ceiling(workload, None) == pytest.approx(unbounded)
+    budget = 200_000 // workload.unit_tokens
+    assert pooled_fifo(workload, 4, CostModel(), budget * 4, 0.8)[0] <= hit_ceiling(workload, budget * 4)
