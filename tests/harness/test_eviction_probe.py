@@ -1,0 +1,73 @@
+"""harness.eviction_probe: the pooled-cache eviction rules it compares, and
+that none passes the hit ceiling."""
+
+import random
+
+import pytest
+
+from harness.eviction_probe import Lru, S3Fifo, SegmentedLru, main, next_reads, probe, replay, unit_paths
+from router.floors import hit_ceiling
+from router.workload import SimRequest, Workload
+
+
+def request(arrival_s, tokens):
+    return SimRequest(arrival_s, tuple(tokens), 1, len(tokens), 1, (), tuple(tokens))
+
+
+def random_workload(seed, num_requests=300):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(20, 120))] for _ in range(8)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+               for _ in range(num_requests)]
+    return Workload(tuple(request(float(i), prompt) for i, prompt in enumerate(prompts)), 1, 16, "random")
+
+
+@pytest.mark.parametrize("rule", [Lru, SegmentedLru, S3Fifo])
+def test_a_rule_never_holds_more_than_its_room(rule):
+    cache = rule(10)
+    rng = random.Random(0)
+    for _ in range(2000):
+        node = rng.randrange(40)
+        if node in cache:
+            cache.read(node)
+        else:
+            cache.write(node)
+        assert sum(node in cache for node in range(40)) <= 10
+
+
+@pytest.mark.parametrize("rule", [SegmentedLru, S3Fifo])
+def test_a_unit_read_again_outlives_a_scan_of_one_offs_where_lru_drops_it(rule):
+    for cache, survives in ((rule(10), True), (Lru(10), False)):
+        cache.write(0)
+        cache.read(0)
+        for node in range(1, 30):  # each written once, never read
+            cache.write(node)
+        assert (0 in cache) is survives
+
+
+def test_oracle_admission_caches_only_what_a_later_prompt_reads():
+    workload = Workload((request(0.0, [1, 2]), request(1.0, [3, 4]), request(2.0, [1, 5])), 1, 16, "hand")
+    paths = unit_paths(workload)
+    upcoming = next_reads(paths)
+    cache = Lru(100)
+    replay(workload, paths, cache, lambda number, node: upcoming[number][node] != float("inf"))
+    assert list(cache.kept) == [paths[0][0][0]]  # the unit [1]: the only one read again
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_rule_passes_the_ceiling(seed):
+    workload = random_workload(seed)
+    for capacity in (60, 200, 600):
+        figures = probe(workload, capacity, horizons=(10,))
+        assert figures["ceiling"] == pytest.approx(hit_ceiling(workload, capacity))
+        for name, hit in figures.items():
+            assert 0.0 <= hit <= figures["ceiling"] + 1e-12, name
+
+
+def test_cli_prints_every_rule_and_the_reuse_table(capsys):
+    assert main(["--workload", "shared-prefix", "--replicas", "8", "--budget-tokens", "8000", "--horizon", "50"]) == 0
+    out = capsys.readouterr().out
+    for name in ("ceiling", "segmented_lru", "s3_fifo", "lru_oracle_admission_50", "read again"):
+        assert name in out
+    with pytest.raises(SystemExit):
+        main(["--replicas", "8", "--budget-tokens", "8000"])
