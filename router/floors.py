@@ -202,15 +202,22 @@ def hit_ceiling(workload: Workload, budget_units: int | None) -> float:
     node_of: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int]] = []  # (node, request number: reads it; -1: its answer, cached unread)
     tokens: list[int] = []  # the prompt tokens each read unit holds (the last unit may be partial)
-    for number, request in enumerate(workload.requests):
-        num_read = len(request.units)
-        written = request.cache_units if request.cache_units[:num_read] == request.units else request.units
-        last_tokens = request.num_prompt_tokens - request.unit_tokens * (num_read - 1)
-        node = -1
-        for depth, unit in enumerate(written):
+    def path(units: Sequence[int]) -> list[int]:
+        node, nodes = -1, []
+        for unit in units:
             node = node_of.setdefault((node, unit), len(node_of))
-            events.append((node, number if depth < num_read else -1))
-            tokens.append(0 if depth >= num_read else last_tokens if depth == num_read - 1 else request.unit_tokens)
+            nodes.append(node)
+        return nodes
+
+    for number, request in enumerate(workload.requests):
+        read = path(request.units)
+        last_tokens = request.num_prompt_tokens - request.unit_tokens * (len(read) - 1)
+        events += [(node, number) for node in read]
+        tokens += [request.unit_tokens] * (len(read) - 1) + [last_tokens] * bool(read)
+        read_set = set(read)
+        written = [node for node in path(request.cache_units) if node not in read_set]
+        events += [(node, -1) for node in written]  # what the request caches past its prompt (a chat's answer)
+        tokens += [0] * len(written)
     never = len(events)
     next_read = [never] * len(events)
     last_seen: dict[int, int] = {}

@@ -156,6 +156,10 @@ def test_an_answer_cached_unread_counts_when_the_next_turn_reads_it():
     assert hit_ceiling(workload, None) == pytest.approx(4 / 7)
     assert hit_ceiling(workload, 4) == pytest.approx(4 / 7)
     assert hit_ceiling(workload, 2) == pytest.approx(2 / 7)
+    # what a request caches need not extend its prompt: every cached unit is an opportunity
+    elsewhere = SimRequest(0.0, (1, 2), 1, 2, 1, (), (7, 8))
+    reader = SimRequest(1.0, (7, 8, 9), 1, 3, 1, (), (7, 8, 9))
+    assert hit_ceiling(Workload((elsewhere, reader), 1, 16, "apart"), None) == pytest.approx(2 / 5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
