@@ -30,23 +30,17 @@ import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 
-from router.floors import hit_ceiling
+from router.floors import hit_ceiling, prefix_nodes
 from router.workload import Workload, load_mooncake, multi_turn, shared_prefix
 
 NEVER = float("inf")
 
 
 def unit_paths(workload: Workload) -> list[tuple[list[int], list[int]]]:
-    """Per request, the node ids of the units it reads and of those it caches."""
+    """Per request, the node ids of the units it reads and of those it caches
+    (:func:`router.floors.prefix_nodes`)."""
     node_of: dict[tuple[int, int], int] = {}
-
-    def path(units: Sequence[int]) -> list[int]:
-        node, nodes = -1, []
-        for unit in units:
-            node = node_of.setdefault((node, unit), len(node_of))
-            nodes.append(node)
-        return nodes
-    return [(path(r.units), path(r.cache_units)) for r in workload.requests]
+    return [(prefix_nodes(r.units, node_of), prefix_nodes(r.cache_units, node_of)) for r in workload.requests]
 
 
 class Lru:

@@ -184,6 +184,17 @@ def floors(workload: Workload, num_replicas: int, cost: CostModel, budget_units:
     return result
 
 
+def prefix_nodes(units: Sequence[int], node_of: dict[tuple[int, int], int]) -> list[int]:
+    """One id per unit of ``units`` that stands for the unit and everything
+    before it (a radix tree's node): equal ids, equal prefixes. ``node_of``
+    maps ``(parent id, unit)`` to ids and grows as new prefixes are seen."""
+    node, nodes = -1, []
+    for unit in units:
+        node = node_of.setdefault((node, unit), len(node_of))
+        nodes.append(node)
+    return nodes
+
+
 def hit_ceiling(workload: Workload, budget_units: int | None) -> float:
     """An upper bound on the token hit rate any router and any eviction can
     reach over replicas whose caches hold ``budget_units`` in all (None:
@@ -202,20 +213,13 @@ def hit_ceiling(workload: Workload, budget_units: int | None) -> float:
     node_of: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int]] = []  # (node, request number: reads it; -1: its answer, cached unread)
     tokens: list[int] = []  # the prompt tokens each read unit holds (the last unit may be partial)
-    def path(units: Sequence[int]) -> list[int]:
-        node, nodes = -1, []
-        for unit in units:
-            node = node_of.setdefault((node, unit), len(node_of))
-            nodes.append(node)
-        return nodes
-
     for number, request in enumerate(workload.requests):
-        read = path(request.units)
+        read = prefix_nodes(request.units, node_of)
         last_tokens = request.num_prompt_tokens - request.unit_tokens * (len(read) - 1)
         events += [(node, number) for node in read]
         tokens += [request.unit_tokens] * (len(read) - 1) + [last_tokens] * bool(read)
         read_set = set(read)
-        written = [node for node in path(request.cache_units) if node not in read_set]
+        written = [node for node in prefix_nodes(request.cache_units, node_of) if node not in read_set]
         events += [(node, -1) for node in written]  # what the request caches past its prompt (a chat's answer)
         tokens += [0] * len(written)
     never = len(events)
