@@ -209,7 +209,10 @@ def hit_ceiling(workload: Workload, budget_units: int | None) -> float:
     keeps the most reads possible. A prompt counts every kept unit it reads,
     not only its leading run (at most ``T - 1`` tokens), and reads the cache
     on arrival, before anything queued ahead of it: so a bound, not a policy.
-    Units are told apart by their whole prefix, as the radix tree does."""
+    Units are told apart by their whole prefix, as the radix tree does.
+    Reads go in arrival order; queues that reorder them across replicas
+    change Belady's optimum, so below the infinite cache's rate this bounds
+    that order, not every schedule."""
     node_of: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int]] = []  # (node, request number: reads it; -1: its answer, cached unread)
     tokens: list[int] = []  # the prompt tokens each read unit holds (the last unit may be partial)
