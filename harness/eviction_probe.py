@@ -30,8 +30,8 @@ import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 
-from router.floors import hit_ceiling, prefix_nodes
-from router.workload import Workload, load_mooncake, multi_turn, shared_prefix
+from router.floors import add_workload_args, hit_ceiling, prefix_nodes, workload_from_args
+from router.workload import Workload
 
 NEVER = float("inf")
 
@@ -197,20 +197,11 @@ def probe(workload: Workload, capacity: int, horizons: Sequence[int] = ()) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.eviction_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="Mooncake-format JSONL trace")
-    parser.add_argument("--workload", choices=("shared-prefix", "multi-turn"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--replicas", type=int, required=True)
-    parser.add_argument("--budget-tokens", type=int, required=True, help="cache budget per replica")
+    add_workload_args(parser)
     parser.add_argument("--horizon", type=int, action="append", default=[],
                         help="also: oracle admission that sees only the next N requests (repeatable)")
     args = parser.parse_args(argv)
-    if (args.trace is None) == (args.workload is None):
-        parser.error("give exactly one of --trace FILE and --workload NAME")
-    if args.trace:
-        workload = load_mooncake(args.trace)
-    else:
-        workload = (shared_prefix if args.workload == "shared-prefix" else multi_turn)(block_tokens=64, seed=args.seed)
+    workload = workload_from_args(parser, args)
     capacity = args.budget_tokens // workload.unit_tokens * args.replicas
     for name, hit in probe(workload, capacity, args.horizon).items():
         print(f"{name:>28}: hit {hit:.4f}")

@@ -256,27 +256,36 @@ def hit_ceiling(workload: Workload, budget_units: int | None) -> float:
     return cached / max(sum(request.num_prompt_tokens for request in workload.requests), 1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router.floors", description=__doc__.split("\n\n")[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The fleet and its workload, as ``router.floors`` and ``harness.eviction_probe`` take them."""
     parser.add_argument("--trace", help="Mooncake-format JSONL trace")
     parser.add_argument("--workload", choices=("shared-prefix", "multi-turn"),
                         help="a generated workload instead of a trace (as router.simulate builds it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--budget-tokens", type=int, required=True, help="cache budget per replica")
+
+
+def workload_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Workload:
+    """The trace or generated workload :func:`add_workload_args` named (exactly one)."""
+    if (args.trace is None) == (args.workload is None):
+        parser.error("give exactly one of --trace FILE and --workload NAME")
+    if args.trace:
+        return load_mooncake(args.trace)
+    build = shared_prefix if args.workload == "shared-prefix" else multi_turn
+    return build(block_tokens=64, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router.floors", description=__doc__.split("\n\n")[0])
+    add_workload_args(parser)
     parser.add_argument("--utilisation", type=float, default=0.9)
     parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
     parser.add_argument("--decode-s-per-token", type=float, default=0.002)
     parser.add_argument("--cache-protected-share", type=float, default=SERVING_PROTECTED_SHARE,
                         help="the shared cache's segmented LRU, as the replicas evict (0: plain LRU only)")
     args = parser.parse_args(argv)
-    if (args.trace is None) == (args.workload is None):
-        parser.error("give exactly one of --trace FILE and --workload NAME")
-    if args.trace:
-        workload = load_mooncake(args.trace)
-    else:
-        build = shared_prefix if args.workload == "shared-prefix" else multi_turn
-        workload = build(block_tokens=64, seed=args.seed)
+    workload = workload_from_args(parser, args)
     config = SimConfig(num_replicas=args.replicas, budget_tokens=args.budget_tokens, utilisation=args.utilisation,
                        cost=CostModel(args.prefill_tokens_per_s, args.decode_s_per_token))
     scaled = scale_arrivals(workload, arrival_scale(workload, config))
