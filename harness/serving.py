@@ -376,7 +376,7 @@ def start_app(config_path: str | Path = "deploy/config.yaml", **overrides) -> Se
     try:
         app.deploy()
     except Exception as error:
-        logs = app.serve_log_tail() if isinstance(error, TimeoutError) else ""  # a failed serve run carries its own
+        logs = "" if isinstance(error, ServeRunFailed) else app.serve_log_tail()  # a failed serve run carries its own
         app.__exit__(None, None, None)
         raise RuntimeError(f"app failed to start: {error}\n{logs}") from error
     return app
