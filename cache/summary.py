@@ -38,6 +38,7 @@ _COMPACT_KEYS = {
     "num_prefill_tokens_total": "pt", "num_output_tokens_total": "ot", "mean_output_tokens": "mo",
     "decode_token_cost": "dc", "queue_token_cost": "qc", "base_version": "bv",
     "fetch_token_cost": "fc", "fetch_overhead_tokens": "fo", "busy_s_total": "bu",
+    "num_prefilling_tokens": "pf",
 }
 _COUNT_FIELDS = (
     "num_cached_tokens",
@@ -48,6 +49,7 @@ _COUNT_FIELDS = (
     "num_waiting",
     "num_prefill_tokens_total",
     "num_output_tokens_total",
+    "num_prefilling_tokens",
 )
 
 _RATE_FIELDS = ("mean_output_tokens", "decode_token_cost", "queue_token_cost", "fetch_token_cost",
@@ -105,6 +107,12 @@ class CacheSummary:
         started (its epoch), to the millisecond: a counter every router reads
         alike, where each router's own view of who is busy covers only its
         own requests (``router.reported_busy.ReportedBusy``).
+      num_prefilling_tokens: prompt tokens its running requests' prefill
+        has still to compute (a chunked prefill in progress; a FIFO
+        server's request in prefill): work ``num_queued_tokens`` (waiting
+        prompts) no longer counts once a request is admitted. A router that
+        shares the traffic with others reads it, for their requests' long
+        prefills it did not book (``PolicyConfig.peer_prefill_from_reports``).
       epoch: names the replica process's stream of summaries ("" for none); a
         new epoch (a restart) starts its versions afresh and drops what the
         router held for the replica.
@@ -125,7 +133,7 @@ class CacheSummary:
          "epoch"?: str, "t": timestamp_s, "bs": block_size,
          "h"?: base64 of the sorted block hashes as little-endian uint64,
          "rm"?: the same of removed_hashes (a delta),
-         "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?: the counts,
+         "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?, "pf"?: the counts,
          "mo"?: mean_output_tokens, "dc"?, "qc"?: the token costs,
          "fc"?, "fo"?: the fetch costs, "bu"?: busy_s_total,
          "bv"?: base_version}
@@ -183,6 +191,7 @@ class CacheSummary:
     fetch_token_cost: float = 0.0
     fetch_overhead_tokens: float = 0.0
     busy_s_total: float = 0.0
+    num_prefilling_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -240,6 +249,7 @@ class CacheSummary:
         fetch_token_cost: float = 0.0,
         fetch_overhead_tokens: float = 0.0,
         busy_s_total: float = 0.0,
+        num_prefilling_tokens: int = 0,
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -262,6 +272,7 @@ class CacheSummary:
             fetch_token_cost=float(fetch_token_cost),
             fetch_overhead_tokens=float(fetch_overhead_tokens),
             busy_s_total=float(busy_s_total),
+            num_prefilling_tokens=num_prefilling_tokens,
         )
 
     def to_dict(self, compact: bool = True) -> dict:

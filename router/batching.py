@@ -382,6 +382,7 @@ class BatchingReplica:
             self, version, now, unit_tokens, units_per_block, num_waiting=len(self._waiting),
             num_running=len(self._running), queued=sum(s.request.num_prompt_tokens for s in self._waiting),
             running=self._running_tokens(),
+            prefilling=sum(s.request.num_prompt_tokens - s.num_prefilled for s in self._running if not s.is_prefilled),
         )
 
     def check_invariants(self) -> None:

@@ -104,6 +104,7 @@ class _Job:
     units: tuple[int, ...] = ()  # what it caches (cache_units: its prompt's, then its answer's in a chat)
     num_cached_units: int = 0  # of them in this replica's cache at arrival: the prompt's rest computed by prefill_end_s
     num_prompt_units: int = 0  # the answer's units computed by finish_s
+    num_computed_tokens: int = 0  # prompt tokens its prefill computes (not cached, not fetched)
 
 
 class OutputWindow:
@@ -238,7 +239,8 @@ class SimReplica:
         self.free_at_s = start + service_s
         self.busy_s += service_s
         self._jobs.append(_Job(number, start, start + prefill_s, self.free_at_s, request.num_prompt_tokens,
-                               request.num_output_tokens, request.cache_units, num_units, len(request.units)))
+                               request.num_output_tokens, request.cache_units, num_units, len(request.units),
+                               request.num_prompt_tokens - cached))
         heapq.heappush(self._completions, (self.free_at_s, number, request.num_output_tokens))
         self.radix.insert(request.cache_units)
         self._prefill_total += request.num_prompt_tokens - cached
@@ -285,14 +287,26 @@ class SimReplica:
 
     def summary(self, version: int, now: float, unit_tokens: int, units_per_block: int) -> CacheSummary:
         num_waiting, num_running, queued, running = self._state(now)
-        return observed_summary(self, version, now, unit_tokens, units_per_block,
-                                num_waiting=num_waiting, num_running=num_running, queued=queued, running=running)
+        return observed_summary(self, version, now, unit_tokens, units_per_block, num_waiting=num_waiting,
+                                num_running=num_running, queued=queued, running=running,
+                                prefilling=self._prefill_left(now))
+
+    def _prefill_left(self, now: float) -> int:
+        """Prompt tokens the request in prefill at ``now`` has still to
+        compute (a live worker's ``num_prefilling_tokens``): its computed
+        tokens less what its prefill has run since its fetch (if any) ended."""
+        for job in self._jobs:
+            if job.start_s <= now < job.prefill_end_s:
+                left = (job.prefill_end_s - now) * self.cost.prefill_tokens_per_s
+                return min(job.num_computed_tokens, math.ceil(left))
+        return 0
 
 
 def observed_summary(replica, version: int, now: float, unit_tokens: int, units_per_block: int, *,
-                     num_waiting: int, num_running: int, queued: int, running: int) -> CacheSummary:
+                     num_waiting: int, num_running: int, queued: int, running: int,
+                     prefilling: int = 0) -> CacheSummary:
     """The summary a simulated replica (either model) reports: only what a live
-    worker fills (its cache, queued/running tokens and counts, mean output,
+    worker fills (its cache, queued/running/prefilling tokens and counts, mean output,
     token counters, the token prices its steps cost, what a fetch costs it), in tokens of
     ``unit_tokens`` per simulated unit."""
     decode_token_cost, queue_token_cost = replica.token_costs
@@ -316,6 +330,7 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
         fetch_token_cost=replica.reported_fetch_costs[0],
         fetch_overhead_tokens=replica.reported_fetch_costs[1],
         busy_s_total=_busy_counter(replica, now),
+        num_prefilling_tokens=prefilling,
     )
 
 

@@ -37,8 +37,11 @@ class RequestBookingMixin:
         ``foreign`` load until the replica's next report, whose queue carries
         it if it still waits (``peer_queue_until_report``; the report may
         already carry it for up to one period: counted twice until the next);
-        at a FIFO replica, at least until its reports' request count says it
-        left (``peer_queue_until_done``: :meth:`ReplicaQueueing.peer_work`).
+        from then on the report prices what its prefill has left
+        (``num_prefilling_tokens``, ``peer_prefill_from_reports``). The floor
+        that kept it counted at a FIFO replica until its reports' request
+        count said it left (``peer_queue_until_done``:
+        :meth:`ReplicaQueueing.peer_work`) is off by default since.
         ``request`` comes without token ids (a prompt's worth per decision
         would be most of what the routers exchange); ``tail_token_ids``, the
         tokens past its last full block, are learned as its partial last

@@ -376,7 +376,8 @@ class PolicyConfig:
     load_peer_estimate: bool = False  # add (routers - 1) x this router's work since a replica's report to its load
     bound_fleet_scale: bool = False  # the bound's one-request slack / the number of routers (RouterShare)
     peer_queue_until_report: bool = True  # another router's shared decision is queued work there until the next report
-    peer_queue_until_done: bool = True  # ... and, at a FIFO replica, while its reports' request count may still hold it
+    peer_queue_until_done: bool = False  # ... and, at a FIFO replica, while its reports' request count may still hold it
+    peer_prefill_from_reports: bool = True  # seeing other routers: a report's prefill in progress (num_prefilling_tokens) is work
     drain_foreign_load: bool = False  # other routers' reported work drains at the fastest rate seen since the report
     cold_home: str = "cost"  # where a cold request goes: cost | ring | bounded | least_of_two (router.cold_home)
     cold_home_load_factor: float = 1.25  # "bounded": a cold home's shared load <= this x the mean (+ one request)

@@ -40,7 +40,8 @@ def check_policy_config(config) -> None:
         raise ValueError(f"balance_from_reports must be a bool, got {config.balance_from_reports!r}")
     for name in ("learn_token_costs", "tie_by_recent_work", "fetch_enabled", "balance_fleet_scale", "split_affinity_by_holders",
                  "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
-                 "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "peer_queue_until_done", "bound_fleet_scale", "busy_from_reports",
+                 "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "peer_queue_until_done",
+                 "peer_prefill_from_reports", "bound_fleet_scale", "busy_from_reports",
                  "fetch_awaits_prefill", "batching_turnover_credit"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")

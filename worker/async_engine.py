@@ -340,6 +340,7 @@ class AsyncEngine(EngineThread):
                 num_prefill_tokens_total=self.engine.stats["prefill_tokens"],
                 num_output_tokens_total=self._num_output_tokens_total,
                 busy_s_total=round(self._busy_s_total, 3),
+                num_prefilling_tokens=scheduler.prefilling_tokens(),
                 decode_token_cost=decode_token_cost,
                 queue_token_cost=queue_token_cost,
             )

@@ -120,6 +120,10 @@ class Scheduler:
     def queued_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.waiting)
 
+    def prefilling_tokens(self) -> int:
+        """Prompt tokens the running sequences' chunked prefill has still to compute."""
+        return sum(seq.prefill_target - seq.num_computed for seq in self.running if seq.is_prefilling)
+
     def running_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.running)
 

@@ -115,11 +115,14 @@ def test_a_fifo_summary_is_what_the_worker_observes():
     replica = SimReplica("r", 10_000, CostModel(prefill_tokens_per_s=100.0, decode_s_per_token=0.5))
     replica.submit(0, request(0.0, 100, 4), 0.0)  # prefill 0..1 s, decode until 3 s
     replica.submit(1, request(0.0, 50, 2, base=1000), 0.0)  # waits until 3 s
+    replica.advance(0.25)
+    in_prefill = replica.summary(1, 0.25, 1, 4)  # request 0 has 75 of its 100 prompt tokens left to prefill
+    assert (in_prefill.num_queued_tokens, in_prefill.num_prefilling_tokens) == (50, 75)
     replica.advance(1.6)
     summary = replica.summary(1, 1.6, 1, 4)
     # running: 100 prompt tokens + 2 output tokens so far (first at 1.0 s, second by 1.5 s)
     assert (summary.num_running, summary.num_waiting) == (1, 1)
-    assert (summary.num_running_tokens, summary.num_queued_tokens) == (102, 50)
+    assert (summary.num_running_tokens, summary.num_queued_tokens, summary.num_prefilling_tokens) == (102, 50, 0)
     assert summary.mean_output_tokens == 0.0  # nothing finished yet
     replica.advance(3.0)
     later = replica.summary(2, 3.0, 1, 4)
@@ -146,6 +149,7 @@ def test_a_batching_summary_counts_prompts_not_yet_admitted_and_running_tokens()
     summary = replica.summary(1, 0.01, 1, 4)
     assert (summary.num_running, summary.num_waiting) == (1, 1)
     assert (summary.num_running_tokens, summary.num_queued_tokens) == (100, 40)
+    assert summary.num_prefilling_tokens == 100 - 64  # request 0's prompt not yet prefilled
     # a lone decode step (10 ms) against a prefill token (1 ms): busy 10; a decoding row costs 0 here
     assert (summary.decode_token_cost, summary.queue_token_cost) == (10.0, 0.0)
     assert 0.0 < summary.busy_s_total <= 0.01 + 1e-12  # the steps up to now, not the one that runs past it

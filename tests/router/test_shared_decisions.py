@@ -146,6 +146,30 @@ def test_a_peers_prefill_at_a_fifo_replica_outlives_a_report_that_prices_it_at_n
     policy.check_invariants()
 
 
+
+@pytest.mark.parametrize("sees_peers", [True, False])
+def test_a_report_prices_the_prefill_in_progress_while_other_routers_share_the_traffic(sees_peers):
+    """``peer_prefill_from_reports``: once another router's decisions reach
+    this one, a report's ``num_prefilling_tokens`` (what a running prefill
+    has left: another router's long cold prompt, say) is that replica's
+    work after the report; a lone router books its own requests until they
+    complete and leaves the field alone (it would count them twice)."""
+    loads = {}
+    for prefilling in (0, 3000):
+        clock = Clock()
+        policy = make_policy(clock)
+        for replica_id in REPLICAS:
+            report(policy, replica_id, 1)
+        if sees_peers:
+            decision = PeerDecision.of(routing(list(range(7000, 7000 + 2 * BLOCK)), num_output_tokens=16),
+                                       REPLICAS[0], BLOCK)
+            policy.on_peer_routed(decision.request, decision.replica_id, decision.tail_token_ids)
+        policy.on_summary(CacheSummary(REPLICAS[1], 2, 0.0, BLOCK, frozenset(), 0, 10_000, num_queued_tokens=8,
+                                       num_running=1, num_prefilling_tokens=prefilling))
+        loads[prefilling] = policy.loads.load(REPLICAS[1])
+        policy.check_invariants()
+    assert loads[3000] - loads[0] == (3000 if sees_peers else 0)
+
 def test_peers_queued_work_shortens_the_waits_four_routers_cause():
     """Multi-turn chats, FIFO replicas, four routers sharing decisions 50 ms
     late, seeds 0-3: counting another router's decision as queued work until

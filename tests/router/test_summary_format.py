@@ -173,3 +173,16 @@ def test_busy_time_round_trips_to_the_millisecond_and_an_older_worker_reads_as_z
     assert "bu" not in CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0).to_dict()
     with pytest.raises(ValueError, match="busy_s_total"):
         CacheSummary("r", 1, 0.0, 4, frozenset(), busy_s_total=-1.0)
+
+
+def test_the_prefill_in_progress_round_trips_and_an_older_worker_reads_as_zero():
+    radix = RadixCache(1000, 4)
+    summary = CacheSummary.from_radix(radix, 4, replica_id="r", version=1, timestamp_s=0.0, num_prefilling_tokens=3000)
+    assert summary.to_dict()["pf"] == 3000
+    assert CacheSummary.from_dict(summary.to_dict()) == summary == CacheSummary.from_dict(summary.to_dict(compact=False))
+    for old in (summary.to_dict(), summary.to_dict(compact=False)):
+        old.pop("pf", None)
+        old.pop("num_prefilling_tokens", None)  # a worker from before the field
+        assert CacheSummary.from_dict(old).num_prefilling_tokens == 0
+    with pytest.raises(ValueError, match="num_prefilling_tokens"):
+        CacheSummary("r", 1, 0.0, 4, frozenset(), num_prefilling_tokens=-1)

@@ -292,6 +292,11 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         assert summary.block_hashes == frozenset(hashes) and summary.num_cached_tokens == engine.cache.num_tokens
         assert (summary.replica_id, summary.version, summary.num_running, summary.num_waiting) == ("r1", 3, 0, 0)
         assert 0.0 < summary.busy_s_total <= wall_s + 1e-3  # its steps' time, to the millisecond
+        assert summary.num_prefilling_tokens == 0  # idle; mid-prefill counts: tests/worker/test_scheduler.py
+        scheduler = engine.engine.scheduler
+        scheduler.prefilling_tokens = lambda: 123  # the summary reports what the scheduler says is left
+        assert engine.cache_summary(16, replica_id="r1", version=5, timestamp_s=1.6).num_prefilling_tokens == 123
+        del scheduler.prefilling_tokens
         await asyncio.sleep(0.05)  # idle time is not busy
         assert engine.cache_summary(16, replica_id="r1", version=4, timestamp_s=2.0).busy_s_total == \
             summary.busy_s_total

@@ -44,6 +44,24 @@ def drain(scheduler, token=7, max_steps=1000):
     raise AssertionError("scheduler did not finish")
 
 
+
+def test_prefilling_tokens_count_what_a_running_chunked_prefill_has_left():
+    """``prefilling_tokens`` (the summary's ``num_prefilling_tokens``): a
+    router sees the rest of a long prefill in progress, which
+    ``queued_tokens`` (the waiting prompts) stops counting at admission."""
+    s = make(max_batch_tokens=8, max_num_seqs=1)
+    s.add(seq("a", range(10, 30)))  # 20 tokens
+    s.add(seq("b", range(40, 52)))  # 12 tokens, waits: one sequence at a time
+    assert (s.queued_tokens(), s.prefilling_tokens()) == (32, 0)
+    run_step(s)  # a: 8 of 20
+    assert (s.queued_tokens(), s.prefilling_tokens()) == (12, 12)
+    run_step(s)  # a: 16 of 20
+    assert (s.queued_tokens(), s.prefilling_tokens()) == (12, 4)
+    run_step(s)  # a: prefilled, its first token sampled
+    assert (s.queued_tokens(), s.prefilling_tokens()) == (12, 0)
+    drain(s)
+    assert (s.queued_tokens(), s.prefilling_tokens()) == (0, 0)
+
 def test_chunked_prefill_under_the_token_budget_then_decode():
     s = make(max_batch_tokens=8)
     a = seq("a", range(10, 30), max_new_tokens=2)  # 20 tokens
