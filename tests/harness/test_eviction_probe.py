@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from harness.eviction_probe import Lru, S3Fifo, SegmentedLru, main, next_reads, probe, replay, unit_paths
+from harness.eviction_probe import (BranchAdmission, Lru, S3Fifo, SegmentedLru, main, next_reads, probe, replay,
+                                   replay_admitted, unit_paths)
 from router.floors import hit_ceiling
 from router.workload import SimRequest, Workload
 
@@ -54,6 +55,21 @@ def test_oracle_admission_caches_only_what_a_later_prompt_reads():
     assert list(cache.kept) == [paths[0][0][0]]  # the unit [1]: the only one read again
 
 
+def test_branch_admission_stops_caching_one_off_branches_of_a_point_and_keeps_a_chat():
+    doc = [1, 2, 3]
+    questions = [doc + [10 * q, 10 * q + 1] for q in range(1, 6)]  # one-off questions under one document
+    chat = [[7, 8], [7, 8, 9], [7, 8, 9, 4], [7, 8, 9, 4, 5]]  # each turn extends the last
+    workload = Workload(tuple(request(float(i), p) for i, p in enumerate(questions + chat)), 1, 16, "hand")
+    paths = unit_paths(workload)
+    cache = Lru(100)
+    replay_admitted(workload, paths, cache, BranchAdmission(min_branches=2, min_reuse=0.5))
+    kept_questions = [q for q, (read, _) in zip(questions, paths) if read[-1] in cache]
+    # the first wrote the document; two branches off its end never read again: from the fourth on, not cached
+    assert kept_questions == questions[:3]
+    assert all(read[-1] in cache for read, _ in paths[len(questions):])  # every chat turn is
+    assert all(node in cache for node in paths[0][0][:3])  # the document itself stays
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_no_rule_passes_the_ceiling(seed):
     workload = random_workload(seed)
@@ -67,7 +83,7 @@ def test_no_rule_passes_the_ceiling(seed):
 def test_cli_prints_every_rule_and_the_reuse_table(capsys):
     assert main(["--workload", "shared-prefix", "--replicas", "8", "--budget-tokens", "8000", "--horizon", "50"]) == 0
     out = capsys.readouterr().out
-    for name in ("ceiling", "segmented_lru", "s3_fifo", "lru_oracle_admission_50", "read again"):
+    for name in ("ceiling", "segmented_lru", "s3_fifo", "branch_admission", "lru_oracle_admission_50", "read again"):
         assert name in out
     with pytest.raises(SystemExit):
         main(["--replicas", "8", "--budget-tokens", "8000"])
