@@ -110,9 +110,9 @@ class ReplicaReportsMixin:
         they complete, a prefill in progress included; another router's long
         prefill it books only until this report, which without that field
         prices it at nothing (simulated Mooncake 1.25M, 4 routers, FIFO:
-        TTFT p99 3.26 -> 3.06 s; BENCHMARKS.md "Several routers: the
-        replicas report the prefill in progress"). With one router it would
-        only count its own requests twice (hit -0.001 there)."""
+        TTFT p99 3.25 -> 3.07 s; BENCHMARKS.md "The prefill in progress,
+        and admission learned online"). With one router it would only
+        count its own requests twice (hit -0.001 there)."""
         expected = self._outputs.expected(None, summary.replica_id)
         decode = self.config.queue_token_cost * expected * (summary.num_waiting + 0.5 * summary.num_running)
         queued = summary.num_queued_tokens

@@ -146,7 +146,6 @@ def test_a_peers_prefill_at_a_fifo_replica_outlives_a_report_that_prices_it_at_n
     policy.check_invariants()
 
 
-
 @pytest.mark.parametrize("sees_peers", [True, False])
 def test_a_report_prices_the_prefill_in_progress_while_other_routers_share_the_traffic(sees_peers):
     """``peer_prefill_from_reports``: once another router's decisions reach
