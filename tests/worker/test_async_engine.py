@@ -263,6 +263,29 @@ def test_callers_on_several_event_loops(make_async_engine):
     asyncio.run(engine.shutdown())
 
 
+
+def test_a_summary_taken_mid_prefill_reports_what_the_chunked_prefill_has_left(make_async_engine):
+    """``num_prefilling_tokens``: a 600-token prompt prefilled 16 tokens a
+    step is seen, between steps, with part of its prompt still to compute;
+    the count only falls, and reads 0 once the request is done."""
+    async def main():
+        engine = make_async_engine(max_batch_tokens=16, max_num_seqs=1)
+        prompt = prompts(5, 1, shared=600)[0]
+        task = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=2)))
+        seen = []
+        while not task.done():
+            summary = engine.cache_summary(16, replica_id="r1", version=len(seen) + 1, timestamp_s=0.0)
+            if summary.num_prefilling_tokens:
+                seen.append(summary.num_prefilling_tokens)
+            await asyncio.sleep(0.001)
+        await task
+        assert seen and 0 < min(seen) <= max(seen) < len(prompt)
+        assert seen == sorted(seen, reverse=True)  # what is left only falls
+        assert engine.cache_summary(16, replica_id="r1", version=10**6, timestamp_s=0.0).num_prefilling_tokens == 0
+        await engine.shutdown()
+
+    asyncio.run(main())
+
 def test_stats_load_model_info_and_cache_summary(make_async_engine):
     async def main():
         engine = make_async_engine()
@@ -292,11 +315,7 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         assert summary.block_hashes == frozenset(hashes) and summary.num_cached_tokens == engine.cache.num_tokens
         assert (summary.replica_id, summary.version, summary.num_running, summary.num_waiting) == ("r1", 3, 0, 0)
         assert 0.0 < summary.busy_s_total <= wall_s + 1e-3  # its steps' time, to the millisecond
-        assert summary.num_prefilling_tokens == 0  # idle; mid-prefill counts: tests/worker/test_scheduler.py
-        scheduler = engine.engine.scheduler
-        scheduler.prefilling_tokens = lambda: 123  # the summary reports what the scheduler says is left
-        assert engine.cache_summary(16, replica_id="r1", version=5, timestamp_s=1.6).num_prefilling_tokens == 123
-        del scheduler.prefilling_tokens
+        assert summary.num_prefilling_tokens == 0  # idle
         await asyncio.sleep(0.05)  # idle time is not busy
         assert engine.cache_summary(16, replica_id="r1", version=4, timestamp_s=2.0).busy_s_total == \
             summary.busy_s_total
