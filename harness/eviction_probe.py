@@ -172,24 +172,6 @@ class BranchAdmission:
         return point == ROOT or earlier < self.min_branches or read_again >= self.min_reuse * earlier
 
 
-def replay_admitted(workload: Workload, paths, cache, admission: BranchAdmission) -> float:
-    """:func:`replay` with ``admission`` deciding, per prompt, whether its new units are cached."""
-    cached = total = 0
-    for request, (read, written) in zip(workload.requests, paths):
-        lead = 0
-        while lead < len(read) and read[lead] in cache:
-            cache.read(read[lead])
-            lead += 1
-        admission.observe(read)
-        cached += request.cached_tokens(lead)
-        total += request.num_prompt_tokens
-        if lead < len(written) and admission.admits(read[lead - 1] if lead else ROOT, written[lead]):
-            for node in written[lead:]:
-                if node not in cache:
-                    cache.write(node)
-    return cached / max(total, 1)
-
-
 def next_reads(paths: list[tuple[list[int], list[int]]]) -> list[dict[int, float]]:
     """Per request, each written node's next read by a later request (its number, or NEVER)."""
     upcoming: dict[int, float] = {}
@@ -202,9 +184,10 @@ def next_reads(paths: list[tuple[list[int], list[int]]]) -> list[dict[int, float
     return out
 
 
-def replay(workload: Workload, paths, cache, admit=None) -> float:
+def replay(workload: Workload, paths, cache, admit=None, branches: BranchAdmission | None = None) -> float:
     """Token hit rate of ``cache`` over the workload; ``admit(number, node)``
-    False: the unit is not cached."""
+    False: the unit is not cached; ``branches``: whether a prompt's new
+    units are cached at all (:class:`BranchAdmission`, which sees every prompt's reads)."""
     cached = total = 0
     for number, (request, (read, written)) in enumerate(zip(workload.requests, paths)):
         lead = 0
@@ -213,6 +196,10 @@ def replay(workload: Workload, paths, cache, admit=None) -> float:
             lead += 1
         cached += request.cached_tokens(lead)
         total += request.num_prompt_tokens
+        if branches is not None:
+            branches.observe(read)
+            if lead < len(written) and not branches.admits(read[lead - 1] if lead else ROOT, written[lead]):
+                continue
         for node in written[lead:]:
             if node not in cache and (admit is None or admit(number, node)):
                 cache.write(node)
@@ -249,7 +236,7 @@ def probe(workload: Workload, capacity: int, horizons: Sequence[int] = ()) -> di
         "lru": replay(workload, paths, Lru(capacity)),
         "segmented_lru": replay(workload, paths, SegmentedLru(capacity)),
         "s3_fifo": replay(workload, paths, S3Fifo(capacity)),
-        "segmented_lru_branch_admission": replay_admitted(workload, paths, SegmentedLru(capacity), BranchAdmission()),
+        "segmented_lru_branch_admission": replay(workload, paths, SegmentedLru(capacity), branches=BranchAdmission()),
         "lru_oracle_admission": replay(workload, paths, Lru(capacity),
                                        lambda number, node: upcoming[number][node] != NEVER),
     }

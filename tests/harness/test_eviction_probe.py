@@ -6,7 +6,7 @@ import random
 import pytest
 
 from harness.eviction_probe import (BranchAdmission, Lru, S3Fifo, SegmentedLru, main, next_reads, probe, replay,
-                                   replay_admitted, unit_paths)
+                                   unit_paths)
 from router.floors import hit_ceiling
 from router.workload import SimRequest, Workload
 
@@ -62,7 +62,7 @@ def test_branch_admission_stops_caching_one_off_branches_of_a_point_and_keeps_a_
     workload = Workload(tuple(request(float(i), p) for i, p in enumerate(questions + chat)), 1, 16, "hand")
     paths = unit_paths(workload)
     cache = Lru(100)
-    replay_admitted(workload, paths, cache, BranchAdmission(min_branches=2, min_reuse=0.5))
+    replay(workload, paths, cache, branches=BranchAdmission(min_branches=2, min_reuse=0.5))
     kept_questions = [q for q, (read, _) in zip(questions, paths) if read[-1] in cache]
     # the first wrote the document; two branches off its end never read again: from the fourth on, not cached
     assert kept_questions == questions[:3]
