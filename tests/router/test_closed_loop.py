@@ -128,8 +128,10 @@ def test_one_client_never_queues_while_the_open_loop_at_high_load_does():
                              64, "shared-prefix")
     alone = replay(workload, closed_config(concurrency=1), "ours")
     assert alone["wait_p99_s"] < 0.0002 + 1e-9  # each request alone on the replica: TTFT = its own prefill
+    assert alone["own_prefill_p99_s"] == pytest.approx(alone["ttft_p99_s"], abs=0.0002 + 1e-9)
     crowded = replay(workload, closed_config(concurrency=8), "ours")
     assert crowded["ttft_p50_s"] > alone["ttft_p50_s"]
+    assert crowded["own_prefill_p99_s"] < crowded["ttft_p99_s"]  # the queue's share of the tail
     assert crowded["hit_rate"] == pytest.approx(alone["hit_rate"], abs=0.05)
 
 
