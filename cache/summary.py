@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cache.cached_hashes import cached_block_hashes
+from cache.output_quantiles import check_output_quantiles, quantiles_from_wire
 from cache.packed_hashes import pack_array, unpack_base64
 from cache.packed_hashes import pack_block_hashes, unpack_block_hashes  # noqa: F401 - re-exported: defined here first
 from cache.radix import RadixCache
@@ -113,6 +114,10 @@ class CacheSummary:
         prompts) no longer counts once a request is admitted. A router that
         shares the traffic with others reads it, for their requests' long
         prefills it did not book (``PolicyConfig.peer_prefill_from_reports``).
+      output_quantiles: its recently finished requests' output lengths at
+        evenly spaced probabilities (``cache.output_quantiles``; ``()`` for
+        none; at most 256 non-decreasing ints): the tail of its outputs, for
+        how long a request already decoding has left (``router.work_left``).
       epoch: names the replica process's stream of summaries ("" for none); a
         new epoch (a restart) starts its versions afresh and drops what the
         router held for the replica.
@@ -136,7 +141,7 @@ class CacheSummary:
          "c"?, "b"?, "q"?, "r"?, "nr"?, "nw"?, "pt"?, "ot"?, "pf"?: the counts,
          "mo"?: mean_output_tokens, "dc"?, "qc"?: the token costs,
          "fc"?, "fo"?: the fetch costs, "bu"?: busy_s_total,
-         "bv"?: base_version}
+         "oq"?: output_quantiles as a list, "bv"?: base_version}
 
     where a field left out is 0 (empty for hashes, "" for the epoch): a
     summary's fixed cost is what changes, not ~350 bytes of names and zeros
@@ -161,7 +166,8 @@ class CacheSummary:
          "mean_output_tokens": float,  # absent reads as 0.0
          "decode_token_cost": float, "queue_token_cost": float,
          "fetch_token_cost": float, "fetch_overhead_tokens": float,
-         "busy_s_total": float}  # the same
+         "busy_s_total": float,  # the same
+         "output_quantiles": [int, ...]}  # absent reads as ()
 
     Size: ~10.7 bytes per cached block (a 1M-token tree at block size 64 is
     ~170 kB). :meth:`from_dict` raises ``ValueError`` naming the bad field;
@@ -192,6 +198,7 @@ class CacheSummary:
     fetch_overhead_tokens: float = 0.0
     busy_s_total: float = 0.0
     num_prefilling_tokens: int = 0
+    output_quantiles: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
@@ -219,6 +226,7 @@ class CacheSummary:
             raise ValueError(f"removed_hashes must be a frozenset, got {type(self.removed_hashes).__name__}")
         if self.removed_hashes and not self.is_delta:
             raise ValueError("a full snapshot has no removed_hashes")
+        check_output_quantiles(self.output_quantiles)
 
     @property
     def is_delta(self) -> bool:
@@ -250,6 +258,7 @@ class CacheSummary:
         fetch_overhead_tokens: float = 0.0,
         busy_s_total: float = 0.0,
         num_prefilling_tokens: int = 0,
+        output_quantiles: tuple[int, ...] = (),
     ) -> CacheSummary:
         """Summarise ``radix`` (cost of :func:`cached_block_hashes`) plus the given load."""
         return cls(
@@ -273,6 +282,7 @@ class CacheSummary:
             fetch_overhead_tokens=float(fetch_overhead_tokens),
             busy_s_total=float(busy_s_total),
             num_prefilling_tokens=num_prefilling_tokens,
+            output_quantiles=output_quantiles,
         )
 
     def to_dict(self, compact: bool = True) -> dict:
@@ -295,6 +305,8 @@ class CacheSummary:
                 out[name] = float(getattr(self, name))
         if self.epoch:
             out["epoch"] = self.epoch
+        if self.output_quantiles:
+            out["output_quantiles"] = list(self.output_quantiles)
         if self.is_delta:
             removed = pack_array(self.removed_hashes)
             out.update(base_version=self.base_version, num_removed=len(removed),
@@ -317,6 +329,8 @@ class CacheSummary:
         for name in _RATE_FIELDS:
             if getattr(self, name):
                 out[_COMPACT_KEYS[name]] = float(getattr(self, name))
+        if self.output_quantiles:
+            out["oq"] = list(self.output_quantiles)
         if self.base_version:
             out["bv"] = self.base_version
         return out
@@ -335,6 +349,7 @@ class CacheSummary:
             **{name: data.get(_COMPACT_KEYS[name], 0) for name in _COUNT_FIELDS},
             **{name: _number(data.get(_COMPACT_KEYS[name], 0.0), name) for name in _RATE_FIELDS},
             epoch=data.get("epoch", ""),
+            output_quantiles=quantiles_from_wire(data.get("oq", ())),
             base_version=data.get("bv", 0),
             removed_hashes=frozenset(unpack_base64(data.get("rm", ""), "removed_hashes")),
         )
@@ -364,6 +379,7 @@ class CacheSummary:
             **{name: data.get(name, 0) for name in _COUNT_FIELDS},
             **{name: _number(data.get(name, 0.0), name) for name in _RATE_FIELDS},
             epoch=data.get("epoch", ""),
+            output_quantiles=quantiles_from_wire(data.get("output_quantiles", ())),
             base_version=data.get("base_version", 0),
             removed_hashes=frozenset(removed),
         )

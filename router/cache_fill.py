@@ -31,6 +31,10 @@ class FleetCacheFill:
         report = self._reports.get(replica_id)
         return None if report is None else report[1] - report[0]
 
+    def min_free_tokens(self) -> int | None:
+        """The least free budget of any cache at its latest report; None before any. O(replicas)."""
+        return min((budget - cached for cached, budget in self._reports.values()), default=None)
+
     def report(self, replica_id: str, num_cached_tokens: int, budget_tokens: int) -> None:
         """A replica's latest report (O(1)); a budget of 0 (none reported) leaves it out."""
         self.remove(replica_id)

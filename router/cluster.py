@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cache import RadixCache
+from cache.output_quantiles import output_quantiles
 from cache.summary import CacheSummary, cached_block_hashes
 from router.sim_fetch import FetchCounts, SimFetch, held_elsewhere, plan_fetch, still_computed
 from router.workload import SimRequest
@@ -123,6 +124,11 @@ class OutputWindow:
     @property
     def mean(self) -> float:
         return self._sum / len(self._lengths) if self._lengths else 0.0
+
+    @property
+    def quantiles(self) -> tuple[int, ...]:
+        """:func:`cache.output_quantiles.output_quantiles` of the window (``()`` when empty)."""
+        return output_quantiles(self._lengths)
 
 
 class SimReplica:
@@ -306,7 +312,7 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
                      num_waiting: int, num_running: int, queued: int, running: int,
                      prefilling: int = 0) -> CacheSummary:
     """The summary a simulated replica (either model) reports: only what a live
-    worker fills (its cache, queued/running/prefilling tokens and counts, mean output,
+    worker fills (its cache, queued/running/prefilling tokens and counts, mean output and its quantiles,
     token counters, the token prices its steps cost, what a fetch costs it), in tokens of
     ``unit_tokens`` per simulated unit."""
     decode_token_cost, queue_token_cost = replica.token_costs
@@ -323,6 +329,7 @@ def observed_summary(replica, version: int, now: float, unit_tokens: int, units_
         num_running=num_running,
         num_waiting=num_waiting,
         mean_output_tokens=replica._outputs.mean,  # noqa: SLF001 - both replica models keep one
+        output_quantiles=replica._outputs.quantiles,  # noqa: SLF001
         num_prefill_tokens_total=replica._prefill_total,  # noqa: SLF001
         num_output_tokens_total=replica._output_total,  # noqa: SLF001
         decode_token_cost=decode_token_cost,

@@ -30,34 +30,28 @@ class LoadTracker:
     is what other routers put there, as of the replica's last report, plus
     what their shared decisions added since (:meth:`add_foreign`). With
     one router ``foreign`` stays ~0; with several, each still sees its own
-    pending work at once, which is what keeps routers from herding onto a
-    replica between reports.
+    pending work at once, which keeps routers from herding between reports.
 
     **Recent work** ``recent_work(r, now)``: the work this router sent to
-    ``r``, each request decayed by ``exp(-age / window_s)``. It measures the
-    long-run share of work, which the instantaneous queue (often 0–2
-    requests) cannot. :meth:`chance_sd` is the standard deviation of one
-    replica's recent work if the same requests had been spread uniformly at
-    random, ``sqrt(sum(d_i² w_i²) (N - 1)) / N`` (``d_i`` the decay of request
-    ``i``): how far from the mean a replica lands by chance alone.
+    ``r``, each request decayed by ``exp(-age / window_s)``: the long-run
+    share of work, which the queue (often 0–2 requests) cannot tell.
+    :meth:`chance_sd` is the standard deviation of a replica's recent work
+    had the same requests been spread uniformly at random, ``sqrt(sum(d_i²
+    w_i²) (N - 1)) / N`` (``d_i``: request ``i``'s decay): chance's share.
 
     **Recent busy time** (``track_busy``, :meth:`busy_view`): how long each
     replica had at least one of this router's requests in flight, decayed
-    alike (:class:`BusySpans`): what the replica's work cost it in time when
-    requests overlap.
-
+    alike (:class:`BusySpans`): its work's cost in time when requests overlap.
     In-flight entries that never hear a completion are dropped after
     ``in_flight_timeout_s``: a lost callback must not leak load.
 
-    **Reservations** (:meth:`reserve`): a decision counted the moment it is
-    made, before the caller says the request was sent (Ray Serve reports a
-    request routed only once the replica accepted it, so a burst of
-    decisions would otherwise all see the same loads). :meth:`confirm`
-    turns it into an ordinary in-flight entry; :meth:`on_routed` with the
-    same id replaces it (the request went elsewhere); one not confirmed
-    within ``reservation_timeout_s`` never happened (the request was
-    cancelled before it was sent) and is forgotten, queued and recent work
-    alike.
+    **Reservations** (:meth:`reserve`): a decision counted when made, before
+    the caller says the request was sent (Ray Serve reports a request routed
+    only once the replica accepted it: a burst of decisions would all see
+    the same loads). :meth:`confirm` makes it an ordinary in-flight entry,
+    :meth:`on_routed` with the same id replaces it (it went elsewhere), and
+    one unconfirmed for ``reservation_timeout_s`` (cancelled before it was
+    sent) is forgotten, queued and recent work alike.
 
     Invariants (checked by :meth:`check_invariants`):
 
@@ -77,7 +71,7 @@ class LoadTracker:
 
     Cost: updates O(1) (O(log N) amortised with a heap); the first
     :meth:`least_loaded_replica` O(N), later ones O(log N) amortised; the
-    rest O(1) (a rebase every ``50 × window_s``, and dropping
+    rest O(1) but where said (a rebase every ``50 × window_s`` and a drop of
     ``_STALE_SLACK`` stale heap entries, O(N)).
     """
 
@@ -171,6 +165,12 @@ class LoadTracker:
     def num_in_flight_at(self, replica_id: str) -> int:
         """This router's requests in flight at ``replica_id``; O(in flight)."""
         return sum(1 for entry in self._in_flight.values() if entry.replica_id == replica_id)
+
+    def first_in_flight(self) -> dict[str, _InFlight]:
+        first: dict[str, _InFlight] = {}  # each replica's request this router sent (moved) there first; O(in flight)
+        for entry in self._in_flight.values():
+            first.setdefault(entry.replica_id, entry)
+        return first
 
     def least_loaded_replica(self) -> str | None:
         """The least loaded replica (least recent work among equals); None if none."""
@@ -283,14 +283,14 @@ class LoadTracker:
         self._recent_sq_total += scaled * scaled
         self._changed(replica_id)
 
-    def on_completed(self, request_id: str, now: float | None = None) -> bool:
+    def on_completed(self, request_id: str, now: float | None = None) -> str | None:
         """The request finished (or failed) at ``now`` (default: the latest
         time given to any update; it ends the replica's busy span); returns
-        False if it was unknown."""
+        the replica it was at, None if it was unknown."""
         self._reserved.pop(request_id, None)
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
-            return False
+            return None
         if now is not None:
             self._last_s = max(self._last_s, now)
         if self._busy is not None:
@@ -299,7 +299,7 @@ class LoadTracker:
             self._local[entry.replica_id] = max(0.0, self._local[entry.replica_id] - entry.num_tokens)
             self._total -= entry.num_tokens
             self._changed(entry.replica_id)
-        return True
+        return entry.replica_id
 
     def on_report(self, replica_id: str, load_tokens: float, peer_tokens: float = 0.0) -> None:
         """The replica says it holds ``load_tokens`` of work (all routers'); ``foreign`` is

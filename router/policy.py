@@ -31,6 +31,7 @@ from router.router_share import RouterShare
 from router.scoring import holder_premium
 from router.summary_intake import SummaryIntake
 from router.token_prices import ReportedTokenPrices
+from router.work_left import WorkLeft
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,9 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        :func:`router.scoring.holder_premium`; off: ``cached(r)``). ``load`` is the
        work queued there (this router's in-flight requests, each weighing
        its uncached tokens + ``queue_decode_token_cost`` per expected output
-       token, plus what the replica last reported beyond that). Both token
+       token, plus what the replica last reported beyond that; at a FIFO
+       replica whose cache has room, its running request at what it has
+       left: ``fifo_work_left``, :class:`WorkLeft`). Both token
        prices are what the replicas' engines measure (their summaries'
        ``decode_token_cost`` / ``queue_token_cost``, the median over the
        fleet; :class:`ReportedTokenPrices`), the configured ones only until
@@ -110,13 +113,13 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        replica serving one at a time a
        cold request's queue weighs ``1 + cold_queue_weight``: it gains no
        cache anywhere, and waits for all of the queue.
-       Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a pure
-       function of the replica set, so every router homes a cold prefix on the
-       same replica and cold prefixes spread by hash), then by a rendezvous
-       hash of (k, replica); ``tie_by_recent_work`` puts this router's recent
-       work first (the old rule: routers with different histories disagree).
-       ``within(r)``: tokens of block ``m`` the replica holding the previous
-       prompt's partial last block shares (:mod:`router.candidates`).
+       Ties (idle replicas for a cold prompt) go in ring order from ``k`` (a
+       pure function of the replica set: every router homes a cold prefix on
+       the same replica, and cold prefixes spread by hash), then by a
+       rendezvous hash of (k, replica); ``tie_by_recent_work``: this router's
+       recent work first (the old rule; routers' histories disagree).
+       ``within(r)``: block ``m``'s tokens shared with the previous prompt's
+       partial last block at its replica (:mod:`router.candidates`).
     4. **Bounded load.** A replica whose recent work (routed work decayed over
        ``load_window_s``) exceeds ``load_factor`` × the mean, plus one
        request's work, plus ``load_slack_sd × cached(r) / T`` standard
@@ -192,16 +195,11 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        ``reported_busy_share`` (0.8): a router's own spans cover ~1/K of a
        replica's busy time, the counter all of it, alike for every router.
        Another router's shared decision is queued work at its replica until
-       that replica reports (``peer_queue_until_report``). Off, measured:
-       ``load_peer_estimate`` (a replica's queued work adds (K - 1) × what
-       this router sent it since its last report), ``drain_foreign_load``,
-       ``bound_fleet_scale`` and ``cold_home`` (:mod:`router.cold_home`:
-       cold prefixes by ring order and summaries only, which every router
-       computes alike): BENCHMARKS.md "Several ingress routers".
+       that replica reports (``peer_queue_until_report``). Off, measured
+       (BENCHMARKS.md "Several ingress routers"): ``load_peer_estimate``,
+       ``drain_foreign_load``, ``bound_fleet_scale`` and ``cold_home``.
 
-    Defaults and why, with the measurements behind each: BENCHMARKS.md,
-    "Router policy defaults".
-
+    Defaults and why, measured: BENCHMARKS.md, "Router policy defaults".
     What it avoids (shared system prompts, cold misses piling up, herding
     routers): router/README.md, "What the policy avoids".
 
@@ -244,6 +242,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
         self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
                                            history=self.config.price_history)
+        self._work_left = WorkLeft()  # fifo_work_left: what a FIFO replica's running request has left
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -291,6 +290,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._turnover.remove(replica_id)
         self._busy_reports.remove(replica_id)
         self._share.remove(replica_id)
+        self._work_left.remove(replica_id)
         if self._prices.remove(replica_id):
             self._reprice()
 
@@ -409,6 +409,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._busy_reports.check_invariants()
         self._turnover.check_invariants()
         self._fetch_cost.check_invariants(nodes)
+        self._work_left.check_invariants(nodes)
         self._prices.check_invariants(nodes)
         assert (self.config.decode_token_cost, self.config.queue_token_cost) == (
             self._prices.decode_token_cost, self._prices.queue_token_cost) or not self.config.learn_token_costs, \

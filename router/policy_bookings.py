@@ -113,5 +113,7 @@ class RequestBookingMixin:
         now = self._clock()
         self._pending.done(request_id)
         self._queue_priced.on_completed(request_id)
-        if self._loads.on_completed(request_id, now):
+        replica_id = self._loads.on_completed(request_id, now)
+        if replica_id is not None:
             self._share.on_completed(now)
+            self._work_left.on_completed(replica_id, now)

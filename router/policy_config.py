@@ -308,24 +308,22 @@ class PolicyConfig:
     not the owner (an owner over the bound, or far more queued) it carries
     the hint, so fetch only turns the no-fetch rule's spills into hits.
     Measured (BENCHMARKS.md, "KV fetch (simulated)"): against fetch off,
-    hit rate as high or higher on every row (Mooncake 1.25M/6.25M x
-    FIFO/batching, shared-prefix, multi-turn), imbalance at most +0.003 and
-    TTFT p99 at most +0.001 s (within the summary-period noise), and
-    multi-turn FIFO hit 0.853 -> 0.890, TTFT
-    p99 1.789 -> 1.630 s, batching hit 0.885 -> 0.895, p99 0.036 -> 0.026 s.
-    "always" (the first rule) credited fetchable tokens against any owner:
-    in 7 of multi-turn batching's 10 hints (30 of 30 FIFO) the owner was
-    within its bound, the request left a home that could take it and made
-    a second copy: imbalance 1.087 -> 1.110. "over_bound" (credit, and
-    the cheaper booking, only while the owner is over the bound) opened on
-    3 of batching's 8 hints and took its imbalance to 1.168.
+    hit as high or higher on every row, imbalance and p99 within noise, and
+    multi-turn FIFO hit 0.853 -> 0.890, TTFT p99 1.789 -> 1.630 s. "always"
+    (crediting fetchable tokens against any owner) moved requests from
+    homes that could take them into second copies (multi-turn batching
+    imbalance 1.087 -> 1.110); "over_bound" took it to 1.168.
+    ``fifo_work_left`` and ``queue_copy_any_prefix`` (session 60;
+    BENCHMARKS.md "Work left at a FIFO server"): while caches have room,
+    a FIFO replica's running request weighs what it has left (:class:`router.
+    work_left.WorkLeft`), and a queued copy may be of any prefix: Mooncake
+    FIFO TTFT p99 6.25M 2.725 -> 2.637 s, 1.25M 2.807 -> 2.776 s, hit equal.
     ``fetch_token_cost`` = 0.1, used by the credit and its booking (not by
     "never"): Llama-3.1-8B keeps 128 KiB per token in bf16, so at 25 GB/s
     a token moves in ~5 µs against ~50 µs to prefill it on an H100; the
     worker still decides with its own measured figures. Booking hinted
     requests at that cost under "never" moved Mooncake 1.25M FIFO hit by
-    -0.0096 at a 1.0 s summary period and +0.0019 at 0.9 s: the Mooncake
-    replay is chaotic (~20 hinted decisions reorder all later ones), so the
+    -0.0096 / +0.0019 at 1.0 / 0.9 s periods (a chaotic replay): the
     default books no-fetch decisions exactly as without fetch.
     ``fetch_affinity_share`` = 0 (with a credit scope other than "never"):
     fetchable tokens lower a replica's cost only by what they save now;
@@ -402,6 +400,8 @@ class PolicyConfig:
     turnover_weight: float = 4.0  # price per token written where a full cache turns over faster than the mean
     batching_turnover_credit: bool = True  # ... and at a batching server a cold request's credit where it is slower
     cold_queue_weight: float = 2.0  # a cold request's queue at a FIFO server weighs 1 + this
+    fifo_work_left: bool = True  # with room in caches, a FIFO replica's running request weighs what it has left
+    queue_copy_any_prefix: bool = True  # ... and a queued copy from a FIFO holder may be of any prefix
 
     def __post_init__(self) -> None:
         check_policy_config(self)

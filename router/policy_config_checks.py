@@ -42,7 +42,7 @@ def check_policy_config(config) -> None:
                  "premium_needs_completion", "replicate_hot_prefixes", "backup_fetch_hints",
                  "load_peer_estimate", "drain_foreign_load", "peer_queue_until_report", "peer_queue_until_done",
                  "peer_prefill_from_reports", "bound_fleet_scale", "busy_from_reports",
-                 "fetch_awaits_prefill", "batching_turnover_credit"):
+                 "fetch_awaits_prefill", "batching_turnover_credit", "fifo_work_left", "queue_copy_any_prefix"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     if type(config.fetch_alternates) is not int or config.fetch_alternates < 0:

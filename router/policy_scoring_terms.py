@@ -47,9 +47,41 @@ class ScoringTermsMixin:
                                              and not self._share.sees_peers(now) else 1.0),
             mean_balance=mean_balance,
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
-            load=self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
+            load=self._load_left(self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
+                                 request, now),
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
             balance_work=balance_work, turnover=self._turnover_price(now), cold_queue=self._cold_queue_weight())
+
+    def _load_left(self, load: Callable[[str], float], request: RoutingRequest, now: float
+                   ) -> Callable[[str], float]:
+        """``load`` with the request a FIFO replica runs (this router's
+        first in flight there, :meth:`ReplicaQueueing.serves_one_at_a_time`)
+        at what it has left (:class:`WorkLeft`) instead of its booked work,
+        while ``fifo_work_left`` is in force: one router (every request
+        there is its own), every cache has room (``pressure`` 0: a placement
+        evicts nothing, TTFT is all it decides), and the replicas have
+        reported their rates and output quantiles. Else ``load``."""
+        config, work_left = self.config, self._work_left
+        free = self._fill.min_free_tokens()
+        if not (config.fifo_work_left and work_left.is_ready and free is not None
+                and free >= 2 * request.num_prompt_tokens and not self._shares_traffic()):
+            return load
+        one_at_a_time, expected, first = self._queueing.serves_one_at_a_time, self._outputs.expected, {}
+        queue_cost, decode_cost = config.queue_token_cost, config.decode_token_cost
+
+        def load_left(replica_id: str) -> float:
+            if not one_at_a_time(replica_id):
+                return load(replica_id)
+            if not first:  # the in-flight scan, once a decision needs it
+                first.update(self._loads.first_in_flight() or {None: None})
+            entry = first.get(replica_id)
+            if entry is None:
+                return load(replica_id)
+            prefill = max(entry.num_tokens - queue_cost * expected(None, replica_id), 0.0)  # booked: prefill + output
+            left = work_left.head_left(replica_id, entry.num_tokens, prefill, entry.routed_at, now, decode_cost,
+                                       queue_cost)
+            return max(load(replica_id) - entry.num_tokens + left, 0.0)
+        return load_left
 
     def _cold_queue_weight(self) -> Callable[[str], float] | None:
         """Step 3's extra weight on a cold request's queue (``cold_queue_weight``)

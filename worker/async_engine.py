@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
+from cache.output_quantiles import output_quantiles
 from cache.summary import CacheSummary, cached_block_hashes
 from worker.config import EngineConfig  # noqa: F401 - re-exported
 from worker.engine import Engine
@@ -337,6 +338,7 @@ class AsyncEngine(EngineThread):
                 num_running=scheduler.num_running,
                 num_waiting=max(scheduler.num_waiting, num_live - scheduler.num_running),
                 mean_output_tokens=self.mean_output_tokens(),
+                output_quantiles=output_quantiles(list(self._output_lengths)),
                 num_prefill_tokens_total=self.engine.stats["prefill_tokens"],
                 num_output_tokens_total=self._num_output_tokens_total,
                 busy_s_total=round(self._busy_s_total, 3),

@@ -127,6 +127,7 @@ def test_a_fifo_summary_is_what_the_worker_observes():
     replica.advance(3.0)
     later = replica.summary(2, 3.0, 1, 4)
     assert later.mean_output_tokens == 4.0
+    assert summary.output_quantiles == () and later.output_quantiles == (4,) * 16  # the finished outputs' tail
     assert (later.num_prefill_tokens_total, later.num_output_tokens_total) == (150, 4)
     # busy: 1.0 + 2.0 s of request 0 and 0.5 + 1.0 s of request 1 by 4.5 s; at 1.6 s only 1.6 of them
     assert summary.busy_s_total == pytest.approx(1.6)

@@ -255,11 +255,13 @@ def test_a_chat_moved_from_its_old_home_is_backed_up_by_it():
     then evicted the fetched copy (a copy goes first) within the router's
     grace for what it routed. The next turn went there by the index and,
     without a backup hint naming the old home (which held all but the last
-    turn), recomputed 1,024 tokens another replica held."""
+    turn), recomputed 1,024 tokens another replica held. (The scene is of
+    the rule before ``fifo_work_left`` and ``queue_copy_any_prefix``, whose
+    early decisions, while caches have room, place the chats otherwise.)"""
     figures = {}
     for backup in (True, False):
-        config = SimConfig(num_replicas=8, budget_tokens=16000, seed=5, policy=PolicyConfig(backup_fetch_hints=backup,
-                                                                                      hot_affinity_weight=None))
+        config = SimConfig(num_replicas=8, budget_tokens=16000, seed=5, policy=PolicyConfig(
+            backup_fetch_hints=backup, hot_affinity_weight=None, fifo_work_left=False, queue_copy_any_prefix=False))
         figures[backup] = simulate(multi_turn(seed=5), config, ["ours"], progress=False,
                                    seeds=range(5, 6))["policies"]["ours"]
     assert figures[False]["held_elsewhere_rate"] > 0.001

@@ -296,7 +296,7 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         prompt = prompts(5, 1, shared=50)[0]
         assert engine.cache_summary(16, replica_id="r1", version=1, timestamp_s=0.0).busy_s_total == 0.0
         started = time.perf_counter()
-        await engine.generate(prompt, SamplingParams(max_new_tokens=3))
+        finished = await engine.generate(prompt, SamplingParams(max_new_tokens=3))
         await engine.wait_idle()
         wall_s = time.perf_counter() - started
         load = engine.load()
@@ -316,6 +316,7 @@ def test_stats_load_model_info_and_cache_summary(make_async_engine):
         assert (summary.replica_id, summary.version, summary.num_running, summary.num_waiting) == ("r1", 3, 0, 0)
         assert 0.0 < summary.busy_s_total <= wall_s + 1e-3  # its steps' time, to the millisecond
         assert summary.num_prefilling_tokens == 0  # idle
+        assert summary.output_quantiles == (len(finished.token_ids),) * 16  # its finished outputs' tail
         await asyncio.sleep(0.05)  # idle time is not busy
         assert engine.cache_summary(16, replica_id="r1", version=4, timestamp_s=2.0).busy_s_total == \
             summary.busy_s_total
