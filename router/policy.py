@@ -65,7 +65,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        work queued there (this router's in-flight requests, each weighing
        its uncached tokens + ``queue_decode_token_cost`` per expected output
        token, plus what the replica last reported beyond that; at a FIFO
-       replica whose cache has room, its running request at what it has
+       replica, while caches have room, its running request at what it has
        left: ``fifo_work_left``, :class:`WorkLeft`). Both token
        prices are what the replicas' engines measure (their summaries'
        ``decode_token_cost`` / ``queue_token_cost``, the median over the

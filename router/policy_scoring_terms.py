@@ -7,6 +7,7 @@ fallback."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 
 from router.candidates import Candidates
@@ -58,26 +59,26 @@ class ScoringTermsMixin:
         first in flight there, :meth:`ReplicaQueueing.serves_one_at_a_time`)
         at what it has left (:class:`WorkLeft`) instead of its booked work,
         while ``fifo_work_left`` is in force: one router (every request
-        there is its own), every cache has room (``pressure`` 0: a placement
-        evicts nothing, TTFT is all it decides), and the replicas have
-        reported their rates and output quantiles. Else ``load``."""
+        there is its own), every cache had room at its last report for twice
+        the request's prompt (a placement evicts nothing: TTFT is all it
+        decides), and the replicas have reported their rates and output
+        quantiles. Else ``load``. The in-flight scan runs once a decision
+        asks a FIFO replica's load."""
         config, work_left = self.config, self._work_left
         free = self._fill.min_free_tokens()
         if not (config.fifo_work_left and work_left.is_ready and free is not None
                 and free >= 2 * request.num_prompt_tokens and not self._shares_traffic()):
             return load
-        one_at_a_time, expected, first = self._queueing.serves_one_at_a_time, self._outputs.expected, {}
+        one_at_a_time, expected = self._queueing.serves_one_at_a_time, self._outputs.expected
+        first_in_flight = functools.cache(self._loads.first_in_flight)
         queue_cost, decode_cost = config.queue_token_cost, config.decode_token_cost
 
         def load_left(replica_id: str) -> float:
-            if not one_at_a_time(replica_id):
-                return load(replica_id)
-            if not first:  # the in-flight scan, once a decision needs it
-                first.update(self._loads.first_in_flight() or {None: None})
-            entry = first.get(replica_id)
+            entry = first_in_flight().get(replica_id) if one_at_a_time(replica_id) else None
             if entry is None:
                 return load(replica_id)
-            prefill = max(entry.num_tokens - queue_cost * expected(None, replica_id), 0.0)  # booked: prefill + output
+            # booked as prefill + output at min(max_tokens, mean): a lower cap reads as less prefill here
+            prefill = max(entry.num_tokens - queue_cost * expected(None, replica_id), 0.0)
             left = work_left.head_left(replica_id, entry.num_tokens, prefill, entry.routed_at, now, decode_cost,
                                        queue_cost)
             return max(load(replica_id) - entry.num_tokens + left, 0.0)

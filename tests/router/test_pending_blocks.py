@@ -88,7 +88,9 @@ def test_the_cache_pressure_is_the_budget_share_of_full_caches():
     fill.report("r1", 9_600, 10_000)
     fill.report("r0", 100, 10_000)  # a later report replaces the earlier: r0 has room again
     assert fill.pressure == pytest.approx(0.5)
+    assert fill.min_free_tokens() == 400  # the tightest cache's room (r1), what fifo_work_left weighs
     fill.check_invariants()
+    assert FleetCacheFill().min_free_tokens() is None
 
 
 def test_once_every_cache_is_full_the_premium_counts_pending_blocks_again():
