@@ -317,7 +317,7 @@ class PolicyConfig:
     BENCHMARKS.md "Work left at a FIFO server"): while caches have room,
     a FIFO replica's running request weighs what it has left (:class:`router.
     work_left.WorkLeft`), and a queued copy may be of any prefix: Mooncake
-    FIFO TTFT p99 6.25M 2.725 -> 2.637 s, 1.25M 2.807 -> 2.776 s, hit equal.
+    FIFO TTFT p99 6.25M 2.731 -> 2.648 s, 1.25M 2.807 -> 2.776 s, hit equal.
     ``fetch_token_cost`` = 0.1, used by the credit and its booking (not by
     "never"): Llama-3.1-8B keeps 128 KiB per token in bf16, so at 25 GB/s
     a token moves in ~5 µs against ~50 µs to prefill it on an H100; the
