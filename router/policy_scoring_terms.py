@@ -65,9 +65,10 @@ class ScoringTermsMixin:
         quantiles. Else ``load``. The in-flight scan runs once a decision
         asks a FIFO replica's load."""
         config, work_left = self.config, self._work_left
-        free = self._fill.min_free_tokens()
-        if not (config.fifo_work_left and work_left.is_ready and free is not None
-                and free >= 2 * request.num_prompt_tokens and not self._shares_traffic()):
+        if not (config.fifo_work_left and work_left.is_ready and not self._shares_traffic()):
+            return load
+        free = self._fill.min_free_tokens()  # O(replicas): last
+        if free is None or free < 2 * request.num_prompt_tokens:
             return load
         one_at_a_time, expected = self._queueing.serves_one_at_a_time, self._outputs.expected
         first_in_flight = functools.cache(self._loads.first_in_flight)

@@ -34,13 +34,14 @@ decode_token_cost``. Measured where it is used (FIFO replicas whose caches
 have room, one router): BENCHMARKS.md "Work left at a FIFO server".
 
 Invariants (:meth:`check_invariants`): only known replicas hold reports
-and completion times; the pooled points are the sorted union of the
-replicas' latest quantiles, with their suffix sums.
+and completion times; once read, the pooled points are the sorted union of
+the replicas' latest quantiles, with their suffix sums.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 
 from cache.summary import CacheSummary
@@ -50,21 +51,25 @@ MIN_BUSY_S = 1.0  # a replica's rate counts once it has been busy this long (its
 
 class WorkLeft:
     """Per replica: its latest rate and output quantiles, and when this
-    router last heard one of its requests complete there. O(P) per report
-    (P: pooled points, 16 per replica), O(log P) per :meth:`head_left`."""
+    router last heard one of its requests complete there. A report is O(1):
+    every replica reports every period, and most decisions never read this
+    (a batching fleet, full caches), so the pool and the median rate are
+    rebuilt when read after a report, O(P log P) (P: pooled points, 16 per
+    replica); O(log P) per :meth:`head_left` otherwise."""
 
     def __init__(self) -> None:
         self._rates: dict[str, float] = {}  # replica -> work tokens per busy second, by its counters
         self._quantiles: dict[str, tuple[int, ...]] = {}  # replica -> its latest non-empty output quantiles
         self._last_done: dict[str, float] = {}  # replica -> when this router last heard a completion there
-        self._points: list[int] = []  # pooled quantile points, sorted
+        self._points: list[int] = []  # pooled quantile points, sorted (when not _stale)
         self._suffix: list[int] = [0]  # _suffix[i] = sum(_points[i:])
-        self._rate: float | None = None
+        self._rate: float | None = None  # the median of _rates (when not _stale)
+        self._stale = False  # a report or removal since the pool and rate were built
 
     @property
     def is_ready(self) -> bool:
         """Whether some replica has reported a rate and output quantiles."""
-        return self._rate is not None and bool(self._points)
+        return bool(self._rates) and bool(self._quantiles)
 
     def report(self, summary: CacheSummary, decode_token_cost: float) -> None:
         """A replica's summary: its output quantiles and, once it has been
@@ -74,10 +79,10 @@ class WorkLeft:
             work = summary.num_prefill_tokens_total + decode_token_cost * summary.num_output_tokens_total
             if work > 0:
                 self._rates[replica_id] = work / summary.busy_s_total
-                self._rate = statistics.median(self._rates.values())
+                self._stale = True
         if summary.output_quantiles and self._quantiles.get(replica_id) != summary.output_quantiles:
             self._quantiles[replica_id] = summary.output_quantiles
-            self._pool()
+            self._stale = True
 
     def on_completed(self, replica_id: str, now: float) -> None:
         """This router heard one of its requests at ``replica_id`` complete at ``now``."""
@@ -85,15 +90,15 @@ class WorkLeft:
 
     def remove(self, replica_id: str) -> None:
         self._rates.pop(replica_id, None)
-        self._rate = statistics.median(self._rates.values()) if self._rates else None
         self._last_done.pop(replica_id, None)
-        if self._quantiles.pop(replica_id, None) is not None:
-            self._pool()
+        self._quantiles.pop(replica_id, None)
+        self._stale = True
 
     def residual_output(self, decoded: float) -> float:
         """Expected output tokens still to come of a request that has
         decoded ``decoded``: the mean of the pooled points above it, less
         it; past every point (or with none), the pooled mean (0 with none)."""
+        self._refresh()
         points = self._points
         if not points:
             return 0.0
@@ -109,6 +114,7 @@ class WorkLeft:
         sent at ``routed_at``. ``booked_tokens`` until :attr:`is_ready`."""
         if not self.is_ready:
             return booked_tokens
+        self._refresh()
         start = max(routed_at, self._last_done.get(replica_id, routed_at))
         done = max(now - start, 0.0) * self._rate
         if done < prefill_tokens:
@@ -116,7 +122,12 @@ class WorkLeft:
         decoded = (done - prefill_tokens) / decode_token_cost if decode_token_cost > 0 else 0.0
         return queue_token_cost * self.residual_output(decoded)
 
-    def _pool(self) -> None:
+    def _refresh(self) -> None:
+        """Rebuild the pool and the median rate after reports (:class:`WorkLeft`)."""
+        if not self._stale:
+            return
+        self._stale = False
+        self._rate = statistics.median(self._rates.values()) if self._rates else None
         self._points = sorted(point for points in self._quantiles.values() for point in points)
         suffix = [0] * (len(self._points) + 1)
         for index in range(len(self._points) - 1, -1, -1):
@@ -127,6 +138,8 @@ class WorkLeft:
         known = set(replica_ids)
         assert set(self._rates) <= known and set(self._quantiles) <= known and set(self._last_done) <= known, \
             "a report or completion of an unknown replica"
+        if self._stale:
+            return  # rebuilt when next read
         assert self._points == sorted(p for points in self._quantiles.values() for p in points), "pool out of date"
-        assert self._suffix == [sum(self._points[i:]) for i in range(len(self._points) + 1)], "suffix sums"
+        assert self._suffix == list(itertools.accumulate(reversed(self._points), initial=0))[::-1], "suffix sums"
         assert (self._rate is None) == (not self._rates), "rate without reports"
