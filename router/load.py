@@ -56,7 +56,8 @@ class LoadTracker:
     Invariants (checked by :meth:`check_invariants`):
 
     1. ``_local[r] == sum of in-flight work on r`` and ``_total == sum(load)``;
-       every reservation is an in-flight entry.
+       every reservation is an in-flight entry; ``_in_flight_at[r]`` holds
+       the in-flight ids at ``r``, in ``_in_flight``'s order.
     2. Recent counters are stored multiplied by ``exp((t - _base_s) / window_s)``
        (squares by its square) so that decay needs no updates;
        ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
@@ -69,10 +70,9 @@ class LoadTracker:
        Versions count every change, so the first ask builds what an
        always-kept heap would hold.
 
-    Cost: updates O(1) (O(log N) amortised with a heap); the first
-    :meth:`least_loaded_replica` O(N), later ones O(log N) amortised; the
-    rest O(1) but where said (a rebase every ``50 × window_s`` and a drop of
-    ``_STALE_SLACK`` stale heap entries, O(N)).
+    Cost: updates O(1) (O(log N) amortised with a heap); the first :meth:`least_loaded_replica`
+    O(N), later ones O(log N) amortised; the rest O(1) but where said (a rebase every
+    ``50 × window_s`` and a drop of ``_STALE_SLACK`` stale heap entries, O(N)).
     """
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
@@ -88,6 +88,7 @@ class LoadTracker:
         self._foreign: dict[str, float] = {}
         self._total = 0.0
         self._in_flight: OrderedDict[str, _InFlight] = OrderedDict()  # oldest first
+        self._in_flight_at: dict[str, dict[str, None]] = {}  # replica -> its in-flight ids, oldest first
         self._reserved: OrderedDict[str, float] = OrderedDict()  # unconfirmed ids -> reserved at, oldest first
         self._recent: dict[str, float] = {}
         self._recent_total = 0.0
@@ -152,9 +153,7 @@ class LoadTracker:
     def busy_view(self, now: float) -> tuple[Callable[[str], float], float] | None:
         """``(busy_s(r), mean)``: each replica's recent busy seconds as of ``now`` and their
         mean (:class:`BusySpans`); None without ``track_busy``. Valid until the next update."""
-        if self._busy is None:
-            return None
-        return self._busy.view(now)
+        return None if self._busy is None else self._busy.view(now)
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
@@ -163,14 +162,13 @@ class LoadTracker:
         return len(self._reserved)
 
     def num_in_flight_at(self, replica_id: str) -> int:
-        """This router's requests in flight at ``replica_id``; O(in flight)."""
-        return sum(1 for entry in self._in_flight.values() if entry.replica_id == replica_id)
+        """This router's requests in flight at ``replica_id``; O(1)."""
+        return len(self._in_flight_at.get(replica_id, ()))
 
-    def first_in_flight(self) -> dict[str, _InFlight]:
-        first: dict[str, _InFlight] = {}  # each replica's request this router sent (moved) there first; O(in flight)
-        for entry in self._in_flight.values():
-            first.setdefault(entry.replica_id, entry)
-        return first
+    def first_in_flight(self, replica_id: str) -> _InFlight | None:
+        """This router's request in flight at ``replica_id`` it sent (moved) there first; O(1) amortised."""
+        ids = self._in_flight_at.get(replica_id)
+        return self._in_flight[next(iter(ids))] if ids else None
 
     def least_loaded_replica(self) -> str | None:
         """The least loaded replica (least recent work among equals); None if none."""
@@ -214,7 +212,7 @@ class LoadTracker:
         self._recent_sq_total = max(0.0, self._recent_sq_total - self._recent_sq.pop(replica_id))
         if self._busy is not None:
             self._busy.remove_replica(replica_id)
-        for request_id in [k for k, v in self._in_flight.items() if v.replica_id == replica_id]:
+        for request_id in self._in_flight_at.pop(replica_id, ()):
             del self._in_flight[request_id]
             self._reserved.pop(request_id, None)
         # Its heap entries go too: a replica that joins again counts its versions from 1 anew,
@@ -268,6 +266,7 @@ class LoadTracker:
         if replica_id not in self._local:  # routed to before set_replicas named it
             self._track(replica_id, 0.0)
         self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now, float(recent_tokens))
+        self._in_flight_at.setdefault(replica_id, {})[request_id] = None
         if self._busy is not None:
             self._busy.start(replica_id, now)
         self._local[replica_id] += num_tokens
@@ -291,6 +290,7 @@ class LoadTracker:
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return None
+        del self._in_flight_at[entry.replica_id][request_id]
         if now is not None:
             self._last_s = max(self._last_s, now)
         if self._busy is not None:
@@ -339,10 +339,9 @@ class LoadTracker:
             self.on_completed(request_id, entry.routed_at + self.in_flight_timeout_s)
 
     def forget_recent(self) -> None:
-        """Start the recent-work window afresh: every replica's recent work
-        (and its chance spread) 0, each in-flight request's share of it
-        too, so forgetting one later subtracts nothing. Queued work stays.
-        For work booked at prices since found wrong (the configured priors,
+        """Start the recent-work window afresh: every replica's recent work (and its chance spread)
+        0, each in-flight request's share of it too, so forgetting one later subtracts nothing.
+        Queued work stays. For work booked at prices since found wrong (the configured priors,
         before any replica measured its own)."""
         self._recent = dict.fromkeys(self._recent, 0.0)
         self._recent_sq = dict.fromkeys(self._recent_sq, 0.0)
@@ -394,9 +393,11 @@ class LoadTracker:
 
     def check_invariants(self) -> None:
         assert all(request_id in self._in_flight for request_id in self._reserved), "reservation not in flight"
-        local = {r: 0.0 for r in self._local}
-        for entry in self._in_flight.values():
+        local, order = {r: 0.0 for r in self._local}, {}
+        for request_id, entry in self._in_flight.items():
             local[entry.replica_id] += entry.num_tokens
+            order.setdefault(entry.replica_id, []).append(request_id)
+        assert order == {r: list(ids) for r, ids in self._in_flight_at.items() if ids}, "in-flight order per replica"
         for replica_id, value in self._local.items():
             assert value >= 0 and self._foreign[replica_id] >= 0, replica_id
             assert math.isclose(value, local[replica_id], rel_tol=1e-6, abs_tol=1e-6), (replica_id, value)
@@ -406,9 +407,7 @@ class LoadTracker:
         assert math.isclose(sum(self._recent_sq.values()), self._recent_sq_total, rel_tol=1e-6, abs_tol=1e-3)
         if self._busy is not None:
             self._busy.check_invariants()
-            counts = dict.fromkeys(self._local, 0)
-            for entry in self._in_flight.values():
-                counts[entry.replica_id] += 1
+            counts = {r: len(order.get(r, ())) for r in self._local}
             assert set(self._busy.replica_ids) == set(counts), "busy spans of another replica set"
             assert counts == {r: self._busy.num_in_flight(r) for r in counts}, "busy spans disagree"
         assert self._heap_kept or not self._heap, "a heap kept before anyone asked for the least loaded replica"

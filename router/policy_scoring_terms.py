@@ -62,8 +62,7 @@ class ScoringTermsMixin:
         there is its own), every cache had room at its last report for twice
         the request's prompt (a placement evicts nothing: TTFT is all it
         decides), and the replicas have reported their rates and output
-        quantiles. Else ``load``. The in-flight scan runs once a decision
-        asks a FIFO replica's load."""
+        quantiles. Else ``load``. O(1) per replica asked, once a decision."""
         config, work_left = self.config, self._work_left
         if not (config.fifo_work_left and work_left.is_ready and not self._shares_traffic()):
             return load
@@ -71,18 +70,17 @@ class ScoringTermsMixin:
         if free is None or free < 2 * request.num_prompt_tokens:
             return load
         one_at_a_time, expected = self._queueing.serves_one_at_a_time, self._outputs.expected
-        first_in_flight = functools.cache(self._loads.first_in_flight)
-        queue_cost, decode_cost = config.queue_token_cost, config.decode_token_cost
+        first_in_flight, queue_cost = self._loads.first_in_flight, config.queue_token_cost
+        left = work_left.view(now, config.decode_token_cost, queue_cost)
 
+        @functools.cache  # a decision asks a replica's load several times (scores, fetch plan, bound)
         def load_left(replica_id: str) -> float:
-            entry = first_in_flight().get(replica_id) if one_at_a_time(replica_id) else None
+            entry = first_in_flight(replica_id) if one_at_a_time(replica_id) else None
             if entry is None:
                 return load(replica_id)
             # booked as prefill + output at min(max_tokens, mean): a lower cap reads as less prefill here
             prefill = max(entry.num_tokens - queue_cost * expected(None, replica_id), 0.0)
-            left = work_left.head_left(replica_id, entry.num_tokens, prefill, entry.routed_at, now, decode_cost,
-                                       queue_cost)
-            return max(load(replica_id) - entry.num_tokens + left, 0.0)
+            return max(load(replica_id) - entry.num_tokens + left(replica_id, prefill, entry.routed_at), 0.0)
         return load_left
 
     def _cold_queue_weight(self) -> Callable[[str], float] | None:

@@ -34,15 +34,16 @@ decode_token_cost``. Measured where it is used (FIFO replicas whose caches
 have room, one router): BENCHMARKS.md "Work left at a FIFO server".
 
 Invariants (:meth:`check_invariants`): only known replicas hold reports
-and completion times; once read, the pooled points are the sorted union of
-the replicas' latest quantiles, with their suffix sums.
+and completion times; the pooled points are the sorted union of the
+replicas' latest quantiles, with their suffix sums; once read, the rate is
+the median of the replicas' latest.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import statistics
+from collections.abc import Callable
 
 from cache.summary import CacheSummary
 
@@ -51,20 +52,22 @@ MIN_BUSY_S = 1.0  # a replica's rate counts once it has been busy this long (its
 
 class WorkLeft:
     """Per replica: its latest rate and output quantiles, and when this
-    router last heard one of its requests complete there. A report is O(1):
-    every replica reports every period, and most decisions never read this
-    (a batching fleet, full caches), so the pool and the median rate are
-    rebuilt when read after a report, O(P log P) (P: pooled points, 16 per
-    replica); O(log P) per :meth:`head_left` otherwise."""
+    router last heard one of its requests complete there. A report that
+    moves a replica's quantiles updates the pool there, off the decision
+    path: its old points out and its new ones in (O(Q log P + P), Q points
+    a report, P pooled, both in C but the Q steps) and the suffix sums
+    again (O(P), in C). Every report moves a rate; the median is taken when
+    next read (O(R log R), R replicas). O(log P) per :meth:`head_left`
+    otherwise (BENCHMARKS.md "Decision cost", ``--fifo-room``)."""
 
     def __init__(self) -> None:
         self._rates: dict[str, float] = {}  # replica -> work tokens per busy second, by its counters
         self._quantiles: dict[str, tuple[int, ...]] = {}  # replica -> its latest non-empty output quantiles
         self._last_done: dict[str, float] = {}  # replica -> when this router last heard a completion there
-        self._points: list[int] = []  # pooled quantile points, sorted (when not _stale)
+        self._points: list[int] = []  # the replicas' quantile points, pooled, sorted
         self._suffix: list[int] = [0]  # _suffix[i] = sum(_points[i:])
-        self._rate: float | None = None  # the median of _rates (when not _stale)
-        self._stale = False  # a report or removal since the pool and rate were built
+        self._rate: float | None = None  # the median of _rates (when not _rate_stale)
+        self._rate_stale = False  # rates reported or removed since the median was taken
 
     @property
     def is_ready(self) -> bool:
@@ -79,10 +82,9 @@ class WorkLeft:
             work = summary.num_prefill_tokens_total + decode_token_cost * summary.num_output_tokens_total
             if work > 0:
                 self._rates[replica_id] = work / summary.busy_s_total
-                self._stale = True
+                self._rate_stale = True
         if summary.output_quantiles and self._quantiles.get(replica_id) != summary.output_quantiles:
-            self._quantiles[replica_id] = summary.output_quantiles
-            self._stale = True
+            self._pool(replica_id, summary.output_quantiles)
 
     def on_completed(self, replica_id: str, now: float) -> None:
         """This router heard one of its requests at ``replica_id`` complete at ``now``."""
@@ -91,14 +93,13 @@ class WorkLeft:
     def remove(self, replica_id: str) -> None:
         self._rates.pop(replica_id, None)
         self._last_done.pop(replica_id, None)
-        self._quantiles.pop(replica_id, None)
-        self._stale = True
+        self._pool(replica_id, ())
+        self._rate_stale = True
 
     def residual_output(self, decoded: float) -> float:
         """Expected output tokens still to come of a request that has
         decoded ``decoded``: the mean of the pooled points above it, less
         it; past every point (or with none), the pooled mean (0 with none)."""
-        self._refresh()
         points = self._points
         if not points:
             return 0.0
@@ -114,32 +115,55 @@ class WorkLeft:
         sent at ``routed_at``. ``booked_tokens`` until :attr:`is_ready`."""
         if not self.is_ready:
             return booked_tokens
+        return self.view(now, decode_token_cost, queue_token_cost)(replica_id, prefill_tokens, routed_at)
+
+    def view(self, now: float, decode_token_cost: float, queue_token_cost: float
+             ) -> Callable[[str, float, float], float]:
+        """:meth:`head_left` at ``now`` once :attr:`is_ready`, as ``left(replica_id,
+        prefill_tokens, routed_at)``: what one moment shares (the rate, the
+        pool) read once, for a decision that asks several replicas. Valid
+        until the next report."""
         self._refresh()
-        start = max(routed_at, self._last_done.get(replica_id, routed_at))
-        done = max(now - start, 0.0) * self._rate
-        if done < prefill_tokens:
-            return prefill_tokens - done + queue_token_cost * self._suffix[0] / len(self._points)
-        decoded = (done - prefill_tokens) / decode_token_cost if decode_token_cost > 0 else 0.0
-        return queue_token_cost * self.residual_output(decoded)
+        rate, points, suffix, last_done = self._rate, self._points, self._suffix, self._last_done
+        num_points = len(points)
+        mean = suffix[0] / num_points if num_points else 0.0  # the pooled mean output
+
+        def left(replica_id: str, prefill_tokens: float, routed_at: float) -> float:
+            done = max(now - max(routed_at, last_done.get(replica_id, routed_at)), 0.0) * rate
+            if done < prefill_tokens:
+                return prefill_tokens - done + queue_token_cost * suffix[0] / num_points
+            decoded = (done - prefill_tokens) / decode_token_cost if decode_token_cost > 0 else 0.0
+            first = bisect.bisect_right(points, decoded)
+            if first == num_points:
+                return queue_token_cost * mean
+            return queue_token_cost * (suffix[first] / (num_points - first) - decoded)
+        return left
 
     def _refresh(self) -> None:
-        """Rebuild the pool and the median rate after reports (:class:`WorkLeft`)."""
-        if not self._stale:
-            return
-        self._stale = False
-        self._rate = statistics.median(self._rates.values()) if self._rates else None
-        self._points = sorted(point for points in self._quantiles.values() for point in points)
-        suffix = [0] * (len(self._points) + 1)
-        for index in range(len(self._points) - 1, -1, -1):
-            suffix[index] = suffix[index + 1] + self._points[index]
-        self._suffix = suffix
+        """The median rate, after rate reports (:class:`WorkLeft`)."""
+        if self._rate_stale:
+            self._rate_stale = False
+            rates = sorted(self._rates.values())  # the median; statistics.median costs 3x as much
+            middle = len(rates) // 2
+            self._rate = ((rates[middle] if len(rates) % 2 else (rates[middle - 1] + rates[middle]) / 2)
+                          if rates else None)
+
+    def _pool(self, replica_id: str, quantiles: tuple[int, ...]) -> None:
+        """``replica_id``'s points in the pool are now ``quantiles`` (``()``: none)."""
+        points = self._points
+        for point in self._quantiles.pop(replica_id, ()):
+            del points[bisect.bisect_left(points, point)]
+        if quantiles:
+            self._quantiles[replica_id] = quantiles
+            for point in quantiles:
+                bisect.insort(points, point)
+        self._suffix = list(itertools.accumulate(reversed(points), initial=0))[::-1]
 
     def check_invariants(self, replica_ids) -> None:
         known = set(replica_ids)
         assert set(self._rates) <= known and set(self._quantiles) <= known and set(self._last_done) <= known, \
             "a report or completion of an unknown replica"
-        if self._stale:
-            return  # rebuilt when next read
+        if not self._rate_stale:
+            assert (self._rate is None) == (not self._rates), "rate without reports"
         assert self._points == sorted(p for points in self._quantiles.values() for p in points), "pool out of date"
-        assert self._suffix == list(itertools.accumulate(reversed(self._points), initial=0))[::-1], "suffix sums"
-        assert (self._rate is None) == (not self._rates), "rate without reports"
+        assert self._suffix == [sum(self._points[i:]) for i in range(len(self._points) + 1)], "suffix sums"

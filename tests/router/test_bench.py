@@ -4,6 +4,7 @@ import pytest
 
 from router import bench
 from router.policy_scoring_terms import ScoringTermsMixin
+from router.work_left import WorkLeft
 
 
 @pytest.mark.parametrize("fifo_full", [False, True])
@@ -70,3 +71,40 @@ def test_repeated_runs_time_the_same_decisions_and_their_fastest_p99_is_the_lowe
     assert figures["repeats"] == 3 and len(chosen) == 900
     assert chosen[:300] == chosen[300:600] == chosen[600:]
     assert 0 < figures["decision_us_p99_fastest"] <= figures["decision_us_p99"]
+
+
+@pytest.mark.parametrize("state", ["default", "fifo_full", "fifo_room"])
+def test_the_fifo_room_bench_prices_running_requests_at_what_they_have_left(monkeypatch, state):
+    """``--fifo-room``: FIFO replicas whose caches have room report work
+    counters and output quantiles, so every timed decision prices a
+    replica's running request at what it has left (``fifo_work_left``,
+    :meth:`WorkLeft.view`), with summaries arriving between decisions
+    (each moves the pooled quantiles); the other states never take that
+    path (no quantiles; full caches)."""
+    calls = []
+    original = WorkLeft.view
+
+    def recorded(self, *args):
+        left = original(self, *args)
+
+        def counted(*left_args):
+            calls.append(len(calls))
+            return left(*left_args)
+        return counted
+    monkeypatch.setattr(WorkLeft, "view", recorded)
+    requests = bench._requests(400, 512, 64, seed=0)  # noqa: SLF001
+    decided = []  # running requests priced before each decision
+    original_rank = bench.PrefixAffinityPolicy.rank
+
+    def rank(self, request, *args, **kwargs):
+        decided.append(len(calls))
+        return original_rank(self, request, *args, **kwargs)
+    monkeypatch.setattr(bench.PrefixAffinityPolicy, "rank", rank)
+    figures = bench.bench_fleet(4, requests, 200, 64, fifo_full=state == "fifo_full", summary_every=50,
+                                fifo_room=state == "fifo_room")
+    if state == "fifo_room":
+        per_decision = [b - a for a, b in zip(decided[200:], decided[201:] + [len(calls)])]
+        assert len(per_decision) == 200 and min(per_decision) >= 1  # every timed decision prices a running request
+        assert figures["periodic_summary_us_p50"] > 0
+    else:
+        assert not calls

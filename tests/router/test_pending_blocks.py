@@ -2,6 +2,7 @@
 and the premium the policy withholds from them (premium_needs_completion)."""
 
 import dataclasses
+import random
 
 import pytest
 
@@ -91,6 +92,24 @@ def test_the_cache_pressure_is_the_budget_share_of_full_caches():
     assert fill.min_free_tokens() == 400  # the tightest cache's room (r1), what fifo_work_left weighs
     fill.check_invariants()
     assert FleetCacheFill().min_free_tokens() is None
+
+
+def test_the_least_free_budget_follows_every_report_and_removal():
+    """``min_free_tokens`` is kept from report to report (read on the
+    decision path) and taken afresh only after the report that had the least
+    was replaced or removed: it matches a scan of the reports at every step."""
+    rng = random.Random(3)
+    fill = FleetCacheFill()
+    for _ in range(2000):
+        replica_id = f"r{rng.randrange(6)}"
+        if rng.random() < 0.15:
+            fill.remove(replica_id)
+        else:
+            fill.report(replica_id, rng.randrange(0, 12_000), rng.choice([0, 10_000, 20_000]))
+        if rng.random() < 0.5:
+            reports = fill._reports.values()  # noqa: SLF001
+            assert fill.min_free_tokens() == min((b - c for c, b in reports), default=None)
+        fill.check_invariants()
 
 
 def test_once_every_cache_is_full_the_premium_counts_pending_blocks_again():
