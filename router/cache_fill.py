@@ -73,8 +73,8 @@ class FleetCacheFill:
         assert self._budget == sum(b for _, b in self._reports.values()), "budget sum out of date"
         assert self._full == sum(b for c, b in self._reports.values() if _is_full(c, b)), "full sum out of date"
         assert 0.0 <= self.pressure <= 1.0
-        least = min((b - c for c, b in self._reports.values()), default=None)
         frees = [b - c for c, b in self._reports.values()]
+        least = min(frees, default=None)
         assert self._min_stale or (self._min_free, self._min_count) == (least, frees.count(least)), "least free"
 
 

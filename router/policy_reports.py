@@ -50,7 +50,7 @@ class ReplicaReportsMixin:
                                       keep_learned=accepted.keep_learned)
         self._outputs.report(replica_id, summary.mean_output_tokens)
         self._work_left.report(summary, self.config.decode_token_cost)
-        if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes
+        if (self.config.premium_needs_completion or self.config.replicate_hot_prefixes or self.config.fifo_work_left
                 or self.config.queue_copy_requests or self.config.turnover_weight):  # the fill's readers
             self._fill.report(replica_id, summary.num_cached_tokens, summary.budget_tokens)
         if (self.config.queue_copy_requests or self.config.turnover_weight or self.config.cold_queue_weight

@@ -66,7 +66,7 @@ class ScoringTermsMixin:
         config, work_left = self.config, self._work_left
         if not (config.fifo_work_left and work_left.is_ready and not self._shares_traffic()):
             return load
-        free = self._fill.min_free_tokens()  # O(replicas): last
+        free = self._fill.min_free_tokens()  # kept: O(replicas) only after the least one's report
         if free is None or free < 2 * request.num_prompt_tokens:
             return load
         one_at_a_time, expected = self._queueing.serves_one_at_a_time, self._outputs.expected

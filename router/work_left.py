@@ -58,7 +58,8 @@ class WorkLeft:
     a report, P pooled, both in C but the Q steps) and the suffix sums
     again (O(P), in C). Every report moves a rate; the median is taken when
     next read (O(R log R), R replicas). O(log P) per :meth:`head_left`
-    otherwise (BENCHMARKS.md "Decision cost", ``--fifo-room``)."""
+    otherwise (BENCHMARKS.md "The running request's work left, off the
+    decision path", ``router.bench --fifo-room``)."""
 
     def __init__(self) -> None:
         self._rates: dict[str, float] = {}  # replica -> work tokens per busy second, by its counters
@@ -124,19 +125,15 @@ class WorkLeft:
         pool) read once, for a decision that asks several replicas. Valid
         until the next report."""
         self._refresh()
-        rate, points, suffix, last_done = self._rate, self._points, self._suffix, self._last_done
-        num_points = len(points)
-        mean = suffix[0] / num_points if num_points else 0.0  # the pooled mean output
+        rate, last_done, residual = self._rate, self._last_done, self.residual_output
+        mean_left = queue_token_cost * self._suffix[0] / len(self._points)  # the pooled mean output, all to come
 
         def left(replica_id: str, prefill_tokens: float, routed_at: float) -> float:
             done = max(now - max(routed_at, last_done.get(replica_id, routed_at)), 0.0) * rate
             if done < prefill_tokens:
-                return prefill_tokens - done + queue_token_cost * suffix[0] / num_points
+                return prefill_tokens - done + mean_left
             decoded = (done - prefill_tokens) / decode_token_cost if decode_token_cost > 0 else 0.0
-            first = bisect.bisect_right(points, decoded)
-            if first == num_points:
-                return queue_token_cost * mean
-            return queue_token_cost * (suffix[first] / (num_points - first) - decoded)
+            return queue_token_cost * residual(decoded)
         return left
 
     def _refresh(self) -> None:

@@ -101,3 +101,12 @@ def test_the_rest_is_read_only_where_caches_have_room_and_servers_queue():
     for version, replica_id in enumerate((A, B), start=2):
         batching.on_summary(report(replica_id, version, running=2))
     assert batching.rank(cold())[0] == B
+
+
+def test_the_rest_is_read_with_every_other_reader_of_the_caches_fill_off():
+    """``fifo_work_left`` reads the fleet's cache fill itself (room for two
+    copies of the prompt): with every other reader of the fill off, the
+    summaries still feed it."""
+    alone = dict(premium_needs_completion=False, replicate_hot_prefixes=False, queue_copy_requests=0)
+    assert fleet(**alone).rank(cold())[0] == A
+    assert fleet(fifo_work_left=False, **alone).rank(cold())[0] == B
