@@ -3,6 +3,7 @@ in-flight requests add to what it held when they were routed there."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from router.chain_search import last_true
@@ -40,7 +41,7 @@ class PendingBlocks:
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s  # a request never reported complete is forgotten after this
         self._by_request: dict[str, tuple[str, tuple[int, ...], float, int | None]] = {}  # oldest first
-        self._count: dict[str, dict[int, int]] = {}
+        self._count: dict[str, Counter[int]] = {}
         self._users: dict[str, dict[int, int]] = {}  # replica -> first pending block -> requests using it
 
     def __len__(self) -> int:
@@ -60,9 +61,11 @@ class PendingBlocks:
         hashes = tuple(block_hashes)
         if not hashes and anchor is None:
             return
-        counts = self._count.setdefault(replica_id, {})
-        for block_hash in hashes:
-            counts[block_hash] = counts.get(block_hash, 0) + 1
+        if hashes:
+            counts = self._count.get(replica_id)
+            if counts is None:
+                counts = self._count[replica_id] = Counter()
+            counts.update(hashes)  # counted in C: a prompt's worth of blocks a decision
         if anchor is not None:
             users = self._users.setdefault(replica_id, {})
             users[anchor] = users.get(anchor, 0) + 1

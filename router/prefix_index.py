@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from itertools import chain, islice, repeat
+from collections.abc import Collection, Sequence
+from itertools import islice, repeat
 
 from router.chain_search import last_true
-from router.fifo_runs import RUN_LIMIT, fifo_items, fifo_runs, pop_least_recent, reported_runs
+from router.fifo_runs import RUN_LIMIT, fifo_items, fifo_runs, pop_least_recent
+from router.prefix_index_summaries import SummaryApplyMixin
 
 # a replica's trimmed entries kept for its next summary, in caches' worth: past that (an index churning its
 # whole cache many times between two summaries), a delta puts back fewer than a full summary would
 TRIMMED_KEPT = 8
 
 
-class PrefixIndex:
+class PrefixIndex(SummaryApplyMixin):
     """Chained block hash → the replicas believed to cache that prefix.
 
     Two sources:
@@ -49,13 +50,21 @@ class PrefixIndex:
     An item is current iff the entry still has that tick, so eviction pops
     from its left. Blocks only a summary reported get tick 0 and sit at the
     FIFO's head (least recent). ``_fifo_size[r]`` counts the items.
+    A learn writes ``_young[r]`` (hash → tick, the blocks learned at ``r``
+    since its last summary; its tick wins over ``_entries[r]``'s) and never
+    ``_entries[r]``: a summary, or a trim, folds it in, off the decision
+    path, so no learn grows a dict a cache's size (a rebuild of one held 64
+    of 3,000 decisions at 64 replicas up 120–280 µs: BENCHMARKS.md).
+    ``_num_young_new[r]`` counts its hashes ``_entries[r]`` lacks.
 
     Invariants (checked by :meth:`check_invariants`):
 
-    1. ``_holders[h] & bit(r)`` iff ``h in _entries[r]``; no zero masks.
-    2. ``len(_entries[r]) <= capacity_blocks(r) + learn_slack(r)``, and
-       ``<= capacity_blocks(r)`` right after a summary.
-    3. Every entry has its current ``(tick, hash)`` in ``_fifo[r]``; items
+    1. ``_holders[h] & bit(r)`` iff ``h`` is in ``_entries[r]`` or
+       ``_young[r]``; no zero masks; every young tick > 0, and
+       ``_num_young_new[r]`` is right.
+    2. ``num_blocks(r) <= capacity_blocks(r) + learn_slack(r)``, and
+       ``<= capacity_blocks(r)`` right after a summary (``_young[r]`` empty).
+    3. Every entry has its current ``(tick, hash)`` (:meth:`ticks`) in ``_fifo[r]``; items
        with a tick > 0 are in non-decreasing tick order; ``_fifo_size[r]`` is
        the number of items; no run is empty, and no run of tick 0 is longer
        than ``RUN_LIMIT``.
@@ -89,6 +98,8 @@ class PrefixIndex:
         self.learned_grace_s = float(learned_grace_s)
         self._holders: dict[int, int] = {}
         self._entries: dict[str, dict[int, int]] = {}
+        self._young: dict[str, dict[int, int]] = {}  # learned since the last fold: hash -> tick
+        self._num_young_new: dict[str, int] = {}  # young hashes not in _entries
         self._fifo: dict[str, deque[tuple[int, Sequence[int]]]] = {}  # runs of (tick, hash) items
         self._fifo_size: dict[str, int] = {}  # items in _fifo[r]
         self._capacity: dict[str, int] = {}
@@ -120,7 +131,12 @@ class PrefixIndex:
 
     def num_blocks(self, replica_id: str) -> int:
         entries = self._entries.get(replica_id)
-        return len(entries) if entries is not None else 0
+        return len(entries) + self._num_young_new[replica_id] if entries is not None else 0
+
+    def ticks(self, replica_id: str) -> dict[int, int]:
+        """Each block ``replica_id`` holds → its recency tick (0: only a
+        summary reported it). A copy, O(blocks held): for checks and tests."""
+        return {**self._entries.get(replica_id, {}), **self._young.get(replica_id, {})}
 
     def num_holders(self, block_hash: int) -> int:
         """How many replicas are believed to hold ``block_hash`` (and so its whole chain). O(1)."""
@@ -181,8 +197,9 @@ class PrefixIndex:
         while mask:
             low = mask & -mask
             mask ^= low
-            if self._entries[self._replica_at[low.bit_length() - 1]][block_hash] > 0:
-                return True
+            replica_id = self._replica_at[low.bit_length() - 1]
+            if block_hash in self._young[replica_id] or self._entries[replica_id][block_hash] > 0:
+                return True  # a young entry is a learn's
         return False
 
     def depth(self, replica_id: str, block_hashes: Sequence[int]) -> int:
@@ -200,16 +217,20 @@ class PrefixIndex:
         if not num_blocks:
             return
         bit = 1 << self._slot_of(replica_id)
-        entries = self._entries[replica_id]
-        num_known = len(entries)
+        young = self._young[replica_id]
+        num_young = len(young)
         tick = self._tick  # one per learn: its run's FIFO order puts the deepest block first out
         self._tick += 1
         deepest_first = block_hashes[::-1]
-        entries.update(zip(deepest_first, repeat(tick)))
-        if len(entries) > num_known:  # new keys went last: only they lack the bit (1.)
-            holders = self._holders
-            for block_hash in islice(reversed(entries), len(entries) - num_known):
-                holders[block_hash] = holders.get(block_hash, 0) | bit
+        young.update(zip(deepest_first, repeat(tick)))
+        if len(young) > num_young:  # keys new to it went last: those without the bit are new here (1.)
+            holders, num_new = self._holders, 0
+            for block_hash in islice(reversed(young), len(young) - num_young):
+                mask = holders.get(block_hash, 0)
+                if not mask & bit:
+                    holders[block_hash] = mask | bit
+                    num_new += 1
+            self._num_young_new[replica_id] += num_new
         self._prompt_ends.add(deepest_first[0])
         self._fifo[replica_id].append((tick, deepest_first))
         self._fifo_size[replica_id] += num_blocks
@@ -218,118 +239,17 @@ class PrefixIndex:
             self._first_tick_after(now - self.learned_grace_s)  # prunes
         self._maybe_trim(replica_id, self.learn_slack(replica_id))
 
-    def apply_summary(
-        self, replica_id: str, block_hashes: Iterable[int], now: float, capacity_blocks: int | None = None,
-        keep_learned: bool = True,
-    ) -> None:
-        """Replace ``replica_id``'s entries with what it reports holding.
-
-        Entries learned after ``now - learned_grace_s`` survive even if the
-        summary lacks them (it may have been taken before those requests ran),
-        unless ``keep_learned`` is False (the replica restarted: nothing it
-        was sent before is cached there).
-        Reported blocks the router did not know are added as least recent.
-        """
-        self._set_capacity(replica_id, capacity_blocks)
-        reported = block_hashes if isinstance(block_hashes, (set, frozenset)) else frozenset(block_hashes)
-        bit = 1 << self._slot_of(replica_id)
-        entries = self._entries[replica_id]
-        fresh_tick = self._first_tick_after(now - self.learned_grace_s) if keep_learned else self._tick
-        self._trimmed[replica_id] = set()
-        survivors = set()
-        for block_hash in entries.keys() - reported:
-            if entries[block_hash] < fresh_tick:
-                del entries[block_hash]
-                self._clear_bit(block_hash, bit)
-            else:
-                survivors.add(block_hash)
-        self._add_reported(replica_id, reported - entries.keys(), bit)
-        self._unreported[replica_id] = survivors
-        self._applied_tick[replica_id] = self._tick
-        self._maybe_trim(replica_id)
-
-    def apply_delta(self, replica_id: str, added: Collection[int], removed: Collection[int],
-                    reported: Collection[int], now: float, capacity_blocks: int | None = None) -> None:
-        """:meth:`apply_summary` of ``reported`` (what the replica holds now),
-        given that the summary applied to this replica just before reported
-        ``reported - added | removed``: O(changes + blocks learned since then),
-        not O(cached blocks).
-
-        The same entries, ticks and least-recent order as :meth:`apply_summary`
-        would leave (while the index trims at most ``TRIMMED_KEPT`` caches'
-        worth of blocks between two summaries). Blocks the index trimmed for
-        capacity since the summary before and ``reported`` still names go
-        back as least recent, as a full summary would put them: a delta
-        names only what changed, and without them an index that dropped a
-        held block for a learned one would lack it until the next snapshot,
-        though the replica reports it every period. Learned entries are
-        always kept within the grace period (a restart comes as a full
-        summary).
-        """
-        if replica_id not in self._applied_tick:  # no summary applied yet (or the replica left since)
-            self.apply_summary(replica_id, reported, now, capacity_blocks)
-            return
-        self._set_capacity(replica_id, capacity_blocks)
-        bit = 1 << self._slot[replica_id]
-        entries = self._entries[replica_id]
-        fresh_tick = self._first_tick_after(now - self.learned_grace_s)
-        candidates = {h for h in chain(removed, self._unreported.get(replica_id, ()), self._learned_since(replica_id))
-                      if h not in reported}  # entries the replica may not hold (what apply_summary checks)
-        survivors = set()
-        for block_hash in candidates:
-            tick = entries.get(block_hash)
-            if tick is None:
-                continue
-            if tick < fresh_tick:
-                del entries[block_hash]
-                self._clear_bit(block_hash, bit)
-            else:
-                survivors.add(block_hash)
-        trimmed, self._trimmed[replica_id] = self._trimmed[replica_id], set()
-        restored = {h for h in trimmed if h in reported}  # trimmed, and the replica still holds them
-        self._add_reported(replica_id, {h for h in added if h not in entries} | (restored - entries.keys()), bit)
-        self._unreported[replica_id] = survivors
-        self._applied_tick[replica_id] = self._tick
-        self._maybe_trim(replica_id)
-
-    def _set_capacity(self, replica_id: str, capacity_blocks: int | None) -> None:
-        """Lower ``replica_id``'s capacity to what its summary reports (None: unchanged)."""
-        if capacity_blocks is not None:
-            if type(capacity_blocks) is not int or capacity_blocks <= 0:
-                raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
-            self._capacity[replica_id] = min(capacity_blocks, self.max_blocks_per_replica)
-
-    def _learned_since(self, replica_id: str) -> Iterator[int]:
-        """Hashes of the FIFO runs learned since the last summary applied to ``replica_id``."""
-        since = self._applied_tick[replica_id]
-        for tick, run in reversed(self._fifo[replica_id]):
-            if tick < since:  # reported (0), or learned before
-                return
-            yield from run
-
-    def _add_reported(self, replica_id: str, added: Collection[int], bit: int) -> None:
-        """Blocks a summary reported that the index did not know, as least
-        recent, in hash order (so a full summary and a delta reporting the
-        same set leave the same FIFO, whatever order their sets iterate in)."""
-        if not added:
-            return
-        added = sorted(added)
-        self._entries[replica_id].update(dict.fromkeys(added, 0))
-        self._fifo[replica_id].extendleft(reversed(reported_runs(added[::-1])))  # each pushed on the left in turn
-        self._fifo_size[replica_id] += len(added)
-        holders = self._holders
-        for block_hash in added:
-            holders[block_hash] = holders.get(block_hash, 0) | bit
-
     def remove_replica(self, replica_id: str) -> None:
         """Forget everything about ``replica_id`` (it died or left)."""
         slot = self._slot.pop(replica_id, None)
         if slot is None:
             return
         bit = 1 << slot
+        self._fold(replica_id)
         for block_hash in self._entries.pop(replica_id):
             self._clear_bit(block_hash, bit)
         del self._fifo[replica_id], self._fifo_size[replica_id], self._trimmed[replica_id]
+        del self._young[replica_id], self._num_young_new[replica_id]
         self._capacity.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
         self._applied_tick.pop(replica_id, None)
@@ -346,7 +266,7 @@ class PrefixIndex:
             else:
                 self._replica_at[slot] = replica_id
             self._slot[replica_id] = slot
-            self._entries[replica_id] = {}
+            self._entries[replica_id], self._young[replica_id], self._num_young_new[replica_id] = {}, {}, 0
             self._fifo[replica_id] = deque()
             self._fifo_size[replica_id] = 0
             self._trimmed[replica_id] = set()
@@ -368,10 +288,20 @@ class PrefixIndex:
             self._holders.pop(block_hash, None)
             self._prompt_ends.discard(block_hash)
 
+    def _fold(self, replica_id: str) -> None:
+        """Move ``replica_id``'s young entries into its entries (their ticks win)."""
+        young = self._young[replica_id]
+        if young:
+            self._entries[replica_id].update(young)
+            self._young[replica_id], self._num_young_new[replica_id] = {}, 0
+
     def _maybe_trim(self, replica_id: str, slack: int = 0) -> None:
         """Evict least recent entries down to capacity + ``slack``; rebuild a mostly stale FIFO."""
+        num_held = self.num_blocks(replica_id)
+        excess = num_held - self.capacity_blocks(replica_id) - slack
+        if excess > 0 or self._fifo_size[replica_id] > 8 * num_held + 4096:
+            self._fold(replica_id)
         entries = self._entries[replica_id]
-        excess = len(entries) - self.capacity_blocks(replica_id) - slack
         if excess > 0:
             evicted, num_popped = pop_least_recent(self._fifo[replica_id], entries, excess)
             self._fifo_size[replica_id] -= num_popped
@@ -395,7 +325,10 @@ class PrefixIndex:
         return [(0, h) for h in sorted(h for h, t in entries.items() if not t)] + list(learned)
 
     def check_invariants(self) -> None:
-        pairs_from_entries = {(h, r) for r, entries in self._entries.items() for h in entries}
+        for replica_id, young in self._young.items():
+            assert all(tick > 0 for tick in young.values()), "a young entry without a learn's tick"
+            assert self._num_young_new[replica_id] == len(young.keys() - self._entries[replica_id].keys())
+        pairs_from_entries = {(h, r) for r in self._entries for h in self.ticks(r)}
         pairs_from_holders = {
             (h, self._replica_at[slot]) for h, mask in self._holders.items()
             for slot in range(mask.bit_length()) if mask >> slot & 1
@@ -403,9 +336,11 @@ class PrefixIndex:
         assert pairs_from_entries == pairs_from_holders, "holders and entries disagree"
         assert all(self._holders.values()), "zero holder mask"
         assert self._prompt_ends <= self._holders.keys(), "a prompt end nobody holds"
-        assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size) == set(self._trimmed)
+        assert set(self._slot) == set(self._entries) == set(self._fifo) == set(self._fifo_size) == set(self._trimmed) \
+            == set(self._young) == set(self._num_young_new)
         assert set(self._unreported) == set(self._applied_tick) <= set(self._entries)
-        for replica_id, entries in self._entries.items():
+        for replica_id in self._entries:
+            entries = self.ticks(replica_id)
             assert self._replica_at[self._slot[replica_id]] == replica_id
             assert len(entries) <= self.capacity_blocks(replica_id) + self.learn_slack(replica_id), replica_id
             assert len(self._trimmed[replica_id]) <= TRIMMED_KEPT * self.capacity_blocks(replica_id), replica_id

@@ -134,7 +134,7 @@ def test_a_rebuilt_fifo_keeps_the_eviction_order():
         index.learn("a", path, now=1.0 + step)
     index.check_invariants()
     assert index._fifo_size["a"] < 4096 + 8 * 12  # rebuilt on the way
-    entries = index._entries["a"]
+    entries = index.ticks("a")
     assert [h for t, h in _items(index._fifo["a"]) if entries.get(h) == t] == [400, 500, *path[::-1]]
     evicted = []
     for new_block in range(1000, 1012):
@@ -297,9 +297,9 @@ def _reference(path, naive):
 def _state(index):
     """Everything a decision or a later trim reads: per replica its entries
     and their ticks, who holds what, and the FIFO's current items in order."""
-    fifo = {r: [(t, h) for t, h in _items(index._fifo[r]) if index._entries[r].get(h) == t]
+    fifo = {r: [(t, h) for t, h in _items(index._fifo[r]) if index.ticks(r).get(h) == t]
             for r in index.replica_ids}
-    return {r: dict(index._entries[r]) for r in index.replica_ids}, dict(index._holders), fifo
+    return {r: index.ticks(r) for r in index.replica_ids}, dict(index._holders), fifo
 
 
 @pytest.mark.parametrize("capacity", [None, 12, 30])
@@ -327,7 +327,7 @@ def test_a_delta_leaves_the_entries_a_full_summary_would(seed, capacity):
         before = set(reported[replica])
         after = set(before)
         after -= set(rng.sample(sorted(after), min(len(after), rng.randrange(4))))
-        learned = [h for h in full._entries.get(replica, {}) if h not in after]
+        learned = [h for h in full.ticks(replica) if h not in after]
         after |= set(rng.sample(learned, min(len(learned), rng.randrange(3))))  # learned blocks confirmed
         after |= {rng.randrange(10**6, 2 * 10**6) for _ in range(rng.randrange(4))}  # blocks the router never routed
         if capacity is not None:  # what a replica of that budget can hold
@@ -337,9 +337,9 @@ def test_a_delta_leaves_the_entries_a_full_summary_would(seed, capacity):
         if step == 0 or replica not in delta._applied_tick:
             delta.apply_summary(replica, frozenset(after), now, capacity)
         else:
-            trimmed_held = (after & before) - delta._entries[replica].keys()  # only the trimmed can be missing
+            trimmed_held = (after & before) - delta.ticks(replica).keys()  # only the trimmed can be missing
             delta.apply_delta(replica, frozenset(after - before), frozenset(before - after), after, now, capacity)
-            num_restored += len(trimmed_held & delta._entries[replica].keys())
+            num_restored += len(trimmed_held & delta.ticks(replica).keys())
         assert _state(delta) == _state(full), step
         delta.check_invariants()
     if capacity is None:
@@ -358,7 +358,7 @@ def test_a_delta_puts_back_a_reported_block_the_index_trimmed_for_a_learned_one(
     index.apply_summary("a", frozenset({1, 2}), 0.0, capacity_blocks=2)
     index.learn("a", [3], 0.5)
     assert index.num_blocks("a") == 2 and index.holds("a", 3)
-    trimmed = {1, 2} - set(index._entries["a"])
+    trimmed = {1, 2} - set(index.ticks("a"))
     assert len(trimmed) == 1
     index.apply_delta("a", frozenset(), frozenset(), {1, 2}, 1.0)  # 3 within its grace: kept
     assert index.holds("a", 3) and not any(index.holds("a", h) for h in trimmed)
@@ -396,3 +396,28 @@ def test_prompts_branch_at_a_block_learned_inside_a_prompt_never_at_its_end():
     index.learn("c", (1, 2, 5), 3.0)  # learned afresh after it was forgotten: a branch point again
     assert index.is_branch_point(2)
     index.check_invariants()
+
+
+def test_a_learn_leaves_the_replicas_entries_alone_until_its_next_summary_folds_them_in():
+    """A learn writes the replica's young dict, never its entries (a dict the
+    cache's size, whose rebuild a learn would pay); queries see the young
+    blocks at once, and the next summary (or delta) folds them in, their
+    ticks winning, off the decision path."""
+    index = PrefixIndex(learned_grace_s=10.0)
+    index.apply_summary("a", frozenset(range(100, 140)), now=0.0)
+    entries = index._entries["a"]
+    before = dict(entries)
+    index.learn("a", [100, 101, 7, 8], now=1.0)  # two reported blocks learned again, two new ones
+    index.learn("b", [100, 9], now=1.0)
+    index.check_invariants()
+    assert index._entries["a"] is entries and entries == before
+    assert index.num_blocks("a") == 42 and index.depth("a", [100, 101, 7, 8]) == 4
+    assert index.ticks("a")[100] > 0 and index.ticks("a")[120] == 0  # the learn's tick wins
+    assert index.is_branch_point(101) and index.is_branch_point(7) and not index.is_branch_point(8)
+    index.apply_delta("a", frozenset({7}), frozenset(), frozenset(range(100, 140)) | {7}, now=2.0)
+    index.check_invariants()
+    assert not index._young["a"] and index._entries["a"] == index.ticks("a")
+    assert set(index.ticks("a")) == set(range(100, 140)) | {7, 8} and index.ticks("a")[8] > 0
+    index.remove_replica("a")
+    index.check_invariants()
+    assert index.num_holders(7) == 0 and index.num_holders(100) == 1  # "b" holds it
