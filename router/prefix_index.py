@@ -52,7 +52,7 @@ class PrefixIndex(SummaryApplyMixin):
     FIFO's head (least recent). ``_fifo_size[r]`` counts the items.
     A learn writes ``_young[r]`` (hash → tick, the blocks learned at ``r``
     since its last summary; its tick wins over ``_entries[r]``'s) and never
-    ``_entries[r]``: a summary, or a trim, folds it in, off the decision
+    ``_entries[r]``: a summary (or a trim, or a FIFO rebuild) folds it in, off the decision
     path, so no learn grows a dict a cache's size (a rebuild of one held 64
     of 3,000 decisions at 64 replicas up 120–280 µs: BENCHMARKS.md).
     ``_num_young_new[r]`` counts its hashes ``_entries[r]`` lacks.
@@ -297,13 +297,10 @@ class PrefixIndex(SummaryApplyMixin):
 
     def _maybe_trim(self, replica_id: str, slack: int = 0) -> None:
         """Evict least recent entries down to capacity + ``slack``; rebuild a mostly stale FIFO."""
-        num_held = self.num_blocks(replica_id)
-        excess = num_held - self.capacity_blocks(replica_id) - slack
-        if excess > 0 or self._fifo_size[replica_id] > 8 * num_held + 4096:
-            self._fold(replica_id)
-        entries = self._entries[replica_id]
+        excess = self.num_blocks(replica_id) - self.capacity_blocks(replica_id) - slack
         if excess > 0:
-            evicted, num_popped = pop_least_recent(self._fifo[replica_id], entries, excess)
+            self._fold(replica_id)  # eviction reads every entry's current tick
+            evicted, num_popped = pop_least_recent(self._fifo[replica_id], self._entries[replica_id], excess)
             self._fifo_size[replica_id] -= num_popped
             bit = 1 << self._slot[replica_id]
             for block_hash in evicted:  # pop_least_recent deleted their entries
@@ -313,9 +310,10 @@ class PrefixIndex(SummaryApplyMixin):
                 room = TRIMMED_KEPT * self.capacity_blocks(replica_id) - len(trimmed)
                 if room > 0:
                     trimmed.update(evicted[:room])
-        if self._fifo_size[replica_id] > 8 * len(entries) + 4096:
+        if self._fifo_size[replica_id] > 8 * self.num_blocks(replica_id) + 4096:
+            self._fold(replica_id)  # the rebuild keeps the items whose tick is the entry's
             self._fifo[replica_id] = deque(fifo_runs(self._current_items(replica_id), RUN_LIMIT))
-            self._fifo_size[replica_id] = len(entries)
+            self._fifo_size[replica_id] = len(self._entries[replica_id])
 
     def _current_items(self, replica_id: str) -> list[tuple[int, int]]:
         """``replica_id``'s current FIFO items, each entry once: reported blocks in hash

@@ -421,3 +421,20 @@ def test_a_learn_leaves_the_replicas_entries_alone_until_its_next_summary_folds_
     index.remove_replica("a")
     index.check_invariants()
     assert index.num_holders(7) == 0 and index.num_holders(100) == 1  # "b" holds it
+
+
+def test_a_fifo_rebuilt_between_summaries_keeps_the_young_blocks_evictable():
+    """Learning one path again and again fills the FIFO with stale items
+    until it is rebuilt from the current ones. Without a summary every
+    block learned sits in the young dict; a block learned once before that
+    (and not since) must keep its FIFO item through the rebuild, or it
+    could never be evicted."""
+    index = PrefixIndex()
+    once, again = [1, 2, 3, 4, 5], list(range(100, 110))
+    index.learn("a", once, now=0.0)
+    for step in range(430):
+        index.learn("a", again, now=1.0 + step)
+        index.check_invariants()
+    assert index._fifo_size["a"] < 4096  # rebuilt on the way
+    current = [h for t, h in _items(index._fifo["a"]) if index.ticks("a").get(h) == t]
+    assert current == [*once[::-1], *again[::-1]]  # least recent first, deepest block first
