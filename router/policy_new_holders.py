@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from router.candidates import Candidates
+from router.decision_memo import PerReplica
 from router.fetch import FetchHint, FetchPlan
 from router.request import RoutingRequest
 from router.scoring import Scoring
@@ -180,7 +181,7 @@ class NewHoldersMixin:
         return FetchPlan(depths, lambda r: self._index.depth(r, hashes), config.block_size, request.num_prompt_tokens,
                          scoring.load, config.fetch_min_tokens, config.fetch_token_cost, config.fetch_credit_scope,
                          scoring.is_over, config.fetch_alternates,
-                         lambda r: pending.computes(r, hashes, depths.get(r, 0)))
+                         PerReplica(lambda r: pending.computes(r, hashes, depths.get(r, 0))).__getitem__)
 
     def _queue_copy_target(self, holders_load: float, scoring: Scoring) -> Callable[[str, int], bool]:
         """Who may take a queued copy: a replica with at least

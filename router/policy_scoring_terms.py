@@ -7,10 +7,10 @@ fallback."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection
 
 from router.candidates import Candidates
+from router.decision_memo import PerReplica
 from router.cold_home import home_first
 from router.request import RoutingRequest
 from router.scoring import Scoring
@@ -73,15 +73,16 @@ class ScoringTermsMixin:
         first_in_flight, queue_cost = self._loads.first_in_flight, config.queue_token_cost
         left = work_left.view(now, config.decode_token_cost, queue_cost)
 
-        @functools.cache  # a decision asks a replica's load several times (scores, fetch plan, bound)
         def load_left(replica_id: str) -> float:
             entry = first_in_flight(replica_id) if one_at_a_time(replica_id) else None
             if entry is None:
                 return load(replica_id)
             # booked as prefill + output at min(max_tokens, mean): a lower cap reads as less prefill here
-            prefill = max(entry.num_tokens - queue_cost * expected(None, replica_id), 0.0)
-            return max(load(replica_id) - entry.num_tokens + left(replica_id, prefill, entry.routed_at), 0.0)
-        return load_left
+            prefill = entry.num_tokens - queue_cost * expected(None, replica_id)
+            value = load(replica_id) - entry.num_tokens + left(replica_id, prefill if prefill > 0.0 else 0.0,
+                                                               entry.routed_at)
+            return value if value > 0.0 else 0.0  # max(value, 0.0)
+        return PerReplica(load_left).__getitem__  # a decision asks a replica's load several times
 
     def _cold_queue_weight(self) -> Callable[[str], float] | None:
         """Step 3's extra weight on a cold request's queue (``cold_queue_weight``)

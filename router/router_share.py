@@ -41,6 +41,7 @@ class RouterShare:
         self._own_count = (0.0, None)  # decayed completions
         self.num_peer_decisions = 0  # other routers' decisions booked here (shared decisions)
         self._peer_seen_s: float | None = None  # when the last one was
+        self._asked: tuple[float, float, float] | None = None  # (now, mean output, routers()) until a counter moves
 
     def _decayed(self, counter: tuple[float, float | None], now: float) -> float:
         value, as_of = counter
@@ -52,17 +53,27 @@ class RouterShare:
         if last is None or last[0] != epoch or num_output_total < last[1]:
             return
         self._fleet = (self._decayed(self._fleet, now) + (num_output_total - last[1]), now)
+        self._asked = None
 
     def on_completed(self, now: float) -> None:
         self._own_count = (self._decayed(self._own_count, now) + 1.0, now)
+        self._asked = None
 
     def routers(self, now: float, mean_output_tokens: float) -> float:
-        """``mean_output_tokens``: the fleet's reported mean output length."""
+        """``mean_output_tokens``: the fleet's reported mean output length.
+        A decision asks several times at one ``now``: the answer is kept
+        until a counter moves."""
+        asked = self._asked
+        if asked is not None and asked[0] == now and asked[1] == mean_output_tokens:
+            return asked[2]
         count = self._decayed(self._own_count, now)
         if mean_output_tokens <= 0.0 or count < self.min_completions:
-            return 1.0
-        ratio = self._decayed(self._fleet, now) / (count * mean_output_tokens)
-        return 1.0 if ratio < self.min_ratio else min(ratio, self.max_routers)
+            value = 1.0
+        else:
+            ratio = self._decayed(self._fleet, now) / (count * mean_output_tokens)
+            value = 1.0 if ratio < self.min_ratio else min(ratio, self.max_routers)
+        self._asked = (now, mean_output_tokens, value)
+        return value
 
     def on_peer_decision(self, now: float) -> int:
         """Another router's decision was booked here (it counts as no

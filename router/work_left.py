@@ -35,8 +35,8 @@ have room, one router): BENCHMARKS.md "Work left at a FIFO server".
 
 Invariants (:meth:`check_invariants`): only known replicas hold reports
 and completion times; the pooled points are the sorted union of the
-replicas' latest quantiles, with their suffix sums; once read, the rate is
-the median of the replicas' latest.
+replicas' latest quantiles, with their suffix sums; the sorted rates are
+the replicas' latest, and the rate is their median (None with none).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ class WorkLeft:
     moves a replica's quantiles updates the pool there, off the decision
     path: its old points out and its new ones in (O(Q log P + P), Q points
     a report, P pooled, both in C but the Q steps) and the suffix sums
-    again (O(P), in C). Every report moves a rate; the median is taken when
-    next read (O(R log R), R replicas). O(log P) per :meth:`head_left`
+    again (O(P), in C). Every report moves a rate in the sorted rates
+    (O(log R + R), in C, R replicas), and the median is read off them.
+    O(log P) per :meth:`head_left`
     otherwise (BENCHMARKS.md "The running request's work left, off the
     decision path", ``router.bench --fifo-room``)."""
 
@@ -68,8 +69,8 @@ class WorkLeft:
         self._last_done: dict[str, float] = {}  # replica -> when this router last heard a completion there
         self._points: list[int] = []  # the replicas' quantile points, pooled, sorted
         self._suffix: list[int] = [0]  # _suffix[i] = sum(_points[i:])
-        self._rate: float | None = None  # the median of _rates (when not _rate_stale)
-        self._rate_stale = False  # rates reported or removed since the median was taken
+        self._sorted_rates: list[float] = []  # _rates' values, sorted
+        self._rate: float | None = None  # the median of _rates
 
     @property
     def is_ready(self) -> bool:
@@ -83,8 +84,7 @@ class WorkLeft:
         if summary.busy_s_total >= MIN_BUSY_S:
             work = summary.num_prefill_tokens_total + decode_token_cost * summary.num_output_tokens_total
             if work > 0:
-                self._rates[replica_id] = work / summary.busy_s_total
-                self._rate_stale = True
+                self._set_rate(replica_id, work / summary.busy_s_total)
         if summary.output_quantiles and self._quantiles.get(replica_id) != summary.output_quantiles:
             self._pool(replica_id, summary.output_quantiles)
 
@@ -93,10 +93,9 @@ class WorkLeft:
         self._last_done[replica_id] = max(now, self._last_done.get(replica_id, now))
 
     def remove(self, replica_id: str) -> None:
-        self._rates.pop(replica_id, None)
+        self._set_rate(replica_id, None)
         self._last_done.pop(replica_id, None)
         self._pool(replica_id, ())
-        self._rate_stale = True
 
     def residual_output(self, decoded: float) -> float:
         """Expected output tokens still to come of a request that has
@@ -125,23 +124,30 @@ class WorkLeft:
         prefill_tokens, routed_at)``: what one moment shares (the rate, the
         pool) read once, for a decision that asks several replicas. Valid
         until the next report."""
-        self._refresh()
         rate, last_done, residual = self._rate, self._last_done, self.residual_output
         mean_left = queue_token_cost * self._suffix[0] / len(self._points)  # the pooled mean output, all to come
 
         def left(replica_id: str, prefill_tokens: float, routed_at: float) -> float:
-            done = max(now - max(routed_at, last_done.get(replica_id, routed_at)), 0.0) * rate
+            started = last_done.get(replica_id, routed_at)
+            elapsed = now - (started if started > routed_at else routed_at)
+            done = elapsed * rate if elapsed > 0.0 else 0.0  # max(now - max(routed_at, last done), 0) x rate
             if done < prefill_tokens:
                 return prefill_tokens - done + mean_left
             decoded = (done - prefill_tokens) / decode_token_cost if decode_token_cost > 0 else 0.0
             return queue_token_cost * residual(decoded)
         return left
 
-    def _refresh(self) -> None:
-        """The median rate, after rate reports (:class:`WorkLeft`)."""
-        if self._rate_stale:
-            self._rate_stale = False
-            self._rate = statistics.median(self._rates.values()) if self._rates else None
+    def _set_rate(self, replica_id: str, rate: float | None) -> None:
+        """``replica_id``'s rate is now ``rate`` (None: it has none); the median follows."""
+        rates, old = self._sorted_rates, self._rates.pop(replica_id, None)
+        if old is not None:
+            del rates[bisect.bisect_left(rates, old)]
+        if rate is not None:
+            self._rates[replica_id] = rate
+            bisect.insort(rates, rate)
+        middle = len(rates) // 2
+        self._rate = (None if not rates else rates[middle] if len(rates) % 2
+                      else (rates[middle - 1] + rates[middle]) / 2)  # statistics.median's
 
     def _pool(self, replica_id: str, quantiles: tuple[int, ...]) -> None:
         """``replica_id``'s points in the pool are now ``quantiles`` (``()``: none)."""
@@ -158,7 +164,7 @@ class WorkLeft:
         known = set(replica_ids)
         assert set(self._rates) <= known and set(self._quantiles) <= known and set(self._last_done) <= known, \
             "a report or completion of an unknown replica"
-        if not self._rate_stale:
-            assert (self._rate is None) == (not self._rates), "rate without reports"
+        assert self._sorted_rates == sorted(self._rates.values()), "sorted rates out of date"
+        assert self._rate == (statistics.median(self._rates.values()) if self._rates else None), "rate not the median"
         assert self._points == sorted(p for points in self._quantiles.values() for p in points), "pool out of date"
         assert self._suffix == [sum(self._points[i:]) for i in range(len(self._points) + 1)], "suffix sums"

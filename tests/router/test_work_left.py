@@ -49,6 +49,26 @@ def test_the_running_request_pays_down_its_prefill_then_decodes():
     assert left.head_left(A, 4200.0, 4000.0, 0.0, 0.1, 40.0, 40.0) == pytest.approx(3000 + 40 * 5)
 
 
+def test_the_rate_is_the_median_of_the_replicas_latest_as_they_report_and_leave():
+    """The sorted rates move with every report; the rate read off them is
+    ``statistics.median``'s (the mean of the middle two when even)."""
+    left = WorkLeft()
+    rates = {}
+    for replica_id, busy_s in [(A, 10.0), (B, 5.0), ("replica-2", 20.0), (A, 2.0), ("replica-3", 4.0)]:
+        left.report(report(replica_id, **{**RATE_COUNTERS, "busy_s_total": busy_s}), decode_token_cost=40.0)
+        rates[replica_id] = 200_000 / busy_s  # 100k prefill + 40 x 2.5k output tokens of work
+        left.check_invariants(rates)
+    assert sorted(rates.values()) == [10_000, 40_000, 50_000, 100_000]
+    assert left.view(0.0, 40.0, 40.0)  # is ready: a view reads the rate
+    assert left._rate == pytest.approx((40_000 + 50_000) / 2)
+    left.remove(A)  # 100k out: the middle one of three
+    assert left._rate == pytest.approx(40_000)
+    for replica_id in (B, "replica-2", "replica-3"):
+        left.remove(replica_id)
+    assert left._rate is None and not left.is_ready
+    left.check_invariants([])
+
+
 def test_a_rate_needs_a_replica_busy_long_enough():
     left = WorkLeft()
     left.report(report(A, busy_s_total=0.5, num_prefill_tokens_total=10_000, num_output_tokens_total=0), 40.0)
