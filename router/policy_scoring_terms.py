@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from router.candidates import Candidates
-from router.decision_memo import PerReplica
 from router.cold_home import home_first
+from router.decision_memo import PerReplica
 from router.request import RoutingRequest
 from router.scoring import Scoring
 
