@@ -35,8 +35,8 @@ have room, one router): BENCHMARKS.md "Work left at a FIFO server".
 
 Invariants (:meth:`check_invariants`): only known replicas hold reports
 and completion times; the pooled points are the sorted union of the
-replicas' latest quantiles, with their suffix sums; the sorted rates are
-the replicas' latest, and the rate is their median (None with none).
+replicas' latest quantiles, with their suffix sums; the rate is the median
+of the replicas' latest (None with none).
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ class WorkLeft:
     moves a replica's quantiles updates the pool there, off the decision
     path: its old points out and its new ones in (O(Q log P + P), Q points
     a report, P pooled, both in C but the Q steps) and the suffix sums
-    again (O(P), in C). Every report moves a rate in the sorted rates
-    (O(log R + R), in C, R replicas), and the median is read off them.
-    O(log P) per :meth:`head_left`
+    again (O(P), in C). Every report moves a rate, and the median is taken
+    then (O(R log R), R replicas). O(log P) per :meth:`head_left`
     otherwise (BENCHMARKS.md "The running request's work left, off the
     decision path", ``router.bench --fifo-room``)."""
 
@@ -69,7 +68,6 @@ class WorkLeft:
         self._last_done: dict[str, float] = {}  # replica -> when this router last heard a completion there
         self._points: list[int] = []  # the replicas' quantile points, pooled, sorted
         self._suffix: list[int] = [0]  # _suffix[i] = sum(_points[i:])
-        self._sorted_rates: list[float] = []  # _rates' values, sorted
         self._rate: float | None = None  # the median of _rates
 
     @property
@@ -138,16 +136,13 @@ class WorkLeft:
         return left
 
     def _set_rate(self, replica_id: str, rate: float | None) -> None:
-        """``replica_id``'s rate is now ``rate`` (None: it has none); the median follows."""
-        rates, old = self._sorted_rates, self._rates.pop(replica_id, None)
-        if old is not None:
-            del rates[bisect.bisect_left(rates, old)]
-        if rate is not None:
+        """``replica_id``'s rate is now ``rate`` (None: it has none); the
+        median follows, on the report path, not on a decision's."""
+        if rate is None:
+            self._rates.pop(replica_id, None)
+        else:
             self._rates[replica_id] = rate
-            bisect.insort(rates, rate)
-        middle = len(rates) // 2
-        self._rate = (None if not rates else rates[middle] if len(rates) % 2
-                      else (rates[middle - 1] + rates[middle]) / 2)  # statistics.median's
+        self._rate = statistics.median(self._rates.values()) if self._rates else None
 
     def _pool(self, replica_id: str, quantiles: tuple[int, ...]) -> None:
         """``replica_id``'s points in the pool are now ``quantiles`` (``()``: none)."""
@@ -164,7 +159,6 @@ class WorkLeft:
         known = set(replica_ids)
         assert set(self._rates) <= known and set(self._quantiles) <= known and set(self._last_done) <= known, \
             "a report or completion of an unknown replica"
-        assert self._sorted_rates == sorted(self._rates.values()), "sorted rates out of date"
         assert self._rate == (statistics.median(self._rates.values()) if self._rates else None), "rate not the median"
         assert self._points == sorted(p for points in self._quantiles.values() for p in points), "pool out of date"
         assert self._suffix == [sum(self._points[i:]) for i in range(len(self._points) + 1)], "suffix sums"

@@ -50,8 +50,8 @@ def test_the_running_request_pays_down_its_prefill_then_decodes():
 
 
 def test_the_rate_is_the_median_of_the_replicas_latest_as_they_report_and_leave():
-    """The sorted rates move with every report; the rate read off them is
-    ``statistics.median``'s (the mean of the middle two when even)."""
+    """Every report moves the rate to the median of the replicas' latest
+    (the mean of the middle two when even)."""
     left = WorkLeft()
     rates = {}
     for replica_id, busy_s in [(A, 10.0), (B, 5.0), ("replica-2", 20.0), (A, 2.0), ("replica-3", 4.0)]:
