@@ -72,9 +72,12 @@ def within_block(partial: PartialBlockIndex | None, index: PrefixIndex, ring: Ha
 
 def gather(request: RoutingRequest, live: Collection[str], index: PrefixIndex, ring: HashRing,
            loads: LoadTracker, partial: PartialBlockIndex | None, block_size: int,
-           max_affinity_candidates: int, num_ring_candidates: int, with_levels: bool = False) -> Candidates:
+           max_affinity_candidates: int, num_ring_candidates: int, with_levels: bool = False,
+           num_cold_candidates: int | None = None) -> Candidates:
     """The candidates for ``request`` among ``live`` (with the prefix's
-    holder counts if ``with_levels``)."""
+    holder counts if ``with_levels``); where nothing of it is known held,
+    ``num_cold_candidates`` ring nodes compete if given, not
+    ``num_ring_candidates``."""
     hashes = request.block_hashes
     levels: list[tuple[int, int]] | None = [] if with_levels else None
     num_known, depths = index.deepest_holders(hashes, max_affinity_candidates, live, levels)
@@ -90,6 +93,8 @@ def gather(request: RoutingRequest, live: Collection[str], index: PrefixIndex, r
         if within_replica not in candidates:
             candidates.append(within_replica)
     ring_rank: dict[str, int] = {}
+    if num_cold_candidates is not None and not depths and within_replica is None:
+        num_ring_candidates = num_cold_candidates
     ring_walk = ring.walk(key)
     for replica_id in ring_walk:
         if replica_id in live:

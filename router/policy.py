@@ -43,18 +43,17 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
 
     For a request with chained block hashes ``h[0..n)`` and ``T`` prompt tokens:
 
-    1. **Known prefix.** The :class:`PrefixIndex` (this router's decisions,
-       corrected by replica summaries) gives ``m``, how many leading blocks
-       some replica holds, and up to ``max_affinity_candidates`` holders with
-       their depth, deepest first. O(log n) lookups per holder depth (binary
-       search over the chain), whatever the fleet or index size.
+    1. **Known prefix.** The :class:`PrefixIndex` (this router's decisions, corrected by replica summaries)
+       gives ``m``, how many leading blocks some replica holds, and up to ``max_affinity_candidates``
+       holders with their depth, deepest first. O(log n) lookups per holder depth (binary search over the
+       chain), whatever the fleet or index size.
     2. **Ring home.** Key ``k = h[min(m, n-1)]``: the first block *past* what
        is cached anywhere. A prefix every request shares (a system prompt) is
        known after its first request, so the key reaches past it and each
        prompt's own part gets its own home; a cold prompt keys on its first
-       block, so prompts sharing it meet on one replica, and every router
-       agrees on where. The first ``num_ring_candidates`` distinct nodes from
-       ``k`` compete, and so does the least loaded replica (O(log N) heap).
+       block, so prompts sharing it meet on one replica, and every router agrees on where. The first
+       ``num_ring_candidates`` distinct nodes from ``k`` compete (``num_cold_candidates`` for a cold prompt
+       where caches have room), and so does the least loaded replica (O(log N) heap).
     3. **Score** (lowest wins): ``cost(r) = load(r) + T - w(r) * cached(r)
        + balance_weight * (recent(r) - mean recent)``
        with ``cached(r) = min(depth(r) * block_size + within(r), T - 1)`` and
@@ -339,11 +338,12 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
     # ----------------------------------------------------------------- private
     def _rank(self, request: RoutingRequest, live: Collection[str]
               ) -> tuple[list[str], FetchHint | None, int, Candidates]:
-        config, loads = self.config, self._loads
+        config, loads, room = self.config, self._loads, self._placement_evicts_nothing(request)
         found = gather(request, live, self._index, self._ring, loads, self._partial, config.block_size,
-                       config.max_affinity_candidates, config.num_ring_candidates, config.split_affinity_by_holders)
+                       config.max_affinity_candidates, config.num_ring_candidates, config.split_affinity_by_holders,
+                       config.num_cold_candidates if room else None)
         now = self._clock()
-        scoring = self._scoring(request, now)
+        scoring = self._scoring(request, now, room)
         if found.holder_levels:
             scoring.premium = holder_premium(found.holder_levels, config.block_size)
         if len(self._pending) and self._fill.pressure < 1.0:

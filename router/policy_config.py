@@ -271,47 +271,45 @@ class PolicyConfig:
     batching hit +0.0014 (18 summary periods, 14 up), heavy batching
     -0.0003, the generated workloads unchanged.
 
-    ``cold_queue_weight`` = 2 (session 54; BENCHMARKS.md "A cold request
-    does not queue at a FIFO server"): for a cold request (no candidate
-    holds any of it) a candidate's queue weighs ``1 + cold_queue_weight``
-    times in step 3, at a candidate seen to serve one request at a time
-    (the turnover term's gate). Nothing is cached anywhere to trade the
-    request's wait for, and behind a FIFO queue it waits for all of it,
-    where the balance term's credit for a replica below its share of the
-    work is a long-run aim. Off, on Mooncake 1.25M under FIFO, 449 cold
-    requests waited (194 of them while some replica was idle), against
-    llm-d's 282 (none while one was idle), and ours' TTFT p99 was 0.1 s
-    above llm-d's at the same hit rate. Under batching a queued request
-    joins the next steps, and the weight raised Mooncake batching's
-    imbalance 1.040 -> 1.052 for no TTFT gain, hence the gate. It trades
-    against the turnover term, whose credit draws cold requests to the
-    caches written slowest, the FIFO replicas busy decoding: at weight 4
-    Mooncake FIFO's TTFT p99 fell 0.121 s but its hit 0.0021; at 2, 0.095 s
-    and 0.0006 (18 summary periods).
+    ``cold_queue_weight`` = 2 (session 54; BENCHMARKS.md "A cold request does not queue at a FIFO
+    server"): for a cold request (no candidate holds any of it) a candidate's queue weighs ``1 +
+    cold_queue_weight`` times in step 3, at a candidate seen to serve one request at a time (the turnover
+    term's gate). Nothing is cached anywhere to trade the request's wait for, and behind a FIFO queue it
+    waits for all of it, where the balance term's credit for a replica below its share of the work is a
+    long-run aim. Off, on Mooncake 1.25M under FIFO, 449 cold requests waited (194 of them while some
+    replica was idle), against llm-d's 282 (none while one was idle), and ours' TTFT p99 was 0.1 s above
+    llm-d's at the same hit rate. Under batching a queued request joins the next steps, and the weight
+    raised Mooncake batching's imbalance 1.040 -> 1.052 for no TTFT gain, hence the gate. It trades against
+    the turnover term, whose credit draws cold requests to the caches written slowest, the FIFO replicas
+    busy decoding: at weight 4 Mooncake FIFO's TTFT p99 fell 0.121 s but its hit 0.0021; at 2, 0.095 s and
+    0.0006 (18 summary periods).
 
-    Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until
-    2026-12-02). A hint is only an offer: the receiving worker weighs the
-    transfer, fixed cost included, against recomputing with its own
-    measured figures (``worker.kv_fetch.PrefixFetcher.should_fetch``), so
-    the router need not guess that fixed cost; the one-block floor keeps
-    hints for partial blocks, which never pay, off the wire. At 256 a multi-turn conversation's second
-    turn never got a hint: a turn adds a question and an answer (128 + 128
-    tokens), so a spilled second turn lacked exactly 256 tokens of its
-    home's prefix and recomputed them, and its copy then competed with the
-    home. Over workload seeds 0-15: multi-turn FIFO hit 0.873 -> 0.898,
-    TTFT p99 1.131 -> 1.094 s, imbalance 1.063 -> 1.050; batching hit 0.894
-    -> 0.899, p99 0.024 -> 0.018 s, imbalance 1.082 -> 1.084; at 4 routers
-    (seeds 0-7) batching hit 0.877 -> 0.899. Shared-prefix and Mooncake
+    ``num_cold_candidates`` = 8 and ``cold_balance_share`` = 0.3 (session 64; BENCHMARKS.md "A cold
+    request looks wider where caches have room"): while a placement evicts nothing (the ``fifo_work_left``
+    gate: one router, room in every cache for twice the prompt, rates and output quantiles reported), a
+    cold request's first 8 ring nodes compete, not 2 and the least booked (every replica of 8), and its
+    balance term weighs 0.3 x. Its wait is all it trades, and the least *booked* replica is often not the
+    one that frees first. Mooncake 6.25M FIFO TTFT p99 2.642 -> 2.595 s (12 periods paired, -0.047 +-
+    0.019), imbalance 1.019 -> 1.006, hit equal; with full caches (1.25M, the generated workloads) the
+    ring's two homes keep footprints spread: load-chosen homes cost shared-prefix FIFO a system prompt in
+    3 of 40 seeds.
+
+    Fetch knobs: ``fetch_min_tokens`` = 64 (one 64-token block; 256 until 2026-12-02). A hint is only an
+    offer: the receiving worker weighs the transfer, fixed cost included, against recomputing with its own
+    measured figures (``worker.kv_fetch.PrefixFetcher.should_fetch``), so the router need not guess that fixed
+    cost; the one-block floor keeps hints for partial blocks, which never pay, off the wire. At 256 a
+    multi-turn conversation's second turn never got a hint: a turn adds a question and an answer (128 + 128
+    tokens), so a spilled second turn lacked exactly 256 tokens of its home's prefix and recomputed them, and
+    its copy then competed with the home. Over workload seeds 0-15: multi-turn FIFO hit 0.873 -> 0.898, TTFT
+    p99 1.131 -> 1.094 s, imbalance 1.063 -> 1.050; batching hit 0.894 -> 0.899, p99 0.024 -> 0.018 s,
+    imbalance 1.082 -> 1.084; at 4 routers (seeds 0-7) batching hit 0.877 -> 0.899. Shared-prefix and Mooncake
     (512-token blocks) decide identically (0 gives the same figures).
-    ``fetch_credit_scope`` = "never": fetch changes no score and no
-    booking; a request goes where it would without fetch, and when that is
-    not the owner (an owner over the bound, or far more queued) it carries
-    the hint, so fetch only turns the no-fetch rule's spills into hits.
-    Measured (BENCHMARKS.md, "KV fetch (simulated)"): against fetch off,
-    hit as high or higher on every row, imbalance and p99 within noise, and
-    multi-turn FIFO hit 0.853 -> 0.890, TTFT p99 1.789 -> 1.630 s. "always"
-    (crediting fetchable tokens against any owner) moved requests from
-    homes that could take them into second copies (multi-turn batching
+    ``fetch_credit_scope`` = "never": fetch changes no score and no booking; a request goes where it would
+    without fetch, and when that is not the owner (an owner over the bound, or far more queued) it carries the
+    hint, so fetch only turns the no-fetch rule's spills into hits. Measured (BENCHMARKS.md, "KV fetch
+    (simulated)"): against fetch off, hit as high or higher on every row, imbalance and p99 within noise, and
+    multi-turn FIFO hit 0.853 -> 0.890, TTFT p99 1.789 -> 1.630 s. "always" (crediting fetchable tokens
+    against any owner) moved requests from homes that could take them into second copies (multi-turn batching
     imbalance 1.087 -> 1.110); "over_bound" took it to 1.168.
     ``fifo_work_left`` and ``queue_copy_any_prefix`` (session 60;
     BENCHMARKS.md "Work left at a FIFO server"): while caches have room,
@@ -401,6 +399,8 @@ class PolicyConfig:
     batching_turnover_credit: bool = True  # ... and at a batching server a cold request's credit where it is slower
     cold_queue_weight: float = 2.0  # a cold request's queue at a FIFO server weighs 1 + this
     fifo_work_left: bool = True  # with room in caches, a FIFO replica's running request weighs what it has left
+    num_cold_candidates: int = 8  # ... and a cold request's ring nodes that compete (not num_ring_candidates)
+    cold_balance_share: float = 0.3  # ... and its balance term's share of balance_weight
     queue_copy_any_prefix: bool = True  # ... and a queued copy from a FIFO holder may be of any prefix
 
     def __post_init__(self) -> None:

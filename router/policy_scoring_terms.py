@@ -25,8 +25,9 @@ class ScoringTermsMixin:
     :meth:`routing_status` ``_intake``, ``_index``, ``_busy_reports``,
     ``_prices``); changes nothing."""
 
-    def _scoring(self, request: RoutingRequest, now: float) -> Scoring:
-        """Steps 3-4's terms for ``request`` now, with the several-routers knobs applied."""
+    def _scoring(self, request: RoutingRequest, now: float, room: bool = False) -> Scoring:
+        """Steps 3-4's terms for ``request`` now, with the several-routers knobs
+        applied; ``room``: :meth:`_placement_evicts_nothing`."""
         config, loads, ring = self.config, self._loads, self._ring
         mean_recent = loads.recent_total(now) / max(len(ring), 1)
         chance_sd = loads.chance_sd(now)
@@ -40,35 +41,44 @@ class ScoringTermsMixin:
             balance_work, mean_balance = self._queue_priced.view(now, mean_recent, len(ring)), mean_recent
         if config.balance_busy_share > 0:
             balance_work, mean_balance = self._with_busy(balance_work, mean_balance, mean_recent, now)
+        # ~1/K of the real deviations, unless the others' decisions are booked here too
+        balance = config.balance_weight * (routers if config.balance_fleet_scale
+                                           and not self._share.sees_peers(now) else 1.0)
+        load = self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load
         return Scoring(
             config, request.num_prompt_tokens, request.num_output_tokens, mean_recent, chance_sd, max(len(ring), 1),
             one_request=1.0 / routers if config.bound_fleet_scale else 1.0,  # this router's view is ~1/K of the work
-            # ~1/K of the real deviations, unless the others' decisions are booked here too
-            balance=config.balance_weight * (routers if config.balance_fleet_scale
-                                             and not self._share.sees_peers(now) else 1.0),
-            mean_balance=mean_balance,
+            balance=balance, mean_balance=mean_balance,
             dead=config.balance_dead_sd * chance_sd,  # deviations chance explains count for nothing
-            load=self._load_left(self._load_view(now, peers) if peers or config.drain_foreign_load else loads.load,
-                                 request, now),
+            load=self._load_left(load, now) if room and config.fifo_work_left else load,
             recent=loads.recent_view(now), expected_output=self._outputs.expected,
-            balance_work=balance_work, turnover=self._turnover_price(now), cold_queue=self._cold_queue_weight())
+            balance_work=balance_work, turnover=self._turnover_price(now), cold_queue=self._cold_queue_weight(),
+            cold_balance=balance * config.cold_balance_share if room else None)
 
-    def _load_left(self, load: Callable[[str], float], request: RoutingRequest, now: float
-                   ) -> Callable[[str], float]:
+    def _placement_evicts_nothing(self, request: RoutingRequest) -> bool:
+        """Whether placing ``request`` decides its wait and nothing else, as
+        far as this router can tell: it is the one router (every request in
+        flight is its own), every cache had room at its last report for
+        twice the request's prompt (a placement evicts nothing), and the
+        replicas have reported their rates and output quantiles
+        (:class:`WorkLeft`: what a running request has left). Then
+        ``fifo_work_left`` prices a FIFO replica's running request at what
+        it has left, and a cold request weighs every replica's queue
+        (``num_cold_candidates``, ``cold_balance_share``). O(1) but after
+        the least free cache's report."""
+        if not (self._work_left.is_ready and not self._shares_traffic()):
+            return False
+        free = self._fill.min_free_tokens()  # kept: O(replicas) only after the least one's report
+        return free is not None and free >= 2 * request.num_prompt_tokens
+
+    def _load_left(self, load: Callable[[str], float], now: float) -> Callable[[str], float]:
         """``load`` with the request a FIFO replica runs (this router's
         first in flight there, :meth:`ReplicaQueueing.serves_one_at_a_time`)
-        at what it has left (:class:`WorkLeft`) instead of its booked work,
-        while ``fifo_work_left`` is in force: one router (every request
-        there is its own), every cache had room at its last report for twice
-        the request's prompt (a placement evicts nothing: TTFT is all it
-        decides), and the replicas have reported their rates and output
-        quantiles. Else ``load``. O(1) per replica asked, once a decision."""
+        at what it has left (:class:`WorkLeft`) instead of its booked work:
+        for a decision where ``fifo_work_left`` is on and
+        :meth:`_placement_evicts_nothing`. O(1) per replica asked, once a
+        decision."""
         config, work_left = self.config, self._work_left
-        if not (config.fifo_work_left and work_left.is_ready and not self._shares_traffic()):
-            return load
-        free = self._fill.min_free_tokens()  # kept: O(replicas) only after the least one's report
-        if free is None or free < 2 * request.num_prompt_tokens:
-            return load
         one_at_a_time, expected = self._queueing.serves_one_at_a_time, self._outputs.expected
         first_in_flight, queue_cost = self._loads.first_in_flight, config.queue_token_cost
         left = work_left.view(now, config.decode_token_cost, queue_cost)

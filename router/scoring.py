@@ -26,7 +26,8 @@ class Scoring:
     again where the cache is cheap)
     ``+ cold_queue(r) * load(r)`` for a cold request (only where
     ``cold_queue`` is given: nothing is cached anywhere to trade its wait
-    for, and at a FIFO server it waits for all of the queue)
+    for, and at a FIFO server it waits for all of the queue), whose
+    ``balance`` is ``cold_balance`` where that is given
     with ``saved = cached + fetch_share * credit`` (``fetch_share``:
     ``fetch_affinity_share``, or ``1 / (1 - fetch_token_cost)`` where a hot
     prefix may gain a holder: ``saved`` is then every fetched token, and
@@ -69,6 +70,7 @@ class Scoring:
     affinity_weight: float | None = None  # w in force for this request; None: config.affinity_weight
     turnover: Callable[[str], float] | None = None  # replica -> price of a token written there; None: no term
     cold_queue: Callable[[str], float] | None = None  # replica -> extra weight of a cold request's queue there
+    cold_balance: float | None = None  # the balance term's weight for a cold request; None: ``balance``
 
     def bound(self, replica_id: str | None, cached: int) -> float:
         """Most recent work ``replica_id`` may hold and still take the request:
@@ -112,6 +114,8 @@ class Scoring:
         premium, computed, turnover, entries, cached_at = self.premium, self.computed, self.turnover, [], {}
         cold = not depths and within_replica is None
         cold_queue = self.cold_queue if cold else None
+        if cold and self.cold_balance is not None:
+            balance = self.cold_balance
         for replica_id in found.replica_ids:
             cached = depths.get(replica_id, 0) * block_size + (within_tokens if replica_id == within_replica else 0)
             cached = last_token if cached > last_token else cached  # = max(0, min(cached, T - 1))
