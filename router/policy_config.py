@@ -289,8 +289,8 @@ class PolicyConfig:
     gate: one router, room in every cache for twice the prompt, rates and output quantiles reported), a
     cold request's first 8 ring nodes compete, not 2 and the least booked (every replica of 8), and its
     balance term weighs 0.3 x. Its wait is all it trades, and the least *booked* replica is often not the
-    one that frees first. Mooncake 6.25M FIFO TTFT p99 2.642 -> 2.595 s (12 periods paired, -0.047 +-
-    0.019), imbalance 1.019 -> 1.006, hit equal; with full caches (1.25M, the generated workloads) the
+    one that frees first. Mooncake 6.25M FIFO TTFT p99 2.648 -> 2.582 s (36 periods paired, -0.066 +-
+    0.011), imbalance 1.018 -> 1.007, hit equal; with full caches (1.25M, the generated workloads) the
     ring's two homes keep footprints spread: load-chosen homes cost shared-prefix FIFO a system prompt in
     3 of 40 seeds.
 
