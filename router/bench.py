@@ -1,11 +1,11 @@
 """Router decision cost: ``rank`` + ``on_routed`` per request, for 4k-token prompts.
 
     python -m router.bench [--replicas 8,16,32,64] [--prompt-tokens 4096] [--policy-args JSON]
-                           [--fifo-full | --fifo-room] [--repeats 3] [--json OUT]
+                           [--fifo-full | --fifo-room] [--cold] [--repeats 3] [--json OUT]
 
 Per fleet size: a policy is warmed up with ``--warmup`` requests (prompts of
 ``--prompt-tokens`` tokens: a 2k-token prefix shared by one of 64 groups +
-a unique rest, hashed at ``--block-tokens``, default the policy's; token ids
+a unique rest, or with ``--cold`` all unique, hashed at ``--block-tokens``, default the policy's; token ids
 attached, so the within-block match runs too), each replica sends a summary of the
 blocks routed to it, requests complete in FIFO order with ``4 × N`` in
 flight; then ``--requests`` decisions are timed one by one in thread CPU
@@ -55,10 +55,12 @@ class _Clock:
         return self.now
 
 
-def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int) -> list[RoutingRequest]:
-    """Hash once, reuse: group prefixes are hashed once and chains continued."""
+def _requests(num: int, prompt_tokens: int, block_tokens: int, seed: int, cold: bool = False
+              ) -> list[RoutingRequest]:
+    """Hash once, reuse: group prefixes are hashed once and chains continued.
+    ``cold``: no shared prefix, every prompt its own (nothing of it cached)."""
     rng = random.Random(seed)
-    shared_tokens = prompt_tokens // 2
+    shared_tokens = 0 if cold else prompt_tokens // 2
     prefixes = [[rng.randrange(32000) for _ in range(shared_tokens)] for _ in range(NUM_GROUPS)]
     out = []
     for _ in range(num):
@@ -272,10 +274,13 @@ def main(argv: list[str] | None = None) -> int:
                              "(100 = each second at the bench's 100 decisions/s)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of the same decisions per fleet size (each decision's fastest: its own cost)")
+    parser.add_argument("--cold", action="store_true",
+                        help="prompts share no prefix: every decision is a cold prompt's (with --fifo-room, "
+                             "num_cold_candidates ring nodes compete)")
     parser.add_argument("--json", help="output JSON path")
     args = parser.parse_args(argv)
     fleet_sizes = [int(n) for n in args.replicas.split(",")]
-    requests = _requests(args.warmup + args.requests, args.prompt_tokens, args.block_tokens, args.seed)
+    requests = _requests(args.warmup + args.requests, args.prompt_tokens, args.block_tokens, args.seed, args.cold)
     tokens = list(range(args.prompt_tokens))
     started = time.perf_counter_ns()
     for _ in range(200):
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"max {r['periodic_summary_us_max']:.0f}" for r in results))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"prompt_tokens": args.prompt_tokens, "block_tokens": args.block_tokens,
+            json.dump({"prompt_tokens": args.prompt_tokens, "block_tokens": args.block_tokens, "cold": args.cold,
                        "ingress_block_hashes_us": hash_us, "fleets": results}, handle, indent=2)
     return 0
 

@@ -3,6 +3,7 @@
 import pytest
 
 from router import bench
+from router import policy as policy_module
 from router.policy_scoring_terms import ScoringTermsMixin
 from router.work_left import WorkLeft
 
@@ -108,3 +109,35 @@ def test_the_fifo_room_bench_prices_running_requests_at_what_they_have_left(monk
         assert figures["periodic_summary_us_p50"] > 0
     else:
         assert not calls
+
+
+def test_the_cold_bench_times_cold_prompts_with_every_ring_node_in_reach(monkeypatch):
+    """``--cold``: prompts share nothing, so in ``--fifo-room`` every timed
+    decision is a cold prompt's behind the room gate, whose candidates are
+    ``num_cold_candidates`` ring nodes (all 4 here), not 2 and the least
+    loaded; the grouped prompts' decisions never take that path."""
+    widths = {}
+    original = bench.PrefixAffinityPolicy._placement_evicts_nothing  # noqa: SLF001
+
+    def recorded(self, request):
+        room = original(self, request)
+        widths.setdefault(room, 0)
+        widths[room] += 1
+        return room
+    monkeypatch.setattr(bench.PrefixAffinityPolicy, "_placement_evicts_nothing", recorded)
+    cold = bench._requests(400, 512, 64, seed=0, cold=True)  # noqa: SLF001
+    assert len({r.block_hashes[0] for r in cold}) == 400  # nothing shared
+    grouped = bench._requests(400, 512, 64, seed=0)  # noqa: SLF001
+    assert len({r.block_hashes[0] for r in grouped}) <= 64
+    candidates = []
+    original_gather = policy_module.gather
+
+    def gather(*args, **kwargs):
+        found = original_gather(*args, **kwargs)
+        candidates.append((not found.depths, len(found.replica_ids)))
+        return found
+    monkeypatch.setattr(policy_module, "gather", gather)
+    bench.bench_fleet(4, cold, 200, 64, summary_every=50, fifo_room=True)
+    assert widths.get(True, 0) >= 200  # the timed decisions are behind the gate
+    timed = candidates[-200:]
+    assert all(is_cold and width == 4 for is_cold, width in timed)
