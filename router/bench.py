@@ -5,9 +5,9 @@
 
 Per fleet size: a policy is warmed up with ``--warmup`` requests (prompts of
 ``--prompt-tokens`` tokens: a 2k-token prefix shared by one of 64 groups +
-a unique rest, or with ``--cold`` all unique, hashed at ``--block-tokens``, default the policy's; token ids
-attached, so the within-block match runs too), each replica sends a summary of the
-blocks routed to it, requests complete in FIFO order with ``4 × N`` in
+a unique rest, or with ``--cold`` all unique; hashed at ``--block-tokens``,
+default the policy's; token ids attached, so the within-block match runs
+too), each replica sends a summary of the blocks routed to it, requests complete in FIFO order with ``4 × N`` in
 flight; then ``--requests`` decisions are timed one by one in thread CPU
 time (``time.thread_time_ns``; wall-clock percentiles are reported too),
 Python's GC left on, as in a serving process. ``--repeats`` runs (default

@@ -12,8 +12,8 @@ BALANCE_OUTPUT_PRICES = ("busy", "queue")
 
 def check_policy_config(config) -> None:
     """Raise ValueError naming the first knob of ``config`` out of its range or type."""
-    for name in ("block_size", "num_ring_candidates", "num_cold_candidates", "max_affinity_candidates", "virtual_nodes",
-                 "max_blocks_per_replica", "num_ranked", "max_partial_entries", "prior_output_tokens", "price_history",
+    for name in ("block_size", "num_ring_candidates", "num_cold_candidates", "max_affinity_candidates",
+                 "virtual_nodes", "max_blocks_per_replica", "num_ranked", "max_partial_entries", "prior_output_tokens", "price_history",
                  "premium_pending_min_users", "max_demand_entries"):
         value = getattr(config, name)
         if type(value) is not int or value <= 0:
@@ -22,8 +22,8 @@ def check_policy_config(config) -> None:
                       ("learned_grace_s", 0.0), ("cold_home_load_factor", 1.0), ("load_slack_sd", 0.0), ("balance_weight", 0.0), ("balance_dead_sd", 0.0),
                       ("hot_prefix_share", 0.0), ("replica_room_factor", 0.0), ("queue_copy_requests", 0.0),
                       ("queue_copy_gap_requests", 0.0), ("queue_copy_room_factor", 0.0),
-                      ("queue_copy_size_factor", 0.0), ("turnover_weight", 0.0), ("cold_queue_weight", 0.0), ("cold_balance_share", 0.0),
-                      ("max_replica_fetch_cost", 0.0), ("hot_affinity_share", 0.0)):
+                      ("queue_copy_size_factor", 0.0), ("turnover_weight", 0.0), ("cold_queue_weight", 0.0),
+                      ("cold_balance_share", 0.0), ("max_replica_fetch_cost", 0.0), ("hot_affinity_share", 0.0)):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or value < low:
