@@ -27,7 +27,7 @@ class Candidates:
     key: int  # ring key: the first block past what is cached anywhere (or the prompt's hash)
     replica_ids: list[str]  # holders deepest first, the within-block replica, ring nodes, the least loaded
     depths: dict[str, int]  # leading blocks each holder holds
-    ring_rank: dict[str, int]  # position in the walk from ``key`` among live nodes
+    ring_rank: dict[str, int]  # position in the walk from ``key`` among live nodes; each one a candidate
     ring_walk: Iterator[str]  # the rest of that walk, for the spill
     within_replica: str | None  # holds the previous prompt's partial last block (and blocks 0..m-1)
     within_tokens: int  # tokens of block m cached there

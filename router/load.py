@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
 from router.busy_spans import BusySpans
+from router.keyed_min import KeyedMin
 
-_STALE_SLACK = 512  # stale heap entries before a compaction: 1 decision in ~250 pays it at 8 replicas, not 1 in 40
 _REBASE_WINDOWS = 50.0  # rescale the recent-work counters before exp() overflows
 
 
@@ -63,16 +62,15 @@ class LoadTracker:
        ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
     3. With ``track_busy``, the busy spans track exactly these replicas, each
        with as many requests in flight as it has entries here.
-    4. Once :meth:`least_loaded_replica` was asked (never: no heap), the
-       heap holds one entry per replica with its current version, ``(load,
-       scaled recent work, version, replica)``, and stale ones: the least
-       loaded on top, the least recent work first among equal loads.
-       Versions count every change, so the first ask builds what an
-       always-kept heap would hold.
+    4. Once :meth:`least_loaded_replica` was asked (before: None), ``_least``
+       holds each replica's current ``(load, scaled recent work, version,
+       replica)`` (:class:`KeyedMin`): the least loaded is the least entry,
+       the least recent work first among equal loads. Versions count every
+       change (the last tie-break before the id, as when a heap kept them).
 
-    Cost: updates O(1) (O(log N) amortised with a heap); the first :meth:`least_loaded_replica`
-    O(N), later ones O(log N) amortised; the rest O(1) but where said (a rebase every
-    ``50 × window_s`` and a drop of ``_STALE_SLACK`` stale heap entries, O(N)).
+    Cost: updates O(1) (O(√N) once the least loaded replica was asked: :class:`KeyedMin`);
+    the first :meth:`least_loaded_replica` O(N), later ones O(√N); the rest O(1) but where
+    said (a rebase every ``50 × window_s``, O(N)).
     """
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
@@ -96,8 +94,7 @@ class LoadTracker:
         self._recent_sq_total = 0.0
         self._base_s: float | None = None
         self._versions: dict[str, int] = {}
-        self._heap: list[tuple[float, float, int, str]] = []
-        self._heap_kept = False  # invariant 4: from the first least_loaded_replica on
+        self._least: KeyedMin | None = None  # invariant 4: from the first least_loaded_replica on
         self._busy = BusySpans(self.window_s) if track_busy else None
         self._last_s = 0.0  # the latest time an update was given: completions may come without one
 
@@ -172,17 +169,13 @@ class LoadTracker:
 
     def least_loaded_replica(self) -> str | None:
         """The least loaded replica (least recent work among equals); None if none."""
-        if not self._heap_kept:
-            self._heap_kept = True
-            self._heap = [(self.load(r), self._recent[r], self._versions[r], r) for r in self._local]
-            heapq.heapify(self._heap)
-        heap, versions = self._heap, self._versions
-        while heap:
-            _, _, version, replica_id = heap[0]
-            if versions.get(replica_id) == version:
-                return replica_id
-            heapq.heappop(heap)
-        return None
+        if self._least is None:
+            self._least = KeyedMin()
+            for replica_id in self._local:
+                self._least.set(replica_id, (self.load(replica_id), self._recent[replica_id],
+                                             self._versions[replica_id], replica_id))
+        least = self._least.least()
+        return None if least is None else least[3]
 
     # ------------------------------------------------------------------ updates
     def add_replica(self, replica_id: str) -> None:
@@ -215,10 +208,8 @@ class LoadTracker:
         for request_id in self._in_flight_at.pop(replica_id, ()):
             del self._in_flight[request_id]
             self._reserved.pop(request_id, None)
-        # Its heap entries go too: a replica that joins again counts its versions from 1 anew,
-        # and an old entry with a matching version would look current (invariant 3).
-        self._heap = [entry for entry in self._heap if entry[3] != replica_id]
-        heapq.heapify(self._heap)
+        if self._least is not None:
+            self._least.remove(replica_id)
 
     def on_routed(self, request_id: str, replica_id: str, num_tokens: float, now: float,
                   recent_tokens: float | None = None) -> None:
@@ -348,7 +339,6 @@ class LoadTracker:
         self._recent_total = self._recent_sq_total = 0.0
         for request_id, entry in self._in_flight.items():
             self._in_flight[request_id] = entry._replace(recent_tokens=0.0)
-        self._heap = []
         for replica_id in self._local:
             self._changed(replica_id)
 
@@ -373,12 +363,8 @@ class LoadTracker:
     def _changed(self, replica_id: str) -> None:
         version = self._versions.get(replica_id, 0) + 1
         self._versions[replica_id] = version
-        if not self._heap_kept:
-            return
-        heapq.heappush(self._heap, (self.load(replica_id), self._recent[replica_id], version, replica_id))
-        if len(self._heap) > len(self._versions) + _STALE_SLACK:  # drop stale entries
-            self._heap = [e for e in self._heap if self._versions.get(e[3]) == e[2]]
-            heapq.heapify(self._heap)
+        if self._least is not None:
+            self._least.set(replica_id, (self.load(replica_id), self._recent[replica_id], version, replica_id))
 
     def _rebase(self, now: float) -> None:
         scale = math.exp((self._base_s - now) / self.window_s)
@@ -387,7 +373,6 @@ class LoadTracker:
         self._recent_sq = {r: v * scale * scale for r, v in self._recent_sq.items()}
         self._recent_sq_total *= scale * scale
         self._base_s = now
-        self._heap = []
         for replica_id in self._local:
             self._changed(replica_id)
 
@@ -410,10 +395,10 @@ class LoadTracker:
             counts = {r: len(order.get(r, ())) for r in self._local}
             assert set(self._busy.replica_ids) == set(counts), "busy spans of another replica set"
             assert counts == {r: self._busy.num_in_flight(r) for r in counts}, "busy spans disagree"
-        assert self._heap_kept or not self._heap, "a heap kept before anyone asked for the least loaded replica"
-        current = {(e[3], e[2]) for e in self._heap if self._versions.get(e[3]) == e[2]}
-        assert current == (set(self._versions.items()) if self._heap_kept else set()), "a heap entry missing"
-        for load, recent, version, replica_id in self._heap:
-            if self._versions.get(replica_id) == version:
+        if self._least is not None:
+            self._least.check_invariants()
+            assert len(self._least) == len(self._versions), "a replica without its least-loaded entry"
+            for replica_id, version in self._versions.items():
+                load, recent, entry_version, _ = self._least.entry(replica_id)
+                assert entry_version == version and recent == self._recent[replica_id], replica_id
                 assert math.isclose(load, self.load(replica_id), rel_tol=1e-6, abs_tol=1e-6), replica_id
-                assert recent == self._recent[replica_id], replica_id

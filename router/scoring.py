@@ -122,7 +122,8 @@ class Scoring:
             cached = cached_at[replica_id] = 0 if cached < 0 else cached
             fetched = credit(replica_id, cached) if credit is not None else 0.0
             saved = cached + saved_share * fetched  # saved tokens that weigh w each
-            base = cached if computed is None else computed(replica_id, cached)  # the premium's share of cached
+            # the premium's share of cached (of none cached, none: not asked)
+            base = computed(replica_id, cached) if computed is not None and cached else cached
             premium_tokens = (base if premium is None else premium(base)) + saved_share * fetched
             weight = 1.0 + per_saved * premium_tokens / prompt_or_1
             recent_work = recent(replica_id)
@@ -176,9 +177,11 @@ def holder_premium(levels: list[tuple[int, int]], block_size: int) -> Callable[[
 
 def _sorted(entries: list[tuple], found: Candidates) -> list[tuple]:
     """``entries`` sorted as if each carried ``found.tiebreak(replica)``
-    before its id, hashing only when two tie on everything before it."""
+    before its id, hashing only when two tie on everything before it. Two
+    can tie only off the ring's first nodes (each ring node's rank is its
+    own), so with at most one candidate off them no tie is looked for."""
     ordered = sorted(entries)
-    if all(a[:4] < b[:4] for a, b in zip(ordered, ordered[1:])):
+    if len(entries) - len(found.ring_rank) < 2 or all(a[:4] < b[:4] for a, b in zip(ordered, ordered[1:])):
         return ordered
     keyed = sorted(entry[:4] + (found.tiebreak(entry[4]), entry[4]) for entry in entries)
     return [key[:4] + key[5:] for key in keyed]

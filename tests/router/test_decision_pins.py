@@ -61,7 +61,7 @@ def drive(config: PolicyConfig, seed: int, num_steps: int = 600, num_replicas: i
             _report(policy, rng, replica_id, routed, versions, epochs, outputs, clock.now, fifo_full)
         elif event < 0.95 and len(live) > 2:
             policy.set_replicas(set(live) - {rng.choice(live)})
-        else:  # a new replica joins (a new name: a returning id is a known gap of LoadTracker's heap)
+        else:  # a new replica joins (under a new name)
             newcomer = f"r{len(names)}"
             names.append(newcomer)
             routed[newcomer], versions[newcomer], epochs[newcomer], outputs[newcomer] = set(), 0, "e0", 0

@@ -264,11 +264,11 @@ def test_a_joining_replica_starts_at_the_mean_recent_work():
     assert loads.chance_sd(0.0) == pytest.approx(math.sqrt((300.0**2 + 100.0**2) * 2) / 3)
 
 
-def test_a_replica_that_leaves_and_joins_again_has_no_stale_heap_entry():
+def test_a_replica_that_leaves_and_joins_again_has_no_stale_least_loaded_entry():
     loads = LoadTracker()
     for replica in ("a", "b"):
         loads.add_replica(replica)
-    assert loads.least_loaded_replica() == "a"  # the heap is kept from here on
+    assert loads.least_loaded_replica() == "a"  # the least-loaded entries are kept from here on
     loads.on_routed("q1", "a", 50.0, now=0.0)
     loads.on_routed("q2", "b", 10.0, now=0.0)
     loads.on_completed("q2")
@@ -282,8 +282,8 @@ def test_a_replica_that_leaves_and_joins_again_has_no_stale_heap_entry():
 
 
 @pytest.mark.parametrize("first_ask", [0, 37, 150, 299])
-def test_a_heap_built_at_the_first_ask_answers_as_one_kept_all_along(first_ask):
-    """Invariant 4: a tracker that keeps no heap until asked (as the
+def test_least_loaded_entries_built_at_the_first_ask_answer_as_ones_kept_all_along(first_ask):
+    """Invariant 4: a tracker that keeps no least-loaded entries until asked (as the
     queue-priced trackers, never asked) answers from then on exactly as one
     asked at every step, ties between equal loads and equal recent work
     included, through joins, leaves, rebases and forgotten windows."""
@@ -317,7 +317,7 @@ def test_a_heap_built_at_the_first_ask_answers_as_one_kept_all_along(first_ask):
         lazy.check_invariants()
         expected = always.least_loaded_replica()
         if step < first_ask:
-            assert not lazy._heap, "a heap kept before the first ask"
+            assert lazy._least is None, "least-loaded entries kept before the first ask"
         else:
             assert lazy.least_loaded_replica() == expected, step
 
