@@ -187,15 +187,16 @@ class FetchPlan:
         first choice the index counts among the holders of all but at most
         ``min_tokens`` of the fetchable prefix gets a hint naming another
         holder of all of it (:meth:`backup_hint`). Either names up to
-        ``max_alternates`` more holders (:meth:`with_alternates`)."""
+        ``max_alternates`` more holders (:meth:`with_alternates`); the hint
+        is built once, with them."""
         held = self.held(first_id, cached)
         if self._num_fetchable - held > self._min_tokens:
-            hint = hint_for(first_id, held, self.fetchable, self._min_tokens)
+            target = hint_target(first_id, held, self.fetchable, self._min_tokens)
         elif backup:
-            hint = self.backup_hint(first_id)
+            target = self._backup_target(first_id)
         else:
             return None  # nothing worth a fetch, whoever the owner (no owner looked up)
-        return self.with_alternates(hint, first_id)
+        return None if target is None else FetchHint(*target, self._alternates(target, first_id))
 
     def backup_hint(self, first_id: str) -> FetchHint | None:
         """For a first choice the index counts among the holders of the
@@ -223,6 +224,11 @@ class FetchPlan:
         request recomputed all of it there while two other replicas held it
         (shared-prefix FIFO, fetched holders made on long queues).
         """
+        target = self._backup_target(first_id)
+        return None if target is None else FetchHint(*target)
+
+    def _backup_target(self, first_id: str) -> tuple[str, int] | None:
+        """:meth:`backup_hint`'s ``(owner, num_tokens)``."""
         depths, num_fetchable = self._depths, self._num_fetchable
         if num_fetchable <= self._min_tokens:
             return None
@@ -236,20 +242,25 @@ class FetchPlan:
         num_tokens = min(max(others.values()) * self._block_size, num_fetchable)
         if num_tokens <= self._min_tokens:
             return None
-        return FetchHint(deepest_holder(others, self._load_of, self._computing), num_tokens)
+        return deepest_holder(others, self._load_of, self._computing), num_tokens
 
     def with_alternates(self, hint: FetchHint | None, first_id: str) -> FetchHint | None:
         """``hint`` naming, besides its owner, up to ``max_alternates`` other
         candidates known to hold its tokens (never ``first_id``), those that
         have computed them first, then least loaded first."""
-        if hint is None or not self._max_alternates or len(self._depths) < 2:
-            return hint  # no holder besides the owner to name
-        num_blocks = hint.num_tokens // self._block_size
-        others = sorted((r for r, d in self._depths.items() if d >= num_blocks and r != first_id and r != hint.owner),
+        if hint is None:
+            return None
+        alternates = self._alternates((hint.owner, hint.num_tokens), first_id)
+        return FetchHint(hint.owner, hint.num_tokens, alternates) if alternates else hint
+
+    def _alternates(self, target: tuple[str, int], first_id: str) -> tuple[str, ...]:
+        """:meth:`with_alternates`' replicas for the hint ``target`` (``(owner, num_tokens)``)."""
+        if not self._max_alternates or len(self._depths) < 2:
+            return ()  # no holder besides the owner to name
+        owner, num_blocks = target[0], target[1] // self._block_size
+        others = sorted((r for r, d in self._depths.items() if d >= num_blocks and r != first_id and r != owner),
                         key=lambda r: holder_order(r, self._load_of, self._computing))
-        if not others:
-            return hint
-        return FetchHint(hint.owner, hint.num_tokens, tuple(others[:self._max_alternates]))
+        return tuple(others[:self._max_alternates])
 
     def replica_credit(self, has_room: Callable[[str, int], bool],
                        token_cost: float | None = None) -> Callable[[str, int], float]:
@@ -324,9 +335,16 @@ def hint_for(first_id: str, first_cached: int, fetchable: tuple[str, int] | None
              min_tokens: int) -> FetchHint | None:
     """The hint for a request whose first choice holds ``first_cached`` of its
     tokens (RoutingDecision's invariants)."""
+    target = hint_target(first_id, first_cached, fetchable, min_tokens)
+    return None if target is None else FetchHint(*target)
+
+
+def hint_target(first_id: str, first_cached: int, fetchable: tuple[str, int] | None,
+                min_tokens: int) -> tuple[str, int] | None:
+    """:func:`hint_for`'s ``(owner, num_tokens)``."""
     if fetchable is None:
         return None
     owner, num_tokens = fetchable
     if owner == first_id or num_tokens - first_cached <= min_tokens:
         return None
-    return FetchHint(owner, num_tokens)
+    return fetchable

@@ -7,7 +7,6 @@ and whether a hint's owner still computes the prefix it names."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from router.candidates import Candidates
 from router.decision_memo import PerReplica
@@ -69,7 +68,7 @@ class NewHoldersMixin:
         if hint is None or not self._pending.computes(hint.owner, request.block_hashes,
                                                       hint.num_tokens // self.config.block_size):
             return hint
-        return replace(hint, owner_computing=True)
+        return FetchHint(hint.owner, hint.num_tokens, hint.alternates, True)  # not replace(): 1.7 x the cost
 
     def _is_hot(self, draw: tuple[float, int], mean_recent: float) -> bool:
         """Whether the known prefix (``draw``: :meth:`_prefix_draw`) drew, per
