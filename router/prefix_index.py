@@ -224,10 +224,13 @@ class PrefixIndex(SummaryApplyMixin):
         deepest_first = block_hashes[::-1]
         young.update(zip(deepest_first, repeat(tick)))
         if len(young) > num_young:  # keys new to it went last: those without the bit are new here (1.)
-            holders, added = self._holders, list(islice(reversed(young), len(young) - num_young))
-            masks = list(map(holders.get, added, repeat(0)))  # in C, as the update: a cold prompt's 64 new blocks
-            holders.update(zip(added, map(bit.__or__, masks)))
-            self._num_young_new[replica_id] += list(map(bit.__and__, masks)).count(0)
+            holders, num_new = self._holders, 0
+            for block_hash in islice(reversed(young), len(young) - num_young):
+                mask = holders.get(block_hash, 0)
+                if not mask & bit:
+                    holders[block_hash] = mask | bit
+                    num_new += 1
+            self._num_young_new[replica_id] += num_new
         self._prompt_ends.add(deepest_first[0])
         self._fifo[replica_id].append((tick, deepest_first))
         self._fifo_size[replica_id] += num_blocks
