@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from router.busy_spans import BusySpans
 from router.keyed_min import KeyedMin
+from router.recent_parts import RecentParts
 
 _REBASE_WINDOWS = 50.0  # rescale the recent-work counters before exp() overflows
 
@@ -18,6 +19,7 @@ class _InFlight(NamedTuple):  # immutable; built once per decision (a frozen dat
     num_tokens: float  # its queued work (load)
     routed_at: float
     recent_tokens: float  # its share of recent work
+    parts: tuple[float, ...] = ()  # its recent work's parts (RecentParts), where the tracker keeps them
 
 
 class LoadTracker:
@@ -57,24 +59,23 @@ class LoadTracker:
     1. ``_local[r] == sum of in-flight work on r`` and ``_total == sum(load)``;
        every reservation is an in-flight entry; ``_in_flight_at[r]`` holds
        the in-flight ids at ``r``, in ``_in_flight``'s order.
-    2. Recent counters are stored multiplied by ``exp((t - _base_s) / window_s)``
-       (squares by its square) so that decay needs no updates;
+    2. Recent counters (and :attr:`parts`', booked with each request:
+       :class:`RecentParts`) are stored multiplied by ``exp((t - _base_s) /
+       window_s)`` (squares by its square) so that decay needs no updates;
        ``_recent_total == sum(_recent)``, ``_recent_sq_total == sum(_recent_sq)``.
     3. With ``track_busy``, the busy spans track exactly these replicas, each
        with as many requests in flight as it has entries here.
-    4. Once :meth:`least_loaded_replica` was asked (before: None), ``_least``
-       holds each replica's current ``(load, scaled recent work, version,
-       replica)`` (:class:`KeyedMin`): the least loaded is the least entry,
-       the least recent work first among equal loads. Versions count every
-       change (the last tie-break before the id, as when a heap kept them).
+    4. Once :meth:`least_loaded_replica` was asked (before: None), ``_least`` holds each replica's
+       current ``(load, scaled recent work, version, replica)`` (:class:`KeyedMin`): the least
+       loaded is the least entry, the least recent work first among equal loads. Versions count
+       every change (the last tie-break before the id, as when a heap kept them).
 
-    Cost: updates O(1) (O(√N) once the least loaded replica was asked: :class:`KeyedMin`);
-    the first :meth:`least_loaded_replica` O(N), later ones O(√N); the rest O(1) but where
-    said (a rebase every ``50 × window_s``, O(N)).
+    Cost: updates O(1) (O(√N) once the least loaded replica was asked); the first
+    :meth:`least_loaded_replica` O(N), later ones O(√N); a rebase every ``50 × window_s`` O(N).
     """
 
     def __init__(self, in_flight_timeout_s: float = 600.0, window_s: float = 120.0,
-                 reservation_timeout_s: float = 5.0, track_busy: bool = False) -> None:
+                 reservation_timeout_s: float = 5.0, track_busy: bool = False, num_parts: int = 0) -> None:
         for name, value in (("in_flight_timeout_s", in_flight_timeout_s), ("window_s", window_s),
                             ("reservation_timeout_s", reservation_timeout_s)):
             if not value > 0:
@@ -96,6 +97,7 @@ class LoadTracker:
         self._versions: dict[str, int] = {}
         self._least: KeyedMin | None = None  # invariant 4: from the first least_loaded_replica on
         self._busy = BusySpans(self.window_s) if track_busy else None
+        self.parts = RecentParts(num_parts) if num_parts else None  # recent work split, booked with each request
         self._last_s = 0.0  # the latest time an update was given: completions may come without one
 
     # ------------------------------------------------------------------ queries
@@ -121,22 +123,20 @@ class LoadTracker:
         return self._foreign.get(replica_id, 0.0)
 
     def recent_work(self, replica_id: str, now: float) -> float:
-        if self._base_s is None:
-            return 0.0
-        return self._recent.get(replica_id, 0.0) * math.exp((self._base_s - now) / self.window_s)
+        return self._recent.get(replica_id, 0.0) * self.decay(now)
 
     def recent_view(self, now: float) -> Callable[[str], float]:
         """``recent_work(·, now)`` with the decay computed once, for many
         replicas at one moment; valid until the next update."""
-        if self._base_s is None:
-            return lambda replica_id: 0.0
-        recent, scale = self._recent, math.exp((self._base_s - now) / self.window_s)
+        recent, scale = self._recent, self.decay(now)
         return lambda replica_id: recent.get(replica_id, 0.0) * scale
 
+    def decay(self, now: float) -> float:
+        """A stored recent counter (:attr:`parts`' too) times this reads it at ``now``; 0 before any booking."""
+        return 0.0 if self._base_s is None else math.exp((self._base_s - now) / self.window_s)
+
     def recent_total(self, now: float) -> float:
-        if self._base_s is None:
-            return 0.0
-        return self._recent_total * math.exp((self._base_s - now) / self.window_s)
+        return self._recent_total * self.decay(now)
 
     def chance_sd(self, now: float) -> float:
         """Standard deviation of a replica's recent work under a uniformly
@@ -179,14 +179,15 @@ class LoadTracker:
 
     # ------------------------------------------------------------------ updates
     def add_replica(self, replica_id: str) -> None:
-        """Track a joining replica. Its recent work starts at the others' mean:
-        at 0 it would look like the least-used replica for a whole window and
-        draw every cold prefix, instead of its share, while it catches up."""
+        """Track a joining replica. Its recent work starts at the others' mean: at 0 it would look like the least-used
+        replica for a whole window and draw every cold prefix, instead of its share, while it catches up."""
         if replica_id not in self._local:
             num_others = len(self._local)
-            self._track(replica_id, self._recent_total / num_others if num_others else 0.0)
+            self._track(replica_id, self._recent_total / num_others if num_others else 0.0, num_others)
 
-    def _track(self, replica_id: str, scaled_recent: float) -> None:
+    def _track(self, replica_id: str, scaled_recent: float, num_others: int = 0) -> None:
+        if self.parts is not None:
+            self.parts.track(replica_id, num_others)
         self._local[replica_id] = 0.0
         self._foreign[replica_id] = 0.0
         self._recent[replica_id] = scaled_recent
@@ -203,6 +204,8 @@ class LoadTracker:
         del self._local[replica_id], self._foreign[replica_id], self._versions[replica_id]
         self._recent_total = max(0.0, self._recent_total - self._recent.pop(replica_id))
         self._recent_sq_total = max(0.0, self._recent_sq_total - self._recent_sq.pop(replica_id))
+        if self.parts is not None:
+            self.parts.remove(replica_id)
         if self._busy is not None:
             self._busy.remove_replica(replica_id)
         for request_id in self._in_flight_at.pop(replica_id, ()):
@@ -212,16 +215,16 @@ class LoadTracker:
             self._least.remove(replica_id)
 
     def on_routed(self, request_id: str, replica_id: str, num_tokens: float, now: float,
-                  recent_tokens: float | None = None) -> None:
-        """This router sent ``num_tokens`` of queued work to ``replica_id``
-        (``recent_tokens`` of recent work; default the same). A reused id
-        replaces its old entry (queued and recent work)."""
-        self._add(request_id, replica_id, num_tokens, now, recent_tokens)
+                  recent_tokens: float | None = None, parts: tuple[float, ...] = ()) -> None:
+        """This router sent ``num_tokens`` of queued work to ``replica_id`` (``recent_tokens`` of
+        recent work, default the same; ``parts``: one value per part :attr:`parts` keeps, or none: 0).
+        A reused id replaces its old entry (queued and recent work)."""
+        self._add(request_id, replica_id, num_tokens, now, recent_tokens, parts)
 
     def reserve(self, request_id: str, replica_id: str, num_tokens: float, now: float,
-                recent_tokens: float | None = None) -> None:
+                recent_tokens: float | None = None, parts: tuple[float, ...] = ()) -> None:
         """This router chose ``replica_id`` for the request and has not sent it yet."""
-        self._add(request_id, replica_id, num_tokens, now, recent_tokens)
+        self._add(request_id, replica_id, num_tokens, now, recent_tokens, parts)
         self._reserved[request_id] = now
 
     def refresh(self, request_id: str, replica_id: str, now: float) -> bool:
@@ -244,7 +247,7 @@ class LoadTracker:
         return True
 
     def _add(self, request_id: str, replica_id: str, num_tokens: float, now: float,
-             recent_tokens: float | None = None) -> None:
+             recent_tokens: float | None = None, parts: tuple[float, ...] = ()) -> None:
         if not num_tokens >= 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         recent_tokens = num_tokens if recent_tokens is None else recent_tokens
@@ -256,7 +259,9 @@ class LoadTracker:
             self._forget(request_id, now)
         if replica_id not in self._local:  # routed to before set_replicas named it
             self._track(replica_id, 0.0)
-        self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now, float(recent_tokens))
+        if parts and (self.parts is None or len(parts) != self.parts.num_parts):  # none: all 0
+            raise ValueError(f"parts must have one value per part kept, got {parts!r}")
+        self._in_flight[request_id] = _InFlight(replica_id, float(num_tokens), now, float(recent_tokens), parts)
         self._in_flight_at.setdefault(replica_id, {})[request_id] = None
         if self._busy is not None:
             self._busy.start(replica_id, now)
@@ -266,7 +271,10 @@ class LoadTracker:
             self._base_s = now
         elif now - self._base_s > _REBASE_WINDOWS * self.window_s:
             self._rebase(now)
-        scaled = recent_tokens * math.exp((now - self._base_s) / self.window_s)
+        scale = math.exp((now - self._base_s) / self.window_s)
+        scaled = recent_tokens * scale
+        if parts:
+            self.parts.add(replica_id, parts, scale)
         self._recent[replica_id] += scaled
         self._recent_total += scaled
         self._recent_sq[replica_id] += scaled * scaled
@@ -274,9 +282,8 @@ class LoadTracker:
         self._changed(replica_id)
 
     def on_completed(self, request_id: str, now: float | None = None) -> str | None:
-        """The request finished (or failed) at ``now`` (default: the latest
-        time given to any update; it ends the replica's busy span); returns
-        the replica it was at, None if it was unknown."""
+        """The request finished (or failed) at ``now`` (default: the latest time given to any update; it ends the
+        replica's busy span); returns the replica it was at, None if it was unknown."""
         self._reserved.pop(request_id, None)
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
@@ -330,15 +337,16 @@ class LoadTracker:
             self.on_completed(request_id, entry.routed_at + self.in_flight_timeout_s)
 
     def forget_recent(self) -> None:
-        """Start the recent-work window afresh: every replica's recent work (and its chance spread)
-        0, each in-flight request's share of it too, so forgetting one later subtracts nothing.
-        Queued work stays. For work booked at prices since found wrong (the configured priors,
-        before any replica measured its own)."""
+        """Start the recent-work window afresh: every replica's recent work (its chance spread, its
+        parts) 0, each in-flight request's share of it too, so forgetting one later subtracts nothing.
+        Queued work stays. For work booked at prices since found wrong (the configured priors)."""
         self._recent = dict.fromkeys(self._recent, 0.0)
         self._recent_sq = dict.fromkeys(self._recent_sq, 0.0)
         self._recent_total = self._recent_sq_total = 0.0
         for request_id, entry in self._in_flight.items():
-            self._in_flight[request_id] = entry._replace(recent_tokens=0.0)
+            self._in_flight[request_id] = entry._replace(recent_tokens=0.0, parts=(0.0,) * len(entry.parts))
+        if self.parts is not None:
+            self.parts.clear()
         for replica_id in self._local:
             self._changed(replica_id)
 
@@ -351,7 +359,10 @@ class LoadTracker:
         if entry is None or entry.replica_id not in self._recent or self._base_s is None:
             return
         replica_id = entry.replica_id
-        scaled = entry.recent_tokens * math.exp((entry.routed_at - self._base_s) / self.window_s)
+        scale = math.exp((entry.routed_at - self._base_s) / self.window_s)
+        scaled = entry.recent_tokens * scale
+        if entry.parts:
+            self.parts.forget(replica_id, entry.parts, scale)
         kept = max(0.0, self._recent[replica_id] - scaled)
         self._recent_total = max(0.0, self._recent_total - (self._recent[replica_id] - kept))
         self._recent[replica_id] = kept
@@ -372,6 +383,8 @@ class LoadTracker:
         self._recent_total *= scale
         self._recent_sq = {r: v * scale * scale for r, v in self._recent_sq.items()}
         self._recent_sq_total *= scale * scale
+        if self.parts is not None:
+            self.parts.rescale(scale)
         self._base_s = now
         for replica_id in self._local:
             self._changed(replica_id)
@@ -390,6 +403,8 @@ class LoadTracker:
         assert set(self._recent) == set(self._recent_sq) == set(self._local) == set(self._versions)
         assert math.isclose(sum(self._recent.values()), self._recent_total, rel_tol=1e-6, abs_tol=1e-3)
         assert math.isclose(sum(self._recent_sq.values()), self._recent_sq_total, rel_tol=1e-6, abs_tol=1e-3)
+        if self.parts is not None:
+            self.parts.check_invariants(set(self._local))
         if self._busy is not None:
             self._busy.check_invariants()
             counts = {r: len(order.get(r, ())) for r in self._local}

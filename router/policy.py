@@ -220,7 +220,8 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._ring = HashRing(virtual_nodes=self.config.virtual_nodes)
         self._index = PrefixIndex(self.config.max_blocks_per_replica, self.config.learned_grace_s)
         self._loads = LoadTracker(self.config.in_flight_timeout_s, self.config.load_window_s,
-                                  self.config.reservation_timeout_s, track_busy=self.config.balance_busy_share > 0)
+                                  self.config.reservation_timeout_s, track_busy=self.config.balance_busy_share > 0,
+                                  num_parts=2 if QueuePricedWork.keeps(self.config) else 0)
         grain = self.config.within_block_tokens
         self._partial = (PartialBlockIndex(self.config.block_size, grain, self.config.max_partial_entries)
                          if grain else None)
@@ -238,7 +239,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         self._queueing = ReplicaQueueing()  # whether a holder queues what it has in flight (queued copies)
         self._demand = PrefixDemand(self.config.load_window_s, self.config.max_demand_entries)  # hot prefixes
         self._fetch_cost = ReportedFetchCost(self.config.fetch_token_cost, history=self.config.price_history)
-        self._queue_priced = QueuePricedWork(self.config)  # the balance term's measure under "queue"
+        self._queue_priced = QueuePricedWork(self.config, self._loads)  # the balance term's measure under "queue"
         self._prices = ReportedTokenPrices(self.config.decode_token_cost, self.config.queue_token_cost,
                                            history=self.config.price_history)
         self._work_left = WorkLeft()  # fifo_work_left: what a FIFO replica's running request has left
@@ -271,14 +272,12 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
     def add_replica(self, replica_id: str) -> None:
         self._ring.add(replica_id)
         self._loads.add_replica(replica_id)
-        self._queue_priced.add_replica(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget ``replica_id``: off the ring, out of the index, its load dropped."""
         self._ring.remove(replica_id)
         self._index.remove_replica(replica_id)
         self._loads.remove_replica(replica_id)
-        self._queue_priced.remove_replica(replica_id)
         self._pending.remove_replica(replica_id)
         self._fill.remove(replica_id)
         self._queueing.remove(replica_id)
@@ -401,7 +400,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
             self._partial.check_invariants()
         nodes = self._ring.nodes
         assert set(self._loads.replica_ids) == nodes, (set(self._loads.replica_ids), nodes)
-        self._queue_priced.check_invariants(nodes)
+        self._queue_priced.check_invariants()
         self._pending.check_invariants()
         self._fill.check_invariants()
         self._queueing.check_invariants()

@@ -24,8 +24,6 @@ class RequestBookingMixin:
             return  # it left while we decided
         if not self._loads.confirm(request_id, replica_id):
             self._count(request, replica_id, request_id, reserve=False)
-        else:
-            self._queue_priced.confirm(request_id, replica_id)
 
     def on_peer_routed(self, request: RoutingRequest, replica_id: str, tail_token_ids: tuple[int, ...] = ()) -> None:
         """Another router sent ``request`` to ``replica_id`` (the routers share
@@ -56,7 +54,6 @@ class RequestBookingMixin:
             if self.config.peer_queue_until_done:  # and after the report, while it may still wait there
                 self._queueing.add_peer(replica_id, queued)
         self._pending.done(request_id)
-        self._queue_priced.on_completed(request_id)
         self._loads.on_completed(request_id, now)
         if self._partial is not None and tail_token_ids:
             hashes = request.block_hashes
@@ -68,14 +65,13 @@ class RequestBookingMixin:
         (nothing changed since), whose within-block match is reused."""
         now = self._clock()
         if reserve and self._loads.refresh(request_id, replica_id, now):
-            self._queue_priced.refresh(request_id, replica_id, now)
             return 0.0  # asked again (Ray retries): keep the work counted the first time
         add = self._loads.reserve if reserve else self._loads.on_routed
         try:
             routing = RoutingRequest.from_object(request)
         except ValueError:  # unknown size: count it as a typical request
-            add(request_id, replica_id, self._typical_work, now)
-            self._queue_priced.book(request_id, replica_id, self._typical_work, 0.0, now, reserve)
+            parts = self._queue_priced.parts(self._typical_work, 0.0)
+            add(request_id, replica_id, self._typical_work, now, parts=parts)
             return self._typical_work
         hashes = routing.block_hashes
         depth = self._index.depth(replica_id, hashes)
@@ -90,8 +86,8 @@ class RequestBookingMixin:
         queued = routing.num_prompt_tokens - cached + self.config.queue_token_cost * expected
         self._typical_work += (work - self._typical_work) / 64  # moving average
         self._typical_queued += (queued - self._typical_queued) / 64
-        add(request_id, replica_id, queued, now, work)
-        self._queue_priced.book(request_id, replica_id, routing.num_prompt_tokens - cached, expected, now, reserve)
+        add(request_id, replica_id, queued, now, work, self._queue_priced.parts(routing.num_prompt_tokens - cached,
+                                                                                expected))
         self._reported.on_routed(replica_id, queued)
         if self.config.turnover_weight:
             self._turnover.on_routed(replica_id, routing.num_prompt_tokens - cached + expected)
@@ -112,7 +108,6 @@ class RequestBookingMixin:
     def on_completed(self, request_id: str) -> None:
         now = self._clock()
         self._pending.done(request_id)
-        self._queue_priced.on_completed(request_id)
         replica_id = self._loads.on_completed(request_id, now)
         if replica_id is not None:
             self._share.on_completed(now)

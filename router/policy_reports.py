@@ -64,8 +64,7 @@ class ReplicaReportsMixin:
             if self._prices.report(replica_id, summary.decode_token_cost, summary.queue_token_cost):
                 self._reprice()
             if not was_measured and self._prices.is_measured:
-                self._loads.forget_recent()  # booked at the priors: see _reprice
-                self._queue_priced.forget_recent()
+                self._loads.forget_recent()  # booked at the priors (its parts too): see _reprice
                 self._demand.clear()  # compared with recent work: the same window
         reported_work = self._reported_work(summary)
         self._reported.report(replica_id, summary.epoch, summary.num_prefill_tokens_total,

@@ -3,7 +3,7 @@ replica's recent work with output tokens at their queue price."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from router.load import LoadTracker
 from router.policy_config import PolicyConfig
@@ -32,32 +32,36 @@ class QueuePricedWork:
 
     Kept only with ``balance_output_price`` "queue" and two different
     prices, or prices that may become different (``learn_token_costs``:
-    the replicas' measurements replace the configured ones, :meth:`reprice`);
-    otherwise every method does nothing. :meth:`view` is None while the two
-    prices in force are equal (the balance term reads the load tracker's
-    recent work), so the policy calls it unconditionally. It mirrors the
-    policy's bookings (reserve, refresh, confirm, complete) in two
-    :class:`LoadTracker` of its own, so a reservation never confirmed is
-    forgotten here too; only their recent work is read.
-
-    Invariants (checked by :meth:`check_invariants`): each tracker's own,
-    both track exactly the replicas they are given and the same requests.
+    the replicas' measurements replace the configured ones, :meth:`reprice`)
+    (:meth:`keeps`). The two counters are the policy's load tracker's
+    :attr:`LoadTracker.parts`, booked with each request's own in-flight
+    entry (:meth:`parts`), so a reservation never confirmed is forgotten
+    with it, and a decision books one tracker, not three (two trackers of
+    its own mirrored every booking, at ~3 µs a reservation each).
+    :meth:`view` is None while the two prices in force are equal (the
+    balance term reads the load tracker's recent work), so the policy
+    calls it unconditionally.
     """
 
-    def __init__(self, config: PolicyConfig) -> None:
-        is_kept = config.balance_output_price == "queue" and (
-            config.queue_token_cost != config.decode_token_cost or config.learn_token_costs)
-        trackers = [LoadTracker(config.in_flight_timeout_s, config.load_window_s, config.reservation_timeout_s)
-                    for _ in range(2)] if is_kept else [None, None]
-        self._computed, self._outputs = trackers  # prompt tokens computed, output tokens expected
+    def __init__(self, config: PolicyConfig, loads: LoadTracker) -> None:
+        if self.keeps(config) != (loads.parts is not None and loads.parts.num_parts == 2):
+            raise ValueError("the load tracker must keep two recent-work parts exactly when this measure is kept")
+        self._loads = loads
+        self._is_kept = self.keeps(config)
         self._is_priced = False
         self._queue_price = 0.0
         self.reprice(config)
 
+    @staticmethod
+    def keeps(config: PolicyConfig) -> bool:
+        """Whether a policy with ``config`` keeps the measure (its load tracker then keeps two parts)."""
+        return config.balance_output_price == "queue" and (
+            config.queue_token_cost != config.decode_token_cost or config.learn_token_costs)
+
     @property
     def is_active(self) -> bool:
         """Whether :meth:`view` may answer (kept, and the two prices differ now)."""
-        return self._computed is not None and self._is_priced
+        return self._is_kept and self._is_priced
 
     def reprice(self, config: PolicyConfig) -> None:
         """The prices in force changed (``config`` holds them); every booking,
@@ -65,44 +69,11 @@ class QueuePricedWork:
         self._is_priced = config.queue_token_cost != config.decode_token_cost
         self._queue_price = config.queue_token_cost
 
-    def _trackers(self) -> tuple[LoadTracker, ...]:
-        return () if self._computed is None else (self._computed, self._outputs)
-
-    def add_replica(self, replica_id: str) -> None:
-        for tracker in self._trackers():
-            tracker.add_replica(replica_id)
-
-    def remove_replica(self, replica_id: str) -> None:
-        for tracker in self._trackers():
-            tracker.remove_replica(replica_id)
-
-    def book(self, request_id: str, replica_id: str, computed_tokens: float, output_tokens: float, now: float,
-             reserve: bool) -> None:
-        """The policy counted the request on ``replica_id`` (reserved or
-        routed): ``computed_tokens`` of its prompt to compute there and
-        ``output_tokens`` expected."""
-        if self._computed is None:
-            return
-        for tracker, num_tokens in ((self._computed, computed_tokens), (self._outputs, output_tokens)):
-            (tracker.reserve if reserve else tracker.on_routed)(request_id, replica_id, num_tokens, now)
-
-    def refresh(self, request_id: str, replica_id: str, now: float) -> None:
-        for tracker in self._trackers():
-            tracker.refresh(request_id, replica_id, now)
-
-    def confirm(self, request_id: str, replica_id: str) -> None:
-        for tracker in self._trackers():
-            tracker.confirm(request_id, replica_id)
-
-    def on_completed(self, request_id: str) -> None:
-        """Drops its in-flight entry; its recent work stays."""
-        for tracker in self._trackers():
-            tracker.on_completed(request_id)
-
-    def forget_recent(self) -> None:
-        """Start the recent-work window afresh (:meth:`LoadTracker.forget_recent`)."""
-        for tracker in self._trackers():
-            tracker.forget_recent()
+    def parts(self, computed_tokens: float, output_tokens: float) -> tuple[float, ...]:
+        """A booking's parts for the load tracker: ``computed_tokens`` of its
+        prompt to compute there and ``output_tokens`` expected (none while
+        the measure is not kept)."""
+        return (computed_tokens, output_tokens) if self._is_kept else ()
 
     def view(self, now: float, mean_recent: float, num_replicas: int) -> Callable[[str], float] | None:
         """Each replica's recent queue-priced work scaled so its mean is
@@ -110,20 +81,17 @@ class QueuePricedWork:
         deviations are in work units and ``balance_weight`` keeps its
         strength (unscaled, multi-turn batching imbalance went 1.15 -> 1.42).
         None when inactive or before any booking."""
-        if self._computed is None or not self._is_priced:
+        if not self.is_active:
             return None
-        price = self._queue_price
-        total = self._computed.recent_total(now) + price * self._outputs.recent_total(now)
+        price, parts, decay = self._queue_price, self._loads.parts, self._loads.decay(now)
+        total = parts.total(0, decay) + price * parts.total(1, decay)
         mean_priced = total / max(num_replicas, 1)
         if not mean_priced > 0:
             return None
-        computed, outputs = self._computed.recent_view(now), self._outputs.recent_view(now)
+        computed, outputs = parts.view(0, decay), parts.view(1, decay)
         scale = mean_recent / mean_priced
         return lambda replica_id: (computed(replica_id) + price * outputs(replica_id)) * scale
 
-    def check_invariants(self, replica_ids: Collection[str]) -> None:
-        for tracker in self._trackers():
-            tracker.check_invariants()
-            assert set(tracker.replica_ids) == set(replica_ids), "queue-priced work of another replica set"
-        if self._computed is not None:
-            assert self._computed.num_in_flight() == self._outputs.num_in_flight(), "the two parts disagree"
+    def check_invariants(self) -> None:
+        kept = self._loads.parts is not None and self._loads.parts.num_parts == 2
+        assert kept == self._is_kept, "the load tracker's parts disagree with the measure's being kept"
