@@ -35,9 +35,20 @@ class Candidates:
     within_at_known: tuple[str, int] | None  # within_block() at depth m, before the live filter
     holder_levels: list[tuple[int, int]] | None = None  # PrefixIndex.deepest_holders' levels, if asked for
 
+    @property
+    def is_cold(self) -> bool:
+        """No candidate holds any of the prompt: no known block, no within-block match."""
+        return is_cold(self.depths, self.within_replica)
+
     def tiebreak(self, replica_id: str) -> int:
         """Rendezvous hash of (key, replica): the last tie-break."""
         return xxhash.xxh3_64_intdigest(_U64.pack(self.key & _MASK_64) + replica_id.encode())
+
+
+def is_cold(depths: dict[str, int], within_replica: str | None) -> bool:
+    """Whether a request with these holders (``Candidates.depths``,
+    ``within_replica``) is cold: nothing of it is known held anywhere."""
+    return not depths and within_replica is None
 
 
 def within_block(partial: PartialBlockIndex | None, index: PrefixIndex, ring: HashRing,
@@ -93,7 +104,7 @@ def gather(request: RoutingRequest, live: Collection[str], index: PrefixIndex, r
         if within_replica not in candidates:
             candidates.append(within_replica)
     ring_rank: dict[str, int] = {}
-    if num_cold_candidates is not None and not depths and within_replica is None:
+    if num_cold_candidates is not None and is_cold(depths, within_replica):
         num_ring_candidates = num_cold_candidates
     ring_walk = ring.walk(key)
     for replica_id in ring_walk:

@@ -112,7 +112,7 @@ class Scoring:
         load_factor, mean_recent, num_replicas = config.load_factor, self.mean_recent, self.num_replicas
         slack_sd, chance_sd, one_request = config.load_slack_sd, self.chance_sd, self.one_request
         premium, computed, turnover, entries, cached_at = self.premium, self.computed, self.turnover, [], {}
-        cold = not depths and within_replica is None
+        cold = found.is_cold
         cold_queue = self.cold_queue if cold else None
         if cold and self.cold_balance is not None:
             balance = self.cold_balance

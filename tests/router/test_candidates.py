@@ -1,5 +1,6 @@
-"""``gather``'s candidates: each once, and every ring node it ranks among them
-(what ``scoring._sorted`` relies on to skip looking for ties)."""
+"""``gather``'s candidates: each once, every ring node it ranks among them
+(what ``scoring._sorted`` relies on to skip looking for ties), and cold
+exactly when no live replica holds the prompt's first block."""
 
 import random
 
@@ -30,5 +31,6 @@ def test_candidates_are_distinct_and_include_every_ranked_ring_node(seed):
         assert len(set(found.replica_ids)) == len(found.replica_ids), step
         assert set(found.ring_rank) <= set(found.replica_ids) and set(found.ring_rank) <= live, step
         assert sorted(found.ring_rank.values()) == list(range(len(found.ring_rank))), step
+        assert found.is_cold == (not any(index.holds(r, chain[0]) for r in live)), step  # no live holder
         index.learn(rng.choice(names), chain, float(step))
         loads.on_routed(f"q{step}", rng.choice(names), float(rng.randint(1, 50)), float(step))
