@@ -42,6 +42,9 @@ class QueuePricedWork:
     :meth:`view` is None while the two prices in force are equal (the
     balance term reads the load tracker's recent work), so the policy
     calls it unconditionally.
+
+    Invariant (checked by :meth:`check_invariants`, refused at
+    construction): the load tracker keeps two parts iff the measure is kept.
     """
 
     def __init__(self, config: PolicyConfig, loads: LoadTracker) -> None:

@@ -7,6 +7,8 @@ import random
 import pytest
 
 from router.load import LoadTracker
+from router.policy_config import PolicyConfig
+from router.queue_priced import QueuePricedWork
 from router.recent_parts import RecentParts
 
 
@@ -74,3 +76,15 @@ def test_a_booking_with_the_wrong_number_of_parts_is_refused():
         without.on_routed("q3", "a", 10.0, 0.0, parts=(1.0, 2.0))
     with pytest.raises(ValueError):
         RecentParts(0)
+
+
+def test_the_queue_priced_measure_needs_a_tracker_with_its_two_parts():
+    kept, not_kept = PolicyConfig(), PolicyConfig(balance_output_price="busy")
+    assert QueuePricedWork.keeps(kept) and not QueuePricedWork.keeps(not_kept)
+    with pytest.raises(ValueError):
+        QueuePricedWork(kept, LoadTracker())
+    with pytest.raises(ValueError):
+        QueuePricedWork(not_kept, LoadTracker(num_parts=2))
+    measure = QueuePricedWork(kept, LoadTracker(num_parts=2))
+    assert measure.parts(100.0, 7.0) == (100.0, 7.0)
+    assert QueuePricedWork(not_kept, LoadTracker()).parts(100.0, 7.0) == ()
