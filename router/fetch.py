@@ -187,8 +187,8 @@ class FetchPlan:
         first choice the index counts among the holders of all but at most
         ``min_tokens`` of the fetchable prefix gets a hint naming another
         holder of all of it (:meth:`backup_hint`). Either names up to
-        ``max_alternates`` more holders (:meth:`with_alternates`); the hint
-        is built once, with them."""
+        ``max_alternates`` more holders (:meth:`_alternates`: those that
+        have computed its tokens first, then least loaded first)."""
         held = self.held(first_id, cached)
         if self._num_fetchable - held > self._min_tokens:
             target = hint_target(first_id, held, self.fetchable, self._min_tokens)
@@ -244,17 +244,10 @@ class FetchPlan:
             return None
         return deepest_holder(others, self._load_of, self._computing), num_tokens
 
-    def with_alternates(self, hint: FetchHint | None, first_id: str) -> FetchHint | None:
-        """``hint`` naming, besides its owner, up to ``max_alternates`` other
-        candidates known to hold its tokens (never ``first_id``), those that
-        have computed them first, then least loaded first."""
-        if hint is None:
-            return None
-        alternates = self._alternates((hint.owner, hint.num_tokens), first_id)
-        return FetchHint(hint.owner, hint.num_tokens, alternates) if alternates else hint
-
     def _alternates(self, target: tuple[str, int], first_id: str) -> tuple[str, ...]:
-        """:meth:`with_alternates`' replicas for the hint ``target`` (``(owner, num_tokens)``)."""
+        """Up to ``max_alternates`` candidates besides the owner known to hold
+        the tokens of the hint ``target`` (``(owner, num_tokens)``), never
+        ``first_id``: those that have computed them first, then least loaded first."""
         if not self._max_alternates or len(self._depths) < 2:
             return ()  # no holder besides the owner to name
         owner, num_blocks = target[0], target[1] // self._block_size

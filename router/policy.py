@@ -53,7 +53,7 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        prompt's own part gets its own home; a cold prompt keys on its first
        block, so prompts sharing it meet on one replica, and every router agrees on where. The first
        ``num_ring_candidates`` distinct nodes from ``k`` compete (``num_cold_candidates`` for a cold prompt
-       where caches have room), and so does the least loaded replica (O(log N) heap).
+       where caches have room), and so does the least loaded replica (O(√N): :class:`KeyedMin`).
     3. **Score** (lowest wins): ``cost(r) = load(r) + T - w(r) * cached(r)
        + balance_weight * (recent(r) - mean recent)``
        with ``cached(r) = min(depth(r) * block_size + within(r), T - 1)`` and

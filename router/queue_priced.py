@@ -48,10 +48,9 @@ class QueuePricedWork:
     """
 
     def __init__(self, config: PolicyConfig, loads: LoadTracker) -> None:
-        if self.keeps(config) != (loads.parts is not None and loads.parts.num_parts == 2):
+        self._loads, self._is_kept = loads, self.keeps(config)
+        if self._is_kept != (loads.parts is not None and loads.parts.num_parts == 2):
             raise ValueError("the load tracker must keep two recent-work parts exactly when this measure is kept")
-        self._loads = loads
-        self._is_kept = self.keeps(config)
         self._is_priced = False
         self._queue_price = 0.0
         self.reprice(config)
