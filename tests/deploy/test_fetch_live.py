@@ -47,6 +47,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(32, 127) for _ in range(n)]
 
 
+UNSEEN_FIRST_TOKENS = range(20, 26)  # below tokens()' range: no other prompt here starts with one
+
+
 @pytest.fixture(scope="module")
 def app():
     app = start_app(args_overrides={
@@ -174,7 +177,9 @@ def test_a_prefix_its_owner_is_still_prefilling_is_fetched_once_computed(app, re
     started in its place, both prompts go to one replica; the pair is sent
     again, on a new prefix, a few times; so is a pair whose fetch came
     after the owner's prefill had finished, on a quick machine: its export
-    had nothing to wait for.)"""
+    had nothing to wait for. Each pair's prefix opens with a token no
+    earlier prompt in this namespace opened with: a shared first token
+    would be cached at the receiver, which then fetches one token fewer.)"""
     live = stats_when(app, lambda s: len(set(s) - {served["owner"]}) == 2, timeout_s=90.0)
     assert len(set(live) - {served["owner"]}) == 2, sorted(live)
 
@@ -182,7 +187,7 @@ def test_a_prefix_its_owner_is_still_prefilling_is_fetched_once_computed(app, re
         return stats.get(replica_id, {}).get(key, 0) - before.get(replica_id, {}).get(key, 0)
 
     for attempt in range(6):
-        shared = tokens(100 + attempt, 3968)
+        shared = [UNSEEN_FIRST_TOKENS[attempt]] + tokens(100 + attempt, 3967)
         before = replica_stats(app.url, AUTH_A)
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(generate, app, shared + tokens(200 + attempt, 32), AUTH_A)
