@@ -16,7 +16,9 @@ class FetchHint:
     (its own decisions, corrected by the owner's summaries; it may have
     evicted them since). ``num_tokens``: a positive multiple of the router's
     block size, below the prompt's length (the last prompt token is always
-    computed). The hashes behind it are salted with the request's tenant,
+    computed); or, in a within-block hint (:func:`within_block_hint`), the
+    owner's full blocks plus the tokens of the next block it is known to
+    share (an earlier prompt's partial last block went there). The hashes behind it are salted with the request's tenant,
     so the owner holds them under the same tenant: a hint never crosses
     namespaces.
 
@@ -322,6 +324,28 @@ def fetch_credit(fetchable: tuple[str, int] | None, replica_id: str, cached: int
         return 0.0
     missing = fetchable[1] - cached
     return (1.0 - fetch_token_cost) * missing if missing > min_tokens else 0.0
+
+
+def within_block_hint(hint: FetchHint | None, first_held: int, within_replica: str | None,
+                      within_held: int, min_tokens: int) -> FetchHint | None:
+    """``hint``, or one naming ``within_replica`` (where an earlier prompt's
+    partial last block went: :attr:`Candidates.within_replica`) for the
+    ``within_held`` tokens it is known to hold, its full blocks and what it
+    shares of the next, where those are more than ``min_tokens`` beyond the
+    first choice's ``first_held`` and more than ``hint`` names. None is
+    passed for a ``within_replica`` that is the first choice.
+
+    The block index ranks holders by full blocks, so a first choice holding
+    every full block of a repeated prompt gets no hint, while the replica
+    that served it also holds the partial last block (up to a block less
+    one token: 511 in a Mooncake replay). The receiver asks the owner for as
+    much of the prompt as it holds, so the hint fetches that block too. It
+    names no alternates: no other holder of those tokens is known."""
+    if within_replica is None or within_held - first_held <= min_tokens:
+        return hint
+    if hint is not None and hint.num_tokens >= within_held:
+        return hint
+    return FetchHint(within_replica, within_held)
 
 
 def hint_for(first_id: str, first_cached: int, fetchable: tuple[str, int] | None,

@@ -373,8 +373,8 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
         if config.cold_home != "cost" and ranked:
             ranked = self._home_first(request, found, live, cached_at, ranked, now)
         ranked = ranked[: config.num_ranked]
-        hint = self._first_hint(request, plan, ranked, cached_at)
-        return ranked, hint, plan.booked_tokens(hint) if plan is not None else 0, found
+        hint, num_booked = self._first_hint(request, plan, ranked, cached_at, found)
+        return ranked, hint, num_booked, found
 
     def _cached_tokens(self, request: RoutingRequest, depth: int, within: int = 0) -> int:
         return max(0, min(depth * self.config.block_size + within, request.num_prompt_tokens - 1))

@@ -329,14 +329,13 @@ class PolicyConfig:
     too), which routes nearly by load and fetches — better TTFT under FIFO
     decode queueing, but more copies, so fewer hits where the fleet's
     cache is tight. With ``fetch_enabled`` False the policy ranks exactly
-    as before fetch existed; with "never" (and ``replicate_hot_prefixes``
-    and ``hot_affinity_weight`` off, which weigh a prefix differently
-    where a fetch pays) it ranks and books the same given the same
-    reports, and only adds hints.
+    as before fetch existed; with "never" (and ``replicate_hot_prefixes`` and
+    ``hot_affinity_weight`` off, which weigh a prefix differently where a
+    fetch pays) it ranks and books the same given the same reports, and only adds hints.
     """
 
     block_size: int = 64  # tokens per routing block; ingress and workers use the same
-    sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4; 0: off
+    sub_block_tokens: int | None = None  # within-block match grain; None: block_size / 4, at most 16; 0: off
     load_factor: float = 1.1  # c: recent work of a replica <= c x mean (+ one request + chance)
     load_slack_sd: float = 2.0  # z: standard deviations of chance imbalance the bound tolerates
     affinity_weight: float = 16.0  # alpha: weight of a fully cached prompt's tokens vs load
@@ -413,8 +412,9 @@ class PolicyConfig:
 
     @property
     def within_block_tokens(self) -> int:
-        """The within-block match grain in force: ``sub_block_tokens``, or a
-        quarter block when that is None (0 where 4 does not divide the block)."""
+        """``sub_block_tokens``, or where None a quarter block, at most 16 where 16 divides it (0 where 4
+        does not): 16 at 64 and at a Mooncake replay's 512, whose quarter missed a tail's last 127 tokens."""
         if self.sub_block_tokens is not None:
             return self.sub_block_tokens
-        return self.block_size // 4 if self.block_size % 4 == 0 else 0
+        big = self.block_size > 64 and self.block_size % 16 == 0
+        return 16 if big else (self.block_size // 4 if self.block_size % 4 == 0 else 0)

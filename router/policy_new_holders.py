@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from router.candidates import Candidates
 from router.decision_memo import PerReplica
-from router.fetch import FetchHint, FetchPlan
+from router.fetch import FetchHint, FetchPlan, within_block_hint
 from router.request import RoutingRequest
 from router.scoring import Scoring
 
@@ -53,13 +53,22 @@ class NewHoldersMixin:
         return any(not pending.computes(r, hashes, known) for r, depth in found.depths.items() if depth >= known)
 
     def _first_hint(self, request: RoutingRequest, plan: FetchPlan | None, ranked: list[str],
-                    cached_at: dict[str, int]) -> FetchHint | None:
-        """The first choice's hint (step 5; None with fetch off or no choice), marked
-        when its owner still computes the prefix (:meth:`_marked_computing`)."""
+                    cached_at: dict[str, int], found: Candidates) -> tuple[FetchHint | None, int]:
+        """The first choice's hint (step 5; None with fetch off or no choice)
+        and the tokens its reservation books fetched (:meth:`FetchPlan.booked_tokens`).
+        Where the replica holding the prompt's partial block knows more, the
+        hint names it instead (:func:`within_block_hint`), which books and
+        ranks nothing differently: it only adds a hint. Marked when its owner
+        still computes the prefix (:meth:`_marked_computing`)."""
         if plan is None or not ranked:
-            return None
-        first, backup = ranked[0], self.config.backup_fetch_hints
-        return self._marked_computing(request, plan.hint(first, cached_at.get(first, 0), backup))
+            return None, 0
+        first = ranked[0]
+        cached = cached_at.get(first, 0)
+        hint = plan.hint(first, cached, self.config.backup_fetch_hints)
+        within = found.within_replica if found.within_replica != first else None
+        better = within_block_hint(hint, plan.held(first, cached), within, cached_at.get(within, 0),
+                                   self.config.fetch_min_tokens)
+        return self._marked_computing(request, better), plan.booked_tokens(hint)
 
     def _marked_computing(self, request: RoutingRequest, hint: FetchHint | None) -> FetchHint | None:
         """``hint`` with ``owner_computing`` set when a request this router sent

@@ -182,7 +182,7 @@ def plan_fetch(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, num_ow
     chat's last answer holds it, though no router learned those tokens). If
     the fetch pays, the replica that holds them is charged its export time
     at ``now``."""
-    hinted = units[:min(fetch.num_tokens // unit_tokens, len(units))]
+    hinted = units[:min(hinted_units(fetch.num_tokens, unit_tokens), len(units))]
     if num_own_units >= len(hinted):
         return FetchPlan(0, 0, 0.0, "held")
     own_tokens = cached_tokens(num_own_units)
@@ -232,10 +232,17 @@ def owner_computes(fetch: SimFetch, units: tuple[int, ...], unit_tokens: int, nu
     prefill in flight or queued still computes some (else 0)."""
     owner = fetch.owner
     promised = max(owner.match_units(units), owner.queued_units(units))
-    pending = min(promised, fetch.num_tokens // unit_tokens, len(units))
+    pending = min(promised, hinted_units(fetch.num_tokens, unit_tokens), len(units))
     if pending <= num_own_units or owner.computed_units(units, now) >= pending:
         return 0
     return pending
+
+
+def hinted_units(num_tokens: int, unit_tokens: int) -> int:
+    """Units a hint of ``num_tokens`` reaches into: a unit partly hinted
+    counts whole (a within-block hint names part of a trace's partial last
+    unit, whose hash id says the owner holds all of it)."""
+    return -(-num_tokens // unit_tokens)
 
 
 def _held_by(owner: Owner, units: tuple[int, ...], now: float) -> tuple[int, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
+from itertools import chain, islice, repeat
 from pathlib import Path
 
 from cache import block_hashes
@@ -42,6 +43,22 @@ class SimRequest:
     num_output_tokens: int
     block_hashes: tuple[int, ...]
     cache_units: tuple[int, ...]
+
+    def token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids, as the ingress has them live.
+
+        Generated workloads carry them (``unit_tokens == 1``). A trace names
+        each 512-token block by a hash id and says nothing more of its
+        content, so a unit stands in as its hash id repeated once per token,
+        cut at the prompt's length. Two prompts then share a unit's tokens
+        exactly when they share its hash id. A partial last unit shares only
+        with the same partial unit, since a trace gives one hash id one
+        length. With them the router matches within a block as it does live,
+        and sees nothing the trace does not say."""
+        if self.unit_tokens == 1:
+            return self.units
+        stand_in = chain.from_iterable(repeat(unit, self.unit_tokens) for unit in self.units)
+        return tuple(islice(stand_in, self.num_prompt_tokens))
 
     def cached_tokens(self, num_units: int) -> int:
         """Prompt tokens a match of ``num_units`` leading units reuses (at most T - 1)."""

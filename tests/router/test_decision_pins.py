@@ -23,6 +23,7 @@ import pytest
 
 from cache import block_hashes
 from cache.summary import CacheSummary
+from router import policy_new_holders
 from router.policy import PolicyConfig, PrefixAffinityPolicy
 from router.request import RoutingRequest
 from tests.router.fake_clock import Clock
@@ -237,54 +238,57 @@ def run(name: str, seed: int) -> list:
 # before_hot 1, busy_from_reports 0 and 1, split_fetch 0 and 1 (default 0 was 700f5895196351dcb5de). The
 # gated queued copies (default since) never fire on this workload with pending blocks tracked, so "default" and
 # "before_queue_copies" agree; "queue_copies" now runs without that tracking (above) to pin the gated rule.
+# 2026-12-08 (session 66): a hint names the replica holding the prompt's partial block where it knows more
+# than the plain hint (router.fetch.within_block_hint); 35 pins moved, by their hints only: every rank is
+# the same (test_the_within_block_hint_moves_no_rank).
 PINS: dict[tuple[str, int], str] = {
     # all re-recorded in session 54 (2026-12-06): the index leaves what a learn adds past a cache's size
     # (up to PrefixIndex.learn_slack) for the next summary to trim, so between summaries it names a few
     # blocks more; the earlier pins' history is in git (git log -p on this file)
-    ("before_balance", 0): "5764bee14f2844fcbdc5",
-    ("before_balance", 1): "adab13b620f9bb3e84b2",
-    ("before_busy", 0): "1ef5ddb2a8adf9df93d2",
-    ("before_busy", 1): "0c3b8791661b604671c4",
-    ("before_hot", 0): "d680c881e902c9c8ea0b",
-    ("before_hot", 1): "3d036c27b570e07ec851",
-    ("before_queue_copies", 0): "a45c91c2618de8ace7b7",
-    ("before_queue_copies", 1): "5dd8255312d2e57dabf6",
-    ("before_replication", 0): "ff118d5bc525e8799156",
-    ("before_replication", 1): "67f9c6093fc327fe3124",
-    ("busy_from_reports", 0): "f1b290426c6daed7afd9",
-    ("busy_from_reports", 1): "d935f94a7efcb1ec62de",
+    ("before_balance", 0): "a478d3259cfe0de32720",
+    ("before_balance", 1): "b74e284e320cbb632e67",
+    ("before_busy", 0): "c10a417930d812eef0f2",
+    ("before_busy", 1): "9fe95c607ae9cb79de0a",
+    ("before_hot", 0): "872c6ea8b551caf515cd",
+    ("before_hot", 1): "9bc22067efabb8690927",
+    ("before_queue_copies", 0): "13df1238d3fe055a601d",
+    ("before_queue_copies", 1): "0ae0b780638f7fa8242d",
+    ("before_replication", 0): "bc22891e062d134cf1f1",
+    ("before_replication", 1): "14b8c17de38cd505ffa8",
+    ("busy_from_reports", 0): "8faab0b88ebc8a97eca8",
+    ("busy_from_reports", 1): "311e8039335956d6684c",
     ("cold_home_bounded", 0): "5fb9e0834a71b110f993",
-    ("cold_home_bounded", 1): "0429e3ccbc51c5efa73f",
+    ("cold_home_bounded", 1): "cda1f7cd69e7f2d0289d",
     ("cold_home_ring", 0): "e9c2764818737001e523",
     ("cold_home_ring", 1): "77786fe5aad1ae758508",
-    ("default", 0): "a45c91c2618de8ace7b7",
-    ("default", 1): "3a736e52669cb14475eb",  # cold_queue_weight 2 (session 54): seed 0's decisions are unchanged
-    ("cold_queue_off", 0): "a45c91c2618de8ace7b7",
-    ("cold_queue_off", 1): "5dd8255312d2e57dabf6",
-    ("fetch_always", 0): "8886d26a46bbd3b5f6d5",
-    ("fetch_always", 1): "959f012ff62eb3bdd7fd",
-    ("fetch_over_bound", 0): "0022e2f12976c3adae2c",
-    ("fetch_over_bound", 1): "eafdea1f0f14858f2486",
+    ("default", 0): "13df1238d3fe055a601d",
+    ("default", 1): "87bf2d7c9e2858bed598",  # cold_queue_weight 2 (session 54): seed 0's decisions are unchanged
+    ("cold_queue_off", 0): "13df1238d3fe055a601d",
+    ("cold_queue_off", 1): "0ae0b780638f7fa8242d",
+    ("fetch_always", 0): "df9341717524a661946e",
+    ("fetch_always", 1): "d10eb6f17e2c2f03e9fb",
+    ("fetch_over_bound", 0): "c6d2683f68edde46b668",
+    ("fetch_over_bound", 1): "315aa72aa67e9d19af6c",
     ("min256", 0): "f20ca46eb2eb57dc184d",
-    ("min256", 1): "87e8012eb90695471f42",
-    ("pending_gate", 0): "77f74c16048365e8fc62",
-    ("pending_gate", 1): "5dd8255312d2e57dabf6",
-    ("premium_always", 0): "b114452e4df866582152",
-    ("premium_always", 1): "a46aa5f2ec06f99dc40a",
-    ("queue_copies", 0): "51ea103a8a84314300f9",
-    ("queue_copies", 1): "fd5690d51903aec307b9",
+    ("min256", 1): "fb412c76b8f3c48c122c",
+    ("pending_gate", 0): "cf4e4e50d0e18af01d6e",
+    ("pending_gate", 1): "0ae0b780638f7fa8242d",
+    ("premium_always", 0): "eb506ee7834b0c63a1d5",
+    ("premium_always", 1): "bc30ff7d43d77549396c",
+    ("queue_copies", 0): "b529609d847f664ea164",
+    ("queue_copies", 1): "0892782386c2df4300e3",
     ("queue_price", 0): "21ac73f0c2b61f064e75",
     ("queue_price", 1): "6d7fab6696682f9e92b0",
     ("small_index", 0): "86ec06a6659bc719060f",
     ("small_index", 1): "9bf5680344ebffffd51f",
-    ("split_fetch", 0): "b668ac248244a55c747e",
-    ("split_fetch", 1): "11891b64d2963b6098c3",
-    ("ties_and_reports", 0): "f0eac8a960fa539be464",
+    ("split_fetch", 0): "efb65a08062a2db9634a",
+    ("split_fetch", 1): "c64bf38ee2e0f0dcef45",
+    ("ties_and_reports", 0): "f0c5f620f9c09909a23c",
     ("ties_and_reports", 1): "a0476b3b0a5d2c37e8b5",
-    ("turnover", 0): "aad4ccd53c6460b4288f",
-    ("turnover", 1): "b77c5dc8969a346ac785",
-    ("turnover_off", 0): "d02dfc84c9af5137f48c",
-    ("turnover_off", 1): "b77c5dc8969a346ac785",
+    ("turnover", 0): "f13357791fc4ce62a89e",
+    ("turnover", 1): "89b33d390fde3a983af0",
+    ("turnover_off", 0): "0a8561e1f119ddbe8ff3",
+    ("turnover_off", 1): "89b33d390fde3a983af0",
     ("unsplit", 0): "6ddb52ca448b967ad5c3",
     ("unsplit", 1): "43a982b60f326a10e262",
     ("wide", 0): "20ea7bbb53248516b895",
@@ -303,6 +307,20 @@ def test_the_decisions_are_the_pinned_ones(name, seed):
     assert len(decisions) > 300
     assert digest(decisions) == PINS[(name, seed)], (
         "the policy chose differently on a pinned workload: a hot-path change must not change decisions")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_within_block_hint_moves_no_rank(name, monkeypatch):
+    """The within-block hint only adds or renames hints: with the plain hint
+    kept, every decision ranks the same (so every booking was the same), on
+    every pinned config; and it does rename some hints."""
+    with_within = run(name, 0)
+    monkeypatch.setattr(policy_new_holders, "within_block_hint", lambda hint, *args: hint)
+    plain = run(name, 0)
+    assert [ranked for ranked, _ in with_within] == [ranked for ranked, _ in plain]
+    if name not in ("cold_home_bounded", "cold_home_ring", "queue_price", "small_index", "unsplit", "wide",
+                    "min256", "ties_and_reports"):
+        assert [hint for _, hint in with_within] != [hint for _, hint in plain]
 
 
 def test_the_turnover_term_acts_on_its_pinned_workload():

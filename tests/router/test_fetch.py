@@ -6,7 +6,8 @@ import pytest
 
 from cache import block_hashes
 from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
-from router.fetch import FetchHint, FetchPlan, RoutingDecision, fetch_credit, fetchable_tokens, hint_for
+from router.fetch import (FetchHint, FetchPlan, RoutingDecision, fetch_credit, fetchable_tokens, hint_for,
+                          within_block_hint)
 from tests.router.fake_clock import Clock
 
 BLOCK = 4
@@ -217,6 +218,15 @@ def test_hint_for_needs_more_than_min_tokens_beyond_the_first_choice():
     assert hint_for("b", 0, ("a", 12), 8) == FetchHint("a", 12)
     assert hint_for("a", 0, ("a", 12), 0) is None  # the owner itself
     assert hint_for("b", 0, None, 0) is None
+
+
+def test_within_block_hint_names_the_partial_block_holder_where_it_knows_more():
+    plain = FetchHint("a", 128, ("c",))
+    assert within_block_hint(None, 128, "w", 176, 16) == FetchHint("w", 176)  # 48 more than the first choice
+    assert within_block_hint(None, 128, "w", 144, 16) is None  # 16 more: not more than min_tokens
+    assert within_block_hint(plain, 0, "w", 176, 16) == FetchHint("w", 176)  # more than the plain hint
+    assert within_block_hint(plain, 0, "w", 128, 16) is plain  # no more than it: the plain hint, alternates kept
+    assert within_block_hint(plain, 0, None, 0, 16) is plain  # no within-block holder (or it is the first choice)
 
 
 def test_fetch_credit():

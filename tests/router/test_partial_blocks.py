@@ -6,6 +6,7 @@ from cache import RadixCache, block_hashes
 from cache.hashing import continue_block_hashes
 from cache.summary import CacheSummary
 from router import PolicyConfig, PrefixAffinityPolicy, RoutingRequest
+from router.fetch import FetchHint
 from router.partial_blocks import PartialBlockIndex, sub_block_keys
 from tests.router.fake_clock import Clock
 
@@ -74,8 +75,11 @@ def test_policy_config_checks_the_grain(sub):
         PolicyConfig(block_size=BLOCK, sub_block_tokens=sub)
 
 
-def test_the_grain_defaults_to_a_quarter_block():
+def test_the_grain_defaults_to_a_quarter_block_at_most_16_tokens():
     assert PolicyConfig(block_size=64).within_block_tokens == 16
+    assert PolicyConfig(block_size=32).within_block_tokens == 8
+    assert PolicyConfig(block_size=512).within_block_tokens == 16  # a Mooncake replay's block
+    assert PolicyConfig(block_size=100).within_block_tokens == 25  # 16 does not divide it
     assert PolicyConfig(block_size=6).within_block_tokens == 0
     assert PolicyConfig(block_size=64, sub_block_tokens=8).within_block_tokens == 8
 
@@ -140,6 +144,27 @@ def test_the_within_block_match_yields_to_a_replica_that_is_much_less_loaded():
         busy = chat_request(tokens(50 + i, 3 * BLOCK))
         policy.on_routed(busy, first, f"busy-{i}")
     assert policy.rank(chat_request(next_turn(turn_1, 2)))[0] != first
+
+
+@pytest.mark.parametrize("min_tokens", [4, 8])
+def test_a_prompt_sent_away_from_its_partial_block_is_hinted_to_fetch_it(min_tokens):
+    """Both replicas hold SYSTEM, so when load sends a repeated prompt away
+    from the replica that served it, the plain rule can only name a holder of
+    SYSTEM (a backup hint). The within-block hint names the replica that
+    served it, for SYSTEM and the 8 tokens of the partial block it is known
+    to share, where those 8 are more than ``fetch_min_tokens``; the ranking
+    is the plain rule's either way."""
+    policy = make_policy(fetch_min_tokens=min_tokens)
+    prompt = SYSTEM + tokens(1, 10)
+    first = serve(policy, chat_request(prompt), "t1")
+    for i in range(3):  # queued work on the first replica, not completed
+        policy.on_routed(chat_request(tokens(50 + i, 3 * BLOCK)), first, f"busy-{i}")
+    decision = policy.decide(chat_request(prompt))
+    assert decision.ranked[0] != first
+    if min_tokens < 8:
+        assert decision.fetch == FetchHint(first, 2 * BLOCK + 8)
+    else:
+        assert decision.fetch is None or decision.fetch.num_tokens == 2 * BLOCK
 
 
 def test_no_within_block_credit_where_the_replica_lost_the_full_blocks_before_it():

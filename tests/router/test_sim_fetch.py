@@ -6,7 +6,7 @@ import pytest
 
 from router.batching import BatchingReplica, StepProfile
 from router.cluster import CostModel, SimReplica
-from router.sim_fetch import LLAMA_8B_KV_BYTES_PER_TOKEN, FetchModel, SimFetch, plan_fetch
+from router.sim_fetch import LLAMA_8B_KV_BYTES_PER_TOKEN, FetchModel, SimFetch, hinted_units, plan_fetch
 from router.simulate import POLICY_NAMES, SimConfig, replay
 from router.workload import SimRequest, shared_prefix
 
@@ -300,6 +300,43 @@ def test_a_fetch_waits_while_other_sequences_run_in_batching():
     assert receiver.outcomes[2].ttft_s == pytest.approx(20 / PREFILL_TOKENS_PER_S)  # not held up by the fetch
     assert receiver.outcomes[1].ttft_s >= FAST_TRANSFER_S
     receiver.check_invariants()
+
+
+def trace_request(arrival_s, units, num_prompt_tokens):
+    """A Mooncake-like request: 100-token units, the last one partial."""
+    return SimRequest(arrival_s, tuple(units), 100, num_prompt_tokens, 1, (), tuple(units))
+
+
+def trace_owner_and_receiver(model):
+    """Both hold units 1 and 2; the owner also a partial unit 9 (60 tokens)."""
+    owner, receiver = make_replica(model, "owner"), make_replica(model, "receiver")
+    owner.submit(0, trace_request(0.0, (1, 2, 9), 260), 0.0)
+    receiver.submit(0, trace_request(0.0, (1, 2, 8), 250), 0.0)
+    for replica in (owner, receiver):
+        replica.advance(math.inf)
+    return owner, receiver
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_hint_into_a_partial_last_unit_fetches_that_unit(model):
+    """A within-block hint names the full units and part of the partial last
+    one (hash id 9, 60 tokens); the owner holds all of it, so the receiver,
+    which holds the full units, fetches the rest of the prompt."""
+    owner, receiver = trace_owner_and_receiver(model)
+    receiver.submit(1, trace_request(10.0, (1, 2, 9), 260), 10.0, SimFetch(owner, 248, FAST))
+    receiver.advance(math.inf)
+    outcome = receiver.outcomes[1]
+    assert (outcome.cached_tokens, outcome.fetched_tokens, outcome.held_elsewhere_tokens) == (259, 59, 0)
+    assert hinted_units(248, 100) == 3 and hinted_units(200, 100) == 2 and hinted_units(7, 1) == 7
+
+
+@pytest.mark.parametrize("model", ["fifo", "cb"])
+def test_a_hint_of_full_units_alone_leaves_a_receiver_holding_them_as_it_was(model):
+    owner, receiver = trace_owner_and_receiver(model)
+    receiver.submit(1, trace_request(10.0, (1, 2, 9), 260), 10.0, SimFetch(owner, 200, FAST))
+    receiver.advance(math.inf)
+    assert receiver.fetch_counts.num_held == 1
+    assert (receiver.outcomes[1].cached_tokens, receiver.outcomes[1].fetched_tokens) == (200, 0)  # its own units
 
 
 def test_plan_fetch_never_hints_past_the_request():

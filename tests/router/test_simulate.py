@@ -40,6 +40,20 @@ def test_mooncake_units_count_the_partial_last_block():
     assert [request.cached_tokens(n) for n in range(4)] == [0, 512, 1024, 1099]
 
 
+def test_a_trace_request_stands_in_for_its_tokens_with_its_hash_ids():
+    """One token per prompt token; a unit's tokens are its hash id, so two
+    prompts share a unit's tokens exactly when they share its hash id, and
+    a partial last unit shares with the same partial unit only."""
+    first = SimRequest(0.0, (1, 2, 3), 4, 10, 1, (), (1, 2, 3))
+    assert first.token_ids() == (1, 1, 1, 1, 2, 2, 2, 2, 3, 3)
+    again = SimRequest(1.0, (1, 2, 3), 4, 10, 1, (), (1, 2, 3))
+    other_tail = SimRequest(1.0, (1, 2, 5), 4, 10, 1, (), (1, 2, 5))
+    assert again.token_ids() == first.token_ids() and other_tail.token_ids()[:8] == first.token_ids()[:8]
+    assert other_tail.token_ids()[8] != first.token_ids()[8]
+    generated = SimRequest(0.0, (7, 8, 9), 1, 3, 1, (), (7, 8, 9))
+    assert generated.token_ids() == (7, 8, 9)  # generated workloads carry their tokens
+
+
 def tiny_trace(tmp_path, rows):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
