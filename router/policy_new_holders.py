@@ -62,12 +62,11 @@ class NewHoldersMixin:
         still computes the prefix (:meth:`_marked_computing`)."""
         if plan is None or not ranked:
             return None, 0
-        first = ranked[0]
+        first, within = ranked[0], found.within_replica
         cached = cached_at.get(first, 0)
         hint = plan.hint(first, cached, self.config.backup_fetch_hints)
-        within = found.within_replica if found.within_replica != first else None
-        better = within_block_hint(hint, plan.held(first, cached), within, cached_at.get(within, 0),
-                                   self.config.fetch_min_tokens)
+        better = hint if within is None or within == first else within_block_hint(
+            hint, plan.held(first, cached), within, cached_at.get(within, 0), self.config.fetch_min_tokens)
         return self._marked_computing(request, better), plan.booked_tokens(hint)
 
     def _marked_computing(self, request: RoutingRequest, hint: FetchHint | None) -> FetchHint | None:
