@@ -279,6 +279,31 @@ def test_a_follow_up_turn_fetches_the_answer_the_owner_generated_past_the_hint(p
     assert_clean(owner_engine, receiver_engine)
 
 
+def test_a_within_block_hint_fetches_the_partial_block_past_the_receivers_full_blocks(pair, tokens):
+    """The router's within-block hint (``router.fetch.within_block_hint``)
+    names a token count that is no multiple of a block: the receiver holds
+    the prompt's first 64 tokens, the owner served the same prompt, and the
+    hint names 64 + 16 (what the router knows the owner shares of the
+    partial block). The receiver fetches all the owner holds of it, its last
+    token aside, and the output is the reference's, bit for bit."""
+    owner_engine, receiver_engine = pair
+    prompt = tokens(90)
+
+    async def main():
+        _, receiver = fetchers(owner_engine, receiver_engine)
+        await owner_engine.generate(prompt, GREEDY)
+        await receiver_engine.generate(prompt[:64] + tokens(10), GREEDY)
+        assert receiver_engine.cached_prefix_tokens(prompt) == 64
+        newly = await receiver.prepare(prompt, None, FetchHint(OWNER, 80))
+        assert newly == 89 - 64 and fallbacks(receiver) == {}
+        return await receiver_engine.generate(prompt, GREEDY)
+
+    result = asyncio.run(main())
+    assert result.cached_tokens == 89
+    assert_reference(result, receiver_engine, prompt)
+    assert_clean(owner_engine, receiver_engine)
+
+
 def test_other_weights_are_refused_and_the_request_recomputes(make_async_engine, tokens):
     owner_engine = make_async_engine(tiny_llama={"seed": 1})
     receiver_engine = make_async_engine()
