@@ -162,10 +162,10 @@ class PrefixAffinityPolicy(ReplicaReportsMixin, RequestBookingMixin, ScoringTerm
        evict (no room) is not offered: it may take a prefix's only copy.
        **Backup hints** (``backup_fetch_hints``): a first choice among the
        deepest holders (or short of them by at most ``fetch_min_tokens``)
-       is hinted to the deepest other holder, so a copy evicted
-       since its last report is fetched back, not recomputed (a receiver
-       that still holds it ignores the hint). Every hint names up to
-       ``fetch_alternates`` more holders, asked in turn when the owner has
+       is hinted to the deepest other holder, so a copy evicted since its last report is fetched back,
+       not recomputed (a receiver that still holds it ignores the hint); the within-block replica knowing
+       more than either is hinted instead (:func:`router.fetch.within_block_hint`). Every other hint names
+       up to ``fetch_alternates`` more holders, asked in turn when the owner has
        evicted the prefix. **Queued copies** (``queue_copy_requests``, 1):
        where every holder candidate has more than that many typical
        requests' work queued, and ``queue_copy_size_factor`` x the copy's
