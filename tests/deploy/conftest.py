@@ -27,6 +27,7 @@ def engine():
     yield engine
     engine._closed = True  # noqa: SLF001 - the thread is a daemon; stop it without a loop
     engine._wakeup.set()  # noqa: SLF001
+    engine._thread.join(timeout=30)  # noqa: SLF001 - gone before the interpreter exits
 
 
 @pytest.fixture(scope="session")

@@ -308,7 +308,9 @@ def test_other_weights_are_refused_and_the_request_recomputes(make_async_engine,
     owner_engine = make_async_engine(tiny_llama={"seed": 1})
     receiver_engine = make_async_engine()
     assert owner_engine.engine.weights_fingerprint != receiver_engine.engine.weights_fingerprint
-    assert make_async_engine().engine.weights_fingerprint == receiver_engine.engine.weights_fingerprint
+    twin = make_async_engine()  # shut down below: an engine thread left running into exit can crash it
+    assert twin.engine.weights_fingerprint == receiver_engine.engine.weights_fingerprint
+    asyncio.run(twin.shutdown())
     prompt = tokens(70)
 
     async def main():
