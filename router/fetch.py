@@ -18,9 +18,9 @@ class FetchHint:
     block size, below the prompt's length (the last prompt token is always
     computed); or, in a within-block hint (:func:`within_block_hint`), the
     owner's full blocks plus the tokens of the next block it is known to
-    share (an earlier prompt's partial last block went there). The hashes behind it are salted with the request's tenant,
-    so the owner holds them under the same tenant: a hint never crosses
-    namespaces.
+    share (an earlier prompt's partial last block went there). The hashes
+    behind it are salted with the request's tenant, so the owner holds them
+    under the same tenant: a hint never crosses namespaces.
 
     ``alternates``: other replicas the router also believes hold those
     tokens, least loaded first (``PolicyConfig.fetch_alternates``). The
